@@ -28,9 +28,15 @@ node's pod subnet, so the containers get cluster addresses that every other node
 
 One or the other: Docker's bridge and agentd-cni's ``cni0`` would both take the node's whole
 subnet, both hold its gateway and both hand out its addresses.  Where the command reads the
-configuration (no ``--subnet-file``) it refuses, in one line, a node whose configuration writes
+configuration (no ``--subnet-file``) it refuses, in one line, a node whose agent writes
 agentd-cni's conflist (``[cni] write_conflist``, on by default) or that has CNI pods attached
 (endpoint files in ``[cni] data_dir``).
+
+What the agent runs with, not what this command's configuration says: the subnet file's
+``AGENTD_WRITE_CONFLIST`` and ``AGENTD_MASQUERADE`` (agentd.daemon.node_files) give the
+agent's ``[cni] write_conflist`` and ``[network] ip_masq`` -- set in its unit's environment
+(``AGENTD_CNI_WRITE_CONFLIST=false``), they are not in this command's, run by docker.service.
+The configuration's are taken only from a subnet file without them (an older agent's).
 """
 
 from __future__ import annotations
@@ -42,9 +48,17 @@ import sys
 from typing import Any
 
 from agentd.cni.endpoints import SUFFIX, endpoints_dir
-from agentd.cni.netconf import SubnetFile, SubnetFileError, atomic_write, read_subnet_file
+from agentd.cni.netconf import (
+    SubnetFile,
+    SubnetFileError,
+    atomic_write,
+    parse_subnet_file,
+)
 
 FORMATS = ("env", "args", "json")
+# The subnet file's lines saying how the agent runs (agentd.daemon.node_files writes them).
+WRITE_CONFLIST_KEY = "AGENTD_WRITE_CONFLIST"  # [cni] write_conflist
+MASQUERADE_KEY = "AGENTD_MASQUERADE"  # [network] ip_masq
 
 
 def docker_options(sf: SubnetFile, allow_direct_routing: bool = False) -> dict[str, Any]:
@@ -86,11 +100,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "nodes to reach this node's; Docker before 28.2 refuses it)")  # fmt: skip
 
 
-def cni_in_use(write_conflist: bool, data_dir: str | os.PathLike[str]) -> str | None:
-    """Why agentd-cni hands out this node's subnet already -- the configuration writes its
-    conflist, or pods are attached (their endpoint files) --, or None."""
+def agent_settings(text: str, source: str) -> dict[str, bool]:
+    """What the subnet file says of how the agent runs: :data:`WRITE_CONFLIST_KEY` and
+    :data:`MASQUERADE_KEY`, those it has; a value other than true or false is a
+    :class:`SubnetFileError`."""
+    found: dict[str, bool] = {}
+    for raw in text.splitlines():
+        key, sep, value = raw.strip().partition("=")
+        if sep and key.strip() in (WRITE_CONFLIST_KEY, MASQUERADE_KEY):
+            if value.strip() not in ("true", "false"):
+                raise SubnetFileError(f"{source}: {key.strip()} {value.strip()[:20]!r} is not true or false")
+            found[key.strip()] = value.strip() == "true"
+    return found
+
+
+def cni_in_use(write_conflist: bool, data_dir: str | os.PathLike[str], source: str = "") -> str | None:
+    """Why agentd-cni hands out this node's subnet already -- the agent writes its conflist
+    (``source``: where that is said; the configuration by default), or pods are attached
+    (their endpoint files) --, or None."""
     if write_conflist:
-        return "the configuration writes agentd-cni's conflist ([cni] write_conflist = true)"
+        return f"the agent writes agentd-cni's conflist ({source or '[cni] write_conflist = true'})"
     directory = endpoints_dir(data_dir)
     try:
         pods = [n for n in os.listdir(directory) if n.endswith(SUFFIX) and not n.startswith(".")]
@@ -110,16 +139,37 @@ IP_MASQ_OFF = ("agentd docker-opts: warning: [network] ip_masq is off and Docker
 def run(args: argparse.Namespace, agent_masquerades: bool | None = None, cni: Any = None) -> int:
     """``args.subnet_file``: the flag's, or the configuration's (the CLI puts it there, with
     ``agent_masquerades``, its ``[network] ip_masq``: False warns that nothing masquerades,
-    and ``cni``, its ``[cni]`` section: a node of agentd-cni's is refused)."""
-    if cni is not None and (why := cni_in_use(cni.write_conflist, cni.data_dir)) is not None:
-        print(SHARED.format(why=why), file=sys.stderr)
-        return 1
+    and ``cni``, its ``[cni]`` section: a node of agentd-cni's is refused).  Where the subnet
+    file says how the agent runs (:func:`agent_settings`), that is taken instead of the
+    configuration's ``write_conflist`` and ``ip_masq``."""
+    path = args.subnet_file
     try:
-        sf = read_subnet_file(args.subnet_file)
+        with open(path, encoding="utf-8") as f:
+            text: str | None = f.read()
+        said = agent_settings(text, path)
     except FileNotFoundError:
-        print(f"agentd docker-opts: no subnet file at {args.subnet_file} (is agentd running and holding a subnet?)",
+        text, said = None, {}
+    except (OSError, UnicodeDecodeError) as err:
+        print(f"agentd docker-opts: cannot read subnet file {path}: {getattr(err, 'strerror', None) or err}",
+              file=sys.stderr)
+        return 1
+    except SubnetFileError as err:
+        print(f"agentd docker-opts: {err}", file=sys.stderr)
+        return 1
+    if cni is not None:
+        conflist = said.get(WRITE_CONFLIST_KEY, cni.write_conflist)
+        source = f"{WRITE_CONFLIST_KEY}=true in {path}" if WRITE_CONFLIST_KEY in said else ""
+        if (why := cni_in_use(conflist, cni.data_dir, source)) is not None:
+            print(SHARED.format(why=why), file=sys.stderr)
+            return 1
+    if agent_masquerades is not None:
+        agent_masquerades = said.get(MASQUERADE_KEY, agent_masquerades)
+    if text is None:
+        print(f"agentd docker-opts: no subnet file at {path} (is agentd running and holding a subnet?)",
               file=sys.stderr)  # fmt: skip
         return 1
+    try:
+        sf = parse_subnet_file(text, source=path)
     except SubnetFileError as err:
         print(f"agentd docker-opts: {err}", file=sys.stderr)
         return 1

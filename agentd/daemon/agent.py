@@ -29,7 +29,7 @@ import secrets
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from ipaddress import IPv4Address, IPv6Address
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -183,6 +183,7 @@ class Agent:
         self._problems: list[str] = []
         self._fatal: str | None = None  # why the agent stops itself: not ready
         self._subnet_taken = False  # our subnet was lost: _shutdown removes our node record
+        self._lost: dict[int, IPv4Network | IPv6Network] = {}  # the subnets lost, by IP version
         self.exit_status = 0  # 1 when the agent stops itself (its subnet lost)
         self.pod_mtu = 1500
 
@@ -572,11 +573,16 @@ class Agent:
         await step("closing flow records", self.observe.close)
         if self.read_api is not None:
             await step("stopping the cluster listener", self.read_api.stop)
+        if self._subnet_taken and not self._leaving:
+            # The next start warns that the subnet changed (pods and containers on it must be
+            # created again): the record in [agent] state_dir names the lost one...
+            await step("keeping the lost subnet in " + str(node_files.kept_subnets_path(self.cfg)),
+                       self._keep_lost_subnets)
         if self._subnet_taken:
-            # The subnet file must not name the subnet another node holds now: agentd-cni hands
-            # out its addresses from it (until the next run writes the new one, ADD says the
-            # agent is not running).
-            await step("removing the subnet file", self._remove_subnet_file)
+            # ...while the subnet file must not name the subnet another node holds now: agentd-cni
+            # hands out its addresses from it (until the next run writes the new one, ADD says
+            # the agent is not running).
+            await step(SUBNET_FILE_STEP, self._remove_subnet_file)
         if self.datastore is not None:
             await self._cancel_publishing()
             if self._subnet_taken:
@@ -627,9 +633,11 @@ class Agent:
         return self._leave_report.to_json() if self._leave_report is not None else None
 
     def _remove_subnet_file(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.cfg.cni.subnet_file)
-            log.info("removed %s", self.cfg.cni.subnet_file)
+        remove_subnet_file(self.cfg)
+
+    def _keep_lost_subnets(self) -> None:
+        """The subnets this run held (the lost one among them) as the record of this node's."""
+        node_files.keep_subnets(self.cfg, {**{v: lease.subnet for v, lease in self.leases.items()}, **self._lost})
 
     async def _start_read_api(self) -> None:
         """The read-only listener other nodes gather from, once there is a read token."""
@@ -689,7 +697,8 @@ class Agent:
         what this host keeps for it; each ``step`` on its own (one failing skips none after it);
         a part this run had not built is ``skip``ped here and removed by ``_leave_leftovers``."""
         await step(ETCD_STEP, self._leave_etcd_and_say)
-        await step("removing the subnet file", self._remove_subnet_file)
+        await step(SUBNET_FILE_STEP, self._remove_subnet_file)
+        await step(KEPT_SUBNETS_STEP, lambda: node_files.forget_subnets(self.cfg))
         if self.cfg.cni.write_conflist:
             await step(CONFLIST_STEP, lambda: remove_conflist(self.cfg))
         not_built = "not running in this agent (the host clean-up below removes what a previous run left)"
@@ -889,6 +898,7 @@ class Agent:
         self._problems.append(msg)
         self._fatal = msg
         self._subnet_taken = True
+        self._lost[lease.subnet.version] = lease.subnet
         self.exit_status = 1
         self._stop.set()
 
@@ -1028,6 +1038,15 @@ POD_MACS_STEP = "removing the file of the MACs read from pods' interfaces"
 BE_LIBERAL_STEP = "putting back conntrack's TCP window setting (nf_conntrack_tcp_be_liberal)"
 CONFLIST_STEP = "removing the CNI network configuration file (10-agentd.conflist)"
 TOKEN_STEP = "removing the API token file a stopped agent left"
+SUBNET_FILE_STEP = "removing the subnet file"
+KEPT_SUBNETS_STEP = f"removing the record of this node's subnets ({node_files.KEPT_FILE})"
+
+
+def remove_subnet_file(cfg: Config) -> None:
+    """A leave's step (and a lost subnet's): ``[cni] subnet_file`` goes."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(cfg.cni.subnet_file)
+        log.info("removed %s", cfg.cni.subnet_file)
 
 
 async def restore_be_liberal(bpf_dir: str | os.PathLike[str]) -> None:
@@ -1136,6 +1155,9 @@ async def leave(cfg: Config, on_step: Callable[[LeaveStep], None] | None = None)
             log.info("put back %s", ", ".join(restored))
 
     await step(ETCD_STEP, leave_etcd)
+    # Neither names the node's subnet for a later start to take back.
+    await step(SUBNET_FILE_STEP, lambda: remove_subnet_file(cfg))
+    await step(KEPT_SUBNETS_STEP, lambda: node_files.forget_subnets(cfg))
     for what, job in host_state_parts(cfg, data_path=True, policy=True, services=True, ingress=True, routes=True):
         await step(what, job)
     await step(POD_MACS_STEP, lambda: remove_pod_macs(cfg.agent.state_dir))

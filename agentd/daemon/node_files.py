@@ -1,36 +1,103 @@
 """What the agent writes about this node for others to read: the CNI files on disk (the
 subnet file ``agentd-cni`` reads at every ADD, flannel's subnet.env; the conflist a container
-runtime reads) and the node record in etcd (addresses, ASN, subnets, reflector role, the
-backend's data such as the VTEP MAC)."""
+runtime reads), the record of its subnets that outlives a reboot, and the node record in etcd
+(addresses, ASN, subnets, reflector role, the backend's data such as the VTEP MAC).
+
+The subnet file is in /run (a tmpfs: gone at boot) and the subnet leases in etcd expire
+``[etcd] lease_ttl`` after the agent stops renewing them, so neither says after a longer
+reboot which subnet the node had.  ``[agent] state_dir``/subnets.json (:data:`KEPT_FILE`,
+``{"subnets": ["10.244.3.0/24"]}``) does: the next start asks for that subnet first (it gets
+it unless another node has taken it meanwhile) -- flannel keeps its subnet file's subnet the
+same way, Calico its block affinities.  It is written with the subnet file, kept when the
+subnet is lost (the next start warns that the subnet changed), and removed by ``agentd
+leave`` (a node that left does not take its old subnet back).
+
+The subnet file also says how the agent runs, for ``agentd docker-opts`` (a Docker unit's
+``ExecStartPre=`` does not see the agent's environment, e.g. ``AGENTD_CNI_WRITE_CONFLIST``
+set by a drop-in)::
+
+    AGENTD_WRITE_CONFLIST=false     [cni] write_conflist: the agent writes agentd-cni's conflist
+    AGENTD_MASQUERADE=true          [network] ip_masq: the agent masquerades what leaves the pod network
+
+(``agentd-cni`` skips keys it does not know.)"""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import Mapping
-from ipaddress import IPv4Network, IPv6Network
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
 from typing import Any
 
 from agentd.cni import netconf as cni_config
+from agentd.cni.docker_opts import MASQUERADE_KEY, WRITE_CONFLIST_KEY
 from agentd.config.settings import Config
 from agentd.datastore.store import ClusterConfig, NodeRecord, SubnetLease
 from agentd.kernel.netinfo import Underlay
 
 log = logging.getLogger("agentd")
 
+KEPT_FILE = "subnets.json"  # in [agent] state_dir: the subnets this node holds, or last held
 
-def previous_subnets(cfg: Config) -> dict[int, IPv4Network | IPv6Network]:
-    """The subnets this node had, by IP version, from the subnet file a previous run wrote
-    ({}: none, or unreadable)."""
+Network = IPv4Network | IPv6Network
+
+
+def previous_subnets(cfg: Config) -> dict[int, Network]:
+    """The subnets this node had, by IP version ({}: none known): the subnet file's, which a
+    previous run wrote (the one pods' addresses come from); without one (a reboot emptied
+    /run, or the subnet was lost and the file removed), the record in ``[agent] state_dir``."""
     try:
         sf = cni_config.read_subnet_file(cfg.cni.subnet_file)
     except FileNotFoundError:
-        return {}
+        return kept_subnets(cfg)
     except cni_config.SubnetFileError as err:
         log.warning("ignoring the subnet file: %s", err)
-        return {}
+        return kept_subnets(cfg)
     return {s.version: s for s in (sf.subnet, sf.subnet_v6) if s is not None}
+
+
+def kept_subnets_path(cfg: Config) -> Path:
+    return Path(cfg.agent.state_dir) / KEPT_FILE
+
+
+def kept_subnets(cfg: Config) -> dict[int, Network]:
+    """The subnets ``[agent] state_dir``/subnets.json names, by IP version ({}: no file, or
+    one that cannot be read, which is logged)."""
+    path = kept_subnets_path(cfg)
+    try:
+        listed = json.loads(path.read_text(encoding="utf-8"))["subnets"]
+        if not isinstance(listed, list):
+            raise TypeError("its subnets are not a list")
+        nets = [ip_network(s) for s in listed]
+        if len({n.version for n in nets}) != len(nets):
+            raise ValueError("more than one subnet of an IP version")
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, LookupError, TypeError) as err:
+        log.warning("ignoring %s: %s", path, getattr(err, "strerror", None) or err)
+        return {}
+    return {n.version: n for n in nets}
+
+
+def keep_subnets(cfg: Config, subnets: Mapping[int, Network]) -> None:
+    """Record ``subnets`` in ``[agent] state_dir``/subnets.json (a new file renamed over the
+    old one: a crash or a reboot leaves the old record or the new, whole); OSError when it
+    cannot be written."""
+    text = json.dumps({"subnets": [str(s) for _v, s in sorted(subnets.items())]}) + "\n"
+    cni_config.atomic_write(str(kept_subnets_path(cfg)), text, mode=0o644)
+
+
+def forget_subnets(cfg: Config) -> bool:
+    """``agentd leave``: remove the record (a node that left must not take its old subnet back
+    at its next start); False where there was none."""
+    path = kept_subnets_path(cfg)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    log.info("removed %s", path)
+    return True
 
 
 def write_cni_files(cfg: Config, cluster: ClusterConfig, leases: Mapping[int, SubnetLease], mtu: int) -> None:
@@ -46,7 +113,14 @@ def write_cni_files(cfg: Config, cluster: ClusterConfig, leases: Mapping[int, Su
         dns=dns.address if dns.enabled and v4 else None, cluster_domain=dns.cluster_domain,
         dns_v6=dns.address_v6 if dns.enabled and v6 and not v4 else None,
     )  # fmt: skip
-    cni_config.write_subnet_file(cfg.cni.subnet_file, sf)
+    running = (f"{WRITE_CONFLIST_KEY}={str(cfg.cni.write_conflist).lower()}\n"
+               f"{MASQUERADE_KEY}={str(cfg.network.ip_masq).lower()}\n")
+    cni_config.atomic_write(str(cfg.cni.subnet_file), cni_config.render_subnet_file(sf) + running, mode=0o644)
+    try:
+        keep_subnets(cfg, {v: lease.subnet for v, lease in leases.items()})
+    except OSError as err:
+        log.warning("cannot write %s (%s): after a reboot this node may get another subnet",
+                    kept_subnets_path(cfg), err.strerror or err)
     if cfg.cni.write_conflist:
         cni_config.write_conflist(cfg.cni.conf_dir, mtu=mtu, **_conflist_settings(cfg))
 

@@ -26,6 +26,7 @@ from bgp import BestPathChange, Speaker, State
 from bgp.loglimit import LogLimiter
 from proto.nlri import prefix_to_str
 
+from agentd.cni.netconf import atomic_write
 from agentd.config.settings import Config
 from agentd.daemon.mesh import Peering
 from agentd.dataplane.backends import Tunnels
@@ -101,9 +102,8 @@ async def drop_previous_protocol(
                 log.warning("could not remove a proto %d route: %s", previous, reason)
             return  # the next start tries again
     if previous != protocol:
-        try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text(f"{protocol}\n")
+        try:  # a new file renamed over the old: a crash or a reboot leaves the old number or the new
+            atomic_write(str(path), f"{protocol}\n", mode=0o644)
         except OSError as err:
             log.warning("cannot write %s (%s): a later change of route_protocol will not remove this run's routes",
                         path, err)

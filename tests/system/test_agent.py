@@ -2,7 +2,6 @@
 peers, metrics, MTU, off-link host-gw peers, bad configuration, and the lab CLI."""
 
 import asyncio
-import dataclasses
 import json
 import os
 import signal
@@ -12,7 +11,7 @@ from ipaddress import ip_address, ip_network
 from pathlib import Path
 
 
-from agentd.cni.netconf import read_subnet_file, write_subnet_file
+from agentd.cni.netconf import read_subnet_file
 from agentd.lab.bird import Bird
 from agentd.lab.lab import ETCD_ADDRESS
 from agentd.lab.netns import Netns, list_names, veth
@@ -43,17 +42,45 @@ async def test_sigterm_with_graceful_restart_keeps_routes_everywhere(lab_factory
     assert sorted(node2.kernel_routes()) == before2
     assert has_route(node1, subnets["node2"])
     assert rib and rib[0]["stale"]
-    # The subnet file says node2 had node1's subnet before (as after a lease lost to node1):
-    # node2 cannot have it back, keeps the one it holds, and warns that whatever was on the
-    # file's subnet must be created again.
+    # As an agent whose subnet node1 took leaves it (agent.py _subnet_lost, _shutdown): no
+    # subnet file, and the record in state_dir naming the lost subnet.  node2 cannot have it
+    # back, keeps the one it holds, and warns that whatever was on the lost subnet must be
+    # created again.
     sf = read_subnet_file(node2.dir / "subnet.env")
     other = ip_network(subnets["node1"])
-    write_subnet_file(str(node2.dir / "subnet.env"), dataclasses.replace(sf, subnet=other))
+    (node2.dir / "subnet.env").unlink()
+    (node2.dir / "state" / "subnets.json").write_text(json.dumps({"subnets": [str(other)]}))
     node2.start_agent()
     await lab.ready.established(30)
     await wait_for(lambda: not [r for r in node1.api("/rib") if r["stale"]], 15, "stale routes refreshed")
     assert lab.subnets()["node2"] == subnets["node2"]
     assert f"this node's subnet changed from {other} to {sf.subnet}" in node2.log_path.read_text()
+
+
+async def test_a_reboot_longer_than_the_lease_ttl_keeps_the_nodes_subnet(lab_factory):
+    """The host down longer than [etcd] lease_ttl: etcd expires the node's lease (revoked
+    here), and /run -- the subnet file -- is empty at boot.  The node took a random subnet;
+    state_dir/subnets.json gives the old one back."""
+    lab = await lab_factory(nodes=2, pods=0)
+    node2 = lab.nodes[1]
+    before = lab.subnets()["node2"]
+    assert json.loads((node2.dir / "state" / "subnets.json").read_text()) == {"subnets": [before]}
+    await node2.stop_agent(signal.SIGTERM)
+    key = f"/agentd/subnets/{ip_network(before).network_address}-{ip_network(before).prefixlen}"
+    revoke = (
+        "import asyncio, aetcd\n"
+        "async def main():\n"
+        f"    async with aetcd.Client('{ETCD_ADDRESS}', 2379) as c:\n"
+        f"        await c.revoke_lease((await c.get(b'{key}')).lease)\n"
+        "        print(await c.get(b'/agentd/nodes/node2') is None)\n"
+        "asyncio.run(main())\n"
+    )
+    assert lab.etcd_ns.exec(sys.executable, "-c", revoke).strip() == "True"  # the lease and its keys gone
+    (node2.dir / "subnet.env").unlink()  # the reboot
+    node2.start_agent()
+    await lab.ready.established(30)
+    assert lab.subnets()["node2"] == before
+    assert f"node node2 holds subnet {before} (kept from before)" in node2.log_path.read_text()
 
 
 async def test_sigterm_without_graceful_restart_withdraws(lab_factory):

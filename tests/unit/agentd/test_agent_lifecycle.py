@@ -206,3 +206,73 @@ def test_status_names_each_start_up_step_while_it_waits(monkeypatch):
     assert seen == [("STATUS", "connecting to etcd"), ("STATUS", "acquiring a subnet lease"),
                     ("STATUS", "programming policy and services")]
     assert [s for _, s in sent] == list(START_STEPS[:3])
+
+
+def test_the_start_after_a_lost_subnet_warns_that_the_subnet_changed(tmp_path, monkeypatch, caplog):
+    """The stop after a lost subnet removed the subnet file, so the next start had no previous
+    subnet, took another, and never logged the warning docs/docker.md promises (docker0 and
+    the pods must move).  The record in [agent] state_dir names the lost subnet."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import agent as agent_module
+
+    cfg = _cfg(tmp_path)
+    lost, new = IPv4Network("10.244.7.0/24"), IPv4Network("10.244.9.0/24")
+    asked = []
+
+    class Gone:
+        async def remove_node(self, name, timeout=None):
+            return True
+
+        async def close(self):
+            pass
+
+    class Store:
+        on_subnet_lost = None
+
+        async def connect(self):
+            pass
+
+        async def ensure_cluster_config(self, wanted):
+            return wanted
+
+        async def acquire_subnet(self, name, address, backend, data, previous=None, **_):
+            asked.append(previous)
+            return SubnetLease(new, name, address, backend)  # the lost one is another node's now
+
+    class Programmer:
+        def __init__(self, **_):
+            self.on_sync = None
+
+        async def start(self):
+            pass
+
+    async def no_forwarding(self):
+        pass
+
+    async def fast_path(self):  # the step after the lease: held for good
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(agent_module, "RouteProgrammer", Programmer)
+    monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
+    monkeypatch.setattr(agent_module, "Tunnels", lambda *a, **kw: SimpleNamespace())
+    monkeypatch.setattr(agent_module, "drop_previous_protocol", lambda *a, **kw: asyncio.sleep(0))
+    monkeypatch.setattr(Agent, "_forwarding", no_forwarding)
+    monkeypatch.setattr(Agent, "_open_fast_path", fast_path)
+
+    async def main():
+        first = Agent(cfg)
+        first.datastore = Gone()
+        first._subnet_lost(SubnetLease(lost, "n1", IPv4Address("10.1.1.1"), "host-gw"))
+        await first._shutdown()  # systemd restarts it
+        second = Agent(cfg)
+        second.underlay = SimpleNamespace()
+        second.routes.adopt = lambda programmer: None
+        start = asyncio.get_running_loop().create_task(second._start())
+        for _ in range(50):
+            await asyncio.sleep(0)
+        start.cancel()
+
+    asyncio.run(main())
+    assert asked == [lost]
+    assert f"this node's subnet changed from {lost} to {new}" in caplog.text

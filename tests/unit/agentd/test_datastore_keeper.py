@@ -10,6 +10,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network
+from pathlib import Path
 from types import SimpleNamespace
 
 import aetcd
@@ -458,6 +459,33 @@ async def test_a_wider_claim_keeps_its_subnet_against_a_narrower_lease_made_afte
     assert sn.earlier_overlaps(view, wide, "b") == []
     view = await sn.read_subnets(etcd, PREFIX, "a", lambda *a: None)  # type: ignore[arg-type]
     assert sn.earlier_overlaps(view, narrow, "a") == [wide]
+
+
+async def test_a_reboot_longer_than_the_lease_ttl_takes_the_same_subnet_back(tmp_path):
+    """The host is down longer than [etcd] lease_ttl: etcd has expired the node's lease and
+    /run (the subnet file) is empty at boot.  The node took a random subnet then; the record
+    in [agent] state_dir brings the old one back."""
+    from agent_config import agent_cfg
+
+    from agentd.daemon import node_files
+
+    cfg = agent_cfg(tmp_path, **{"cni.write_conflist": False})
+    cluster = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
+    etcd = FakeEtcd()
+
+    async def start(seed: int) -> SubnetLease:  # as Agent._start: the previous subnet asked for first
+        keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+        lease = await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(seed)).acquire_subnet(
+            "n1", "192.0.2.10", "vxlan", {}, cluster=cluster, previous=node_files.previous_subnets(cfg).get(4))
+        node_files.write_cni_files(cfg, cluster, {4: lease}, 1450)
+        await keeper.stop()  # a stop that keeps the lease
+        return lease
+
+    first = await start(1)
+    etcd.expire(first.lease_id)  # the reboot took longer than lease_ttl
+    Path(cfg.cni.subnet_file).unlink()  # /run is a tmpfs
+    second = await start(2)  # (seed 2 alone picks another subnet)
+    assert second.subnet == first.subnet
 
 
 def test_free_subnets_leave_out_leases_of_every_prefix_length():

@@ -185,3 +185,40 @@ def test_masquerading_covers_the_ipv6_pod_network_too():
     assert ruleset({6: v6}).tables == {("ip6", "agentd-masq")}
     commands = plan(Ruleset(dual.tables, dict(dual.objects)), ruleset({6: v6}))
     assert commands == [{"delete": {"table": {"family": "ip", "name": "agentd-masq"}}}]
+
+
+def test_what_the_agent_runs_with_decides_not_the_configuration_file(tmp_path, capsys, monkeypatch):
+    """operations.md sets AGENTD_CNI_WRITE_CONFLIST=false in the agent's unit (Environment=);
+    docker.service's ExecStartPre= has no such variable, read the file's default (true) and
+    refused: Docker did not start.  The subnet file says what the agent runs with now."""
+    from agentd.config.settings import load_config
+    from agentd.daemon import node_files
+    from agentd.datastore.records import ClusterConfig, SubnetLease
+
+    for name in [k for k in os.environ if k.startswith("AGENTD_")]:
+        monkeypatch.delenv(name)
+    path = tmp_path / "subnet.env"
+    config = tmp_path / "agentd.toml"
+    config.write_text(f'[node]\nname = "n1"\naddress = "10.1.1.1"\n[cni]\nsubnet_file = "{path}"\n'
+                      f'data_dir = "{tmp_path}/cni"\nconf_dir = "{tmp_path}/net.d"\n'
+                      f'[agent]\nstate_dir = "{tmp_path}/state"\n')  # write_conflist, ip_masq: the defaults
+
+    def agent_writes(**env):  # the agent, started with its unit's environment
+        cfg = load_config(config, env=env, check_files=False)
+        node_files.write_cni_files(cfg, ClusterConfig(SF.network, 24, "host-gw", "always"),
+                                   {4: SubnetLease(SF.subnet, "n1", "10.1.1.1", "host-gw")}, 1450)
+
+    agent_writes(AGENTD_CNI_WRITE_CONFLIST="false", AGENTD_NETWORK_IP_MASQ="true")
+    assert main(["docker-opts", "--config", str(config), "--format", "args"]) == 0
+    assert capsys.readouterr() == ("--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n", "")  # no ip_masq warning
+    agent_writes()  # the defaults: agentd-cni's conflist, nothing masquerades
+    assert main(["docker-opts", "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"AGENTD_WRITE_CONFLIST=true in {path}" in err
+    config.write_text(config.read_text().replace("[agent]", "write_conflist = false\n[agent]"))  # a Docker host's
+    agent_writes(AGENTD_CNI_WRITE_CONFLIST="false")
+    assert main(["docker-opts", "--config", str(config), "--format", "args"]) == 0
+    assert "ip_masq is off" in capsys.readouterr().err
+    path.write_text(path.read_text().replace("AGENTD_MASQUERADE=false", "AGENTD_MASQUERADE=maybe"))
+    assert main(["docker-opts", "--config", str(config)]) == 1
+    assert "AGENTD_MASQUERADE 'maybe' is not true or false" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import stat
+from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,14 @@ from agent_config import agent_cfg as _cfg
 from agentd import cli
 from agentd.cni import netconf as agentd_netconf
 from agentd.daemon import agent as agent_module
+from agentd.daemon import node_files
 from agentd.daemon.agent import (
     BE_LIBERAL_STEP,
     CONFLIST_STEP,
     ETCD_STEP,
+    KEPT_SUBNETS_STEP,
     POD_MACS_STEP,
+    SUBNET_FILE_STEP,
     TOKEN_STEP,
     Agent,
 )
@@ -38,6 +42,7 @@ from agentd.daemon.leave_report import (
     summary,
     write_report,
 )
+from agentd.datastore.records import ClusterConfig, SubnetLease
 from agentd.policy.agent import PolicyAgent
 from agentd.policy.podmacs import STATE_FILE, PodMacs
 
@@ -195,6 +200,38 @@ def test_a_leaving_agent_reports_every_step_with_its_result(tmp_path, host):
                    "a previous run left)"))
     assert results["removing the subnet file"] == (DONE, "")
     assert exit_code(report) == 1 and agent.exit_status == 0  # exits 0: Restart=on-failure must not rejoin
+
+
+def _subnets_kept(cfg) -> None:
+    """The files a running agent wrote that name its subnet: the subnet file, and its record in
+    [agent] state_dir (which survives a reboot)."""
+    node_files.write_cni_files(cfg, ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "host-gw", "always"),
+                               {4: SubnetLease(IPv4Network("10.244.3.0/24"), "n1", IPv4Address("10.1.1.1"),
+                                               "host-gw")}, 1450)
+    assert node_files.previous_subnets(cfg)
+
+
+@pytest.mark.parametrize("agent_running", [True, False])
+def test_a_left_node_does_not_take_its_old_subnet_back(tmp_path, host, monkeypatch, agent_running):
+    """A node that left, started again (by hand, or at boot by docker.service's Wants=), would
+    ask for its old subnet first: the leave removes the record of it in [agent] state_dir, and
+    the subnet file -- a leave without an agent too."""
+    cfg = _cfg(tmp_path, **{"cni.write_conflist": False})
+    _subnets_kept(cfg)
+    if agent_running:
+        async def main():
+            agent = Agent(cfg)
+            agent.datastore = Store()
+            agent.request_leave()
+            await agent._shutdown()
+        asyncio.run(main())
+        report = read_report(tmp_path / "state" / "leave.json")
+    else:
+        monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
+        report = asyncio.run(agent_module.leave(cfg))
+    assert LeaveStep(KEPT_SUBNETS_STEP, DONE) in report.steps and LeaveStep(SUBNET_FILE_STEP, DONE) in report.steps
+    assert node_files.previous_subnets(cfg) == {}
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["leave.json"]
 
 
 class Policy(Part):

@@ -972,6 +972,27 @@ def test_the_route_protocol_is_remembered_and_an_old_one_looked_for_only_when_it
     assert len(calls) == 2 and path.read_text() == "150\n" and "not a route protocol" in caplog.text
 
 
+def test_the_route_protocol_file_is_replaced_whole_never_rewritten_in_place(tmp_path):
+    """It was truncated and rewritten in place: a crash or a power cut between the two left an
+    empty file, and the next start no longer knew which protocol's routes were its own.  Now
+    a new file is written and renamed over the old (the old inode stays whole for a reader)."""
+    from ipaddress import ip_network
+
+    from agentd.daemon.routes import drop_previous_protocol
+
+    async def remove(protocol, networks):
+        return [], []
+
+    path = tmp_path / "route-protocol"
+    path.write_text("143\n")
+    old = path.stat().st_ino
+    with open(path) as reader:  # a reader that opened the old file keeps its whole content
+        asyncio.run(drop_previous_protocol(tmp_path, 150, [ip_network("10.244.0.0/16")], remove))
+        assert reader.read() == "143\n"
+    assert path.read_text() == "150\n" and path.stat().st_ino != old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["route-protocol"]  # no temporary file left
+
+
 def test_without_the_protocol_file_the_default_protocols_routes_in_the_pod_network_go(tmp_path, caplog):
     """No state_dir/route-protocol (an upgrade from an agentd that did not write it, a state
     directory removed) and route_protocol set to other than the default: the default's routes

@@ -1,0 +1,110 @@
+"""The files the agent keeps about this node's subnets (agentd/daemon/node_files.py): the
+subnet file in /run, which a reboot empties, and the record in ``[agent] state_dir`` that
+outlives it; what a restarted agent takes for the subnet it had."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from ipaddress import IPv4Address, IPv4Network, IPv6Network
+
+import pytest
+from agent_config import agent_cfg
+
+from agentd.cni.netconf import read_subnet_file
+from agentd.daemon import node_files
+from agentd.daemon.agent import Agent
+from agentd.datastore.records import ClusterConfig, SubnetLease
+
+CLUSTER = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "host-gw", "always")
+S = IPv4Network("10.244.3.0/24")
+
+
+def _lease(subnet=S) -> SubnetLease:
+    return SubnetLease(subnet, "n1", IPv4Address("10.1.1.1"), "host-gw")
+
+
+def test_the_subnet_survives_a_reboot_that_empties_run(tmp_path):
+    """The subnet file is in /run (a tmpfs): after a reboot only the record in state_dir says
+    which subnet the node had; it used to be {} there, and the node took a random subnet."""
+    cfg = agent_cfg(tmp_path, **{"cni.write_conflist": False})
+    node_files.write_cni_files(cfg, CLUSTER, {4: _lease()}, 1450)
+    assert node_files.previous_subnets(cfg) == {4: S}
+    os.unlink(cfg.cni.subnet_file)  # the reboot
+    assert node_files.previous_subnets(cfg) == {4: S}
+    record = tmp_path / "state" / node_files.KEPT_FILE
+    assert json.loads(record.read_text()) == {"subnets": [str(S)]}
+    assert sorted(p.name for p in record.parent.iterdir()) == [node_files.KEPT_FILE]  # no temporary file left
+
+
+def test_the_subnet_file_wins_over_the_record_and_both_families_are_kept(tmp_path):
+    cfg = agent_cfg(tmp_path)
+    v6 = IPv6Network("fd00:10:244:3::/64")
+    node_files.keep_subnets(cfg, {6: v6, 4: S})
+    assert json.loads(node_files.kept_subnets_path(cfg).read_text()) == {"subnets": [str(S), str(v6)]}
+    assert node_files.previous_subnets(cfg) == {4: S, 6: v6}
+    other = IPv4Network("10.244.9.0/24")
+    node_files.write_cni_files(agent_cfg(tmp_path, **{"cni.write_conflist": False, "agent.state_dir": str(tmp_path / "x")}),
+                               CLUSTER, {4: _lease(other)}, 1450)  # the subnet file (pods' addresses) names another
+    assert node_files.previous_subnets(cfg) == {4: other}
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"subnets": "10.244.3.0/24"}', '{"subnets": ["10.244.3.0/33"]}',
+                                  '{"subnets": ["10.244.3.0/24", "10.244.4.0/24"]}', '{"other": 1}'])
+def test_a_record_that_cannot_be_read_is_ignored_saying_so(tmp_path, caplog, text):
+    cfg = agent_cfg(tmp_path)
+    path = node_files.kept_subnets_path(cfg)
+    path.parent.mkdir()
+    path.write_text(text)
+    with caplog.at_level(logging.WARNING, logger="agentd"):
+        assert node_files.previous_subnets(cfg) == {}
+    assert f"ignoring {path}" in caplog.text
+
+
+def test_an_unwritable_record_is_a_warning_and_the_subnet_file_is_written(tmp_path, caplog):
+    cfg = agent_cfg(tmp_path, **{"cni.write_conflist": False})
+    (tmp_path / "state").write_text("not a directory")
+    node_files.write_cni_files(cfg, CLUSTER, {4: _lease()}, 1450)
+    assert read_subnet_file(cfg.cni.subnet_file).subnet == S
+    assert "after a reboot this node may get another subnet" in caplog.text
+
+
+def test_the_subnet_file_says_how_the_agent_runs_and_agentd_cni_still_reads_it(tmp_path):
+    """`agentd docker-opts` in docker.service's ExecStartPre= does not see the agent's
+    environment (AGENTD_CNI_WRITE_CONFLIST=false in its unit): the subnet file says it."""
+    for conflist, masq in ((False, True), (True, False)):
+        cfg = agent_cfg(tmp_path, **{"cni.write_conflist": conflist, "network.ip_masq": masq})
+        node_files.write_cni_files(cfg, CLUSTER, {4: _lease()}, 1450)
+        lines = (tmp_path / "subnet.env").read_text().splitlines()
+        assert f"AGENTD_WRITE_CONFLIST={str(conflist).lower()}" in lines
+        assert f"AGENTD_MASQUERADE={str(masq).lower()}" in lines
+        assert read_subnet_file(cfg.cni.subnet_file).subnet == S  # what agentd-cni reads
+
+
+class _Datastore:
+    async def remove_node(self, name, timeout=None):
+        return True
+
+    async def close(self):
+        pass
+
+
+def test_a_lost_subnet_is_remembered_for_the_next_starts_warning(tmp_path):
+    """An agent whose subnet another node took stops and removes the subnet file; the next
+    start found no previous subnet, took another without the documented warning "this node's
+    subnet changed from X to Y".  The record in state_dir names the lost subnet now."""
+    cfg = agent_cfg(tmp_path)
+    lost = IPv4Network("10.244.7.0/24")
+
+    async def main():
+        agent = Agent(cfg)
+        agent.datastore = _Datastore()
+        agent._subnet_lost(_lease(lost))
+        await agent._shutdown()
+        return agent.exit_status
+
+    assert asyncio.run(main()) == 1
+    assert not os.path.exists(cfg.cni.subnet_file)
+    assert node_files.previous_subnets(cfg) == {4: lost}
