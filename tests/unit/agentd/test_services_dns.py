@@ -131,6 +131,48 @@ async def test_an_answer_too_big_for_udp_is_truncated_with_tc_and_whole_over_tcp
     assert len(small) <= 600 and cut.flags & dns.flags.TC and len(cut.answer[0]) > len(udp.answer[0]) and cut.edns == 0
 
 
+def many(n: int) -> list[Endpoint]:
+    return [Endpoint(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}", 80) for i in range(1, n + 1)]
+
+
+async def test_cutting_an_answer_renders_it_a_few_times_not_once_per_record(monkeypatch):
+    """1,000 endpoints over UDP with EDNS 4096: the cut keeps as many records as fit, found
+    without rendering the message once per record kept (252 renderings, each of all the records
+    before: a second of the event loop per query)."""
+    table = sdns.names([sp("big", "", "TCP", 80, None, many(1000))], "cluster.local")
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: table, [])
+    renders = []
+    to_wire = dns.message.Message.to_wire
+
+    def counted(self, *args, **kw):
+        renders.append(1)
+        return to_wire(self, *args, **kw)
+
+    monkeypatch.setattr(dns.message.Message, "to_wire", counted)
+    query = dns.message.make_query("big.shop.svc.cluster.local", "A", use_edns=0, payload=4096)
+    wire = await server.answer(query.to_wire())
+    renders.clear()
+    wire = await server.answer(query.to_wire())
+    cut = dns.message.from_wire(wire)
+    assert len(renders) < 20, len(renders)
+    assert cut.flags & dns.flags.TC and 4096 - 16 < len(wire) <= 4096 and len(cut.answer[0]) == 252
+
+
+async def test_an_answer_over_64k_keeps_the_records_that_fit_over_tcp_too():
+    """5,000 A records take 80,000 octets, more than a DNS message holds: the answer keeps
+    the 4,000 and more that fit in 65535 octets, TC set (as CoreDNS's), over TCP and UDP alike;
+    it was an empty TC answer even over TCP, so that no client ever had an address."""
+    table = sdns.names([sp("big", "", "TCP", 80, None, many(5000))], "cluster.local")
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: table, [])
+    name = "big.shop.svc.cluster.local"
+    wire = await server.answer(dns.message.make_query(name, "A").to_wire(), tcp=True)
+    tcp = dns.message.from_wire(wire)
+    assert tcp.flags & dns.flags.TC and len(wire) <= 65535 and len(tcp.answer[0]) >= 4000
+    assert {r.address for r in tcp.answer[0]} <= {e.ip for e in many(5000)}
+    udp = dns.message.from_wire(await server.answer(dns.message.make_query(name, "A", use_edns=0, payload=4096).to_wire()))
+    assert udp.flags & dns.flags.TC and len(udp.answer[0]) == 252
+
+
 def test_host_resolvers_skip_our_own_address(tmp_path):
     conf = tmp_path / "resolv.conf"
     conf.write_text("search x\nnameserver 192.0.2.53\nnameserver 169.254.20.10\nnameserver fd00::1\n"
