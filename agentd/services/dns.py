@@ -12,6 +12,8 @@ The wire format is dnspython's.
   2.3.1/2.4.1, which gives AAAA as it gives A).
 * Other names under the cluster domain: NXDOMAIN (or NOERROR without answers when the name
   exists with another type), authoritative, TTL :data:`TTL`.
+* Opcodes other than QUERY (UPDATE, NOTIFY, ...): NOTIMP, never forwarded (as CoreDNS).  A
+  message with QR set (a response) is dropped unanswered.
 * Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
   /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  At most
   :data:`MAX_FORWARDED` forwarded queries wait at once; more are SERVFAIL at once.  At most
@@ -44,6 +46,7 @@ import dns.exception
 import dns.flags
 import dns.message
 import dns.name
+import dns.opcode
 import dns.rcode
 import dns.rdataclass
 import dns.rdatatype
@@ -186,6 +189,12 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
 
 def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | None:
     """The answer to ``query`` from ``table``, or None when the name is not ours (forward it)."""
+    if query.opcode() != dns.opcode.QUERY:
+        # UPDATE, NOTIFY and the rest: not implemented, whatever the zone, as CoreDNS answers
+        # them (miekg/dns); never forwarded, where an upstream would take them from the node.
+        response = dns.message.make_response(query)
+        response.set_rcode(dns.rcode.NOTIMP)
+        return response
     if not query.question:
         response = dns.message.make_response(query)
         response.set_rcode(dns.rcode.FORMERR)
@@ -397,6 +406,8 @@ class DnsServer:
             query = dns.message.from_wire(wire)
         except dns.exception.DNSException:
             return None  # not DNS: no answer (as servers do with garbage)
+        if query.flags & dns.flags.QR:
+            return None  # a response, not a query: dropped, unlogged (nothing to answer, nothing to forward)
         response, outcome = resolve(self.table(), query), "answered"
         if response is None and self.in_flight >= self.max_forwarded:
             response, outcome = dns.message.make_response(query), "rejected"

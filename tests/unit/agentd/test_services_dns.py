@@ -591,3 +591,72 @@ async def test_queries_from_elsewhere_are_dropped_unanswered_and_counted_udp_and
     assert stranger.transport.aborted and stranger.sent == b""
     assert dns.message.from_wire(pod.sent[2:]).rcode() == dns.rcode.NOERROR
     assert server.outcomes["foreign"] == 2 and server.outcomes["answered"] == 2 and server.queries == 2
+
+
+def fake_upstream(monkeypatch) -> list[dns.message.Message]:
+    """dnspython's queries to an upstream, recorded (each answered NOERROR, over UDP and TCP)."""
+    import dns.asyncquery
+
+    asked: list[dns.message.Message] = []
+
+    async def ask(query, host, **kw):
+        asked.append(query)
+        return dns.message.make_response(query)
+
+    monkeypatch.setattr(dns.asyncquery, "udp", ask)
+    monkeypatch.setattr(dns.asyncquery, "tcp", ask)
+    return asked
+
+
+async def test_opcodes_other_than_query_are_not_implemented_and_never_forwarded(monkeypatch):
+    """An UPDATE or a NOTIFY is no question to forward: an upstream would take it from the
+    node's address (a pod's dynamic update to the site's DNS), and one for the cluster domain
+    is no authoritative NOERROR (nothing was updated).  NOTIMP, as CoreDNS (miekg/dns) answers."""
+    import dns.opcode
+    import dns.update
+
+    asked = fake_upstream(monkeypatch)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53)])
+    for zone in ("corp.example.", "cluster.local."):
+        update = dns.update.UpdateMessage(zone)
+        update.add(f"evil.{zone}", 300, "A", "10.244.1.99")
+        for tcp in (False, True):
+            r = dns.message.from_wire(await server.answer(update.to_wire(), tcp=tcp))
+            assert r.opcode() == dns.opcode.UPDATE and r.rcode() == dns.rcode.NOTIMP and not r.flags & dns.flags.AA
+    notify = dns.message.make_query("corp.example.", "SOA")
+    notify.set_opcode(dns.opcode.NOTIFY)
+    r = dns.message.from_wire(await server.answer(notify.to_wire()))
+    assert r.opcode() == dns.opcode.NOTIFY and r.rcode() == dns.rcode.NOTIMP
+    assert asked == [] and server.forwarded == 0
+
+
+async def test_a_response_sent_as_a_query_is_dropped_silently(monkeypatch, caplog):
+    """A message with QR set is no query: dropped unanswered, not forwarded (where it held a
+    forwarding slot for the upstream's timeout) and not logged per datagram (a flood of them
+    was a warning each)."""
+    import logging
+
+    asked = fake_upstream(monkeypatch)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53)])
+
+    class Transport:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        def is_closing(self) -> bool:
+            return False
+
+        def sendto(self, data, addr) -> None:
+            self.sent.append(data)
+
+    caplog.set_level(logging.DEBUG, logger="agentd.services.dns")
+    for name in ("example.com", "web.shop.svc.cluster.local"):
+        response = dns.message.make_query(name, "A")
+        response.flags |= dns.flags.QR
+        assert await server.answer(response.to_wire()) is None
+        assert await server.answer(response.to_wire(), tcp=True) is None
+        transport = Transport()
+        await server._udp_query(transport, response.to_wire(), ("10.244.1.5", 1234))  # type: ignore[arg-type]
+        assert transport.sent == []
+    assert asked == [] and server.forwarded == 0 and server.failed == 0
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
