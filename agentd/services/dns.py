@@ -6,10 +6,14 @@ agentd-cni hands that address to pods as their nameserver (the ADD result's ``dn
 The wire format is dnspython's.
 
 * ``<svc>.<ns>.svc.<domain>`` A: the IPv4 cluster IP, AAAA: the IPv6 one (a Service has the
-  records of its ``ipFamilies``); a headless service: its ready endpoints of each family.
-* ``_<port>._<proto>.<svc>.<ns>.svc.<domain>`` SRV (named ports): ``0 100 <port> <svc>.<ns>.svc.<domain>``,
-  the target's A and AAAA records in the additional section (RFC 2782; Kubernetes DNS spec
-  2.3.1/2.4.1, which gives AAAA as it gives A).
+  records of its ``ipFamilies``); a headless service: its ready endpoints of each family, and
+  each of them its own name, ``<hostname>.<svc>.<ns>.svc.<domain>`` (the EndpointSlice
+  endpoint's ``hostname``: a StatefulSet's ``db-0``), else its address with dashes
+  (``10-244-1-5.<svc>...``, as CoreDNS).
+* ``_<port>._<proto>.<svc>.<ns>.svc.<domain>`` SRV (named ports): ``0 100 <port> <svc>.<ns>.svc.<domain>``
+  (a headless Service: one per ready endpoint, its port and its own name), the targets' A and
+  AAAA records in the additional section (RFC 2782; Kubernetes DNS spec 2.3.1/2.4.1, which
+  gives AAAA as it gives A).
 * Other names under the cluster domain: NXDOMAIN (or NOERROR without answers when the name
   exists with another type), authoritative, TTL :data:`TTL`.
 * Opcodes other than QUERY (UPDATE, NOTIFY, ...): NOTIMP, never forwarded (as CoreDNS).  A
@@ -58,7 +62,7 @@ import dns.rrset
 from agentd.kernel import netlink as nl
 from agentd.kernel.rtnl import Rtnl
 
-from .model import ServicePort
+from .model import Endpoint, ServicePort
 
 log = logging.getLogger("agentd.services.dns")
 
@@ -176,15 +180,30 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
             addrs.add(sp.cluster_ip)
         else:
             addrs.update(e.ip for e in ready)
+            for e in ready:  # and each its own name (a StatefulSet's pods: db-0.db.<ns>.svc.<domain>)
+                own = f"{endpoint_label(e)}.{host}"
+                for hosts in by_family.values():
+                    hosts.setdefault(own, set())
+                by_family[sp.family][own].add(e.ip)
         if sp.port_name:
             # A headless Service is not translated: its SRV records give each endpoint's own
-            # port (the Kubernetes DNS specification, 2.4.1), a cluster IP's the Service's.
-            ports = {sp.port} if sp.cluster_ip is not None else {e.port for e in ready}
-            srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).update((port, host) for port in ports)
+            # port and name (the Kubernetes DNS specification, 2.4.1), a cluster IP's the
+            # Service's port and name.
+            if sp.cluster_ip is not None:
+                targets = {(sp.port, host)}
+            else:
+                targets = {(e.port, f"{endpoint_label(e)}.{host}") for e in ready}
+            srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).update(targets)
     a, aaaa = ({k: tuple(sorted(v)) for k, v in by_family[version].items()} for version in (4, 6))
     table = Names(domain, a, {k: tuple(sorted(v)) for k, v in srv.items()}, aaaa)
     table.add_hosts(a)
     return table
+
+
+def endpoint_label(endpoint: Endpoint) -> str:
+    """A headless Service's endpoint's label in DNS: its ``hostname``, else its address with
+    dashes for dots and colons (``10-244-1-5``), as CoreDNS names it."""
+    return endpoint.hostname or endpoint.ip.replace(".", "-").replace(":", "-")
 
 
 def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | None:
@@ -219,7 +238,7 @@ def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | N
     if q.rdtype in (dns.rdatatype.SRV, dns.rdatatype.ANY) and table.srv.get(qname):  # none: NODATA, not an empty RRset
         srv = [f"0 100 {port} {target}" for port, target in table.srv[qname]]
         response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", "SRV", srv))
-        for _, target in table.srv[qname]:
+        for target in dict.fromkeys(target for _, target in table.srv[qname]):  # each once, of several ports
             for rdtype, records in ((dns.rdatatype.A, table.a), (dns.rdatatype.AAAA, table.aaaa)):
                 if records.get(target):
                     response.additional.append(_addresses(target, rdtype, records[target]))

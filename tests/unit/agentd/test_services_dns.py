@@ -265,8 +265,9 @@ def test_a_headless_services_srv_records_give_the_endpoints_ports():
     table = sdns.names([sp("h", "http", "TCP", 80, None, [Endpoint("10.244.1.5", 8080), Endpoint("10.244.2.5", 8081)])],
                        "cluster.local")
     r = sdns.resolve(table, dns.message.make_query("_http._tcp.h.shop.svc.cluster.local", "SRV"))
-    assert sorted(lines(r.answer)) == ["_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 8080 h.shop.svc.cluster.local.",
-                                       "_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 8081 h.shop.svc.cluster.local."]
+    assert sorted(lines(r.answer)) == [
+        "_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 8080 10-244-1-5.h.shop.svc.cluster.local.",
+        "_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 8081 10-244-2-5.h.shop.svc.cluster.local."]
 
 
 async def test_an_upstream_that_closes_tcp_unanswered_is_a_failure_and_the_next_is_asked(monkeypatch):
@@ -660,3 +661,94 @@ async def test_a_response_sent_as_a_query_is_dropped_silently(monkeypatch, caplo
         assert transport.sent == []
     assert asked == [] and server.forwarded == 0 and server.failed == 0
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+STATEFUL = """\
+apiVersion: v1
+kind: Service
+metadata: {name: db, namespace: shop}
+spec: {clusterIP: None, ipFamilyPolicy: PreferDualStack, ipFamilies: [IPv4, IPv6], ports: [{name: pg, port: 5432}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: db-v4, namespace: shop, labels: {kubernetes.io/service-name: db}}
+addressType: IPv4
+ports: [{name: pg, port: 5432, protocol: TCP}]
+endpoints:
+- {addresses: [10.244.1.5], hostname: db-0, conditions: {ready: true}}
+- {addresses: [10.244.2.6], hostname: db-1, conditions: {ready: true}}
+- {addresses: [10.244.3.7], conditions: {ready: true}}
+- {addresses: [10.244.3.8], hostname: db-2, conditions: {ready: false}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: db-v6, namespace: shop, labels: {kubernetes.io/service-name: db}}
+addressType: IPv6
+ports: [{name: pg, port: 5432, protocol: TCP}]
+endpoints:
+- {addresses: ["fd00:10:244:1::5"], hostname: db-0, conditions: {ready: true}}
+"""
+
+
+def stateful_table() -> sdns.Names:
+    from agentd.resources import manifests
+    from agentd.services import model
+
+    svc, *slices = manifests.validate_all(manifests.read(STATEFUL, "f.yaml"), "f.yaml")
+    return sdns.names(model.build([svc], slices, []), "cluster.local")
+
+
+def test_a_headless_services_endpoints_have_their_own_names():
+    """Kubernetes DNS specification 2.4.1: an endpoint of a headless Service with a hostname
+    (a StatefulSet's pod: db-0) has <hostname>.<service>.<ns>.svc.<domain>, A and AAAA of
+    its addresses; one without, its address with dashes (CoreDNS's name for it).  Not-ready
+    endpoints have none; the Service's name still has every ready address."""
+    table = stateful_table()
+
+    def answer(name: str, rdtype: str) -> list[str]:
+        r = sdns.resolve(table, dns.message.make_query(name, rdtype))
+        assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA, (name, r)
+        return [rr.split()[-1] for rr in lines(r.answer)]
+
+    assert answer("db-0.db.shop.svc.cluster.local", "A") == ["10.244.1.5"]
+    assert answer("DB-0.db.shop.svc.cluster.local", "AAAA") == ["fd00:10:244:1::5"]
+    assert answer("db-1.db.shop.svc.cluster.local", "A") == ["10.244.2.6"]
+    assert answer("db-1.db.shop.svc.cluster.local", "AAAA") == []  # NODATA: it has no IPv6 address
+    assert answer("10-244-3-7.db.shop.svc.cluster.local", "A") == ["10.244.3.7"]
+    assert sorted(answer("db.shop.svc.cluster.local", "A")) == ["10.244.1.5", "10.244.2.6", "10.244.3.7"]
+    for gone in ("db-2.db.shop.svc.cluster.local", "10-244-3-8.db.shop.svc.cluster.local", "db-9.db.shop.svc.cluster.local"):
+        assert sdns.resolve(table, dns.message.make_query(gone, "A")).rcode() == dns.rcode.NXDOMAIN, gone
+
+
+def test_a_headless_services_srv_records_target_each_endpoints_own_name():
+    """SRV of a headless Service: one per ready endpoint, with its own name as the target
+    (the Kubernetes DNS specification 2.4.1; CoreDNS), each target's A and AAAA once in the
+    additional section."""
+    table = stateful_table()
+    r = sdns.resolve(table, dns.message.make_query("_pg._tcp.db.shop.svc.cluster.local", "SRV"))
+    assert sorted(lines(r.answer)) == [
+        "_pg._tcp.db.shop.svc.cluster.local. 5 IN SRV 0 100 5432 10-244-3-7.db.shop.svc.cluster.local.",
+        "_pg._tcp.db.shop.svc.cluster.local. 5 IN SRV 0 100 5432 db-0.db.shop.svc.cluster.local.",
+        "_pg._tcp.db.shop.svc.cluster.local. 5 IN SRV 0 100 5432 db-1.db.shop.svc.cluster.local."]
+    assert sorted(lines(r.additional)) == [
+        "10-244-3-7.db.shop.svc.cluster.local. 5 IN A 10.244.3.7",
+        "db-0.db.shop.svc.cluster.local. 5 IN A 10.244.1.5",
+        "db-0.db.shop.svc.cluster.local. 5 IN AAAA fd00:10:244:1::5",
+        "db-1.db.shop.svc.cluster.local. 5 IN A 10.244.2.6"]
+    # A target named by two ports is in the additional section once.
+    table = sdns.names([sp("h", "http", "TCP", 80, None, [Endpoint("10.244.1.5", 80, hostname="web-0")]),
+                        sp("h", "http", "UDP", 80, None, [Endpoint("10.244.1.5", 80, hostname="web-0")]),
+                        sp("h", "alt", "TCP", 81, None, [Endpoint("10.244.1.5", 81, hostname="web-0")])], "cluster.local")
+    r = sdns.resolve(table, dns.message.make_query("_http._tcp.h.shop.svc.cluster.local", "SRV"))
+    assert lines(r.additional) == ["web-0.h.shop.svc.cluster.local. 5 IN A 10.244.1.5"]
+
+
+async def test_an_srv_answer_whose_additional_records_do_not_fit_keeps_its_answers_without_tc():
+    """RFC 2181 9: TC is for an answer cut, not for additional records left out."""
+    endpoints = [Endpoint(f"10.244.1.{i}", 80, hostname=f"web-{i}") for i in range(1, 9)]
+    table = sdns.names([sp("h", "http", "TCP", 80, None, endpoints)], "cluster.local")
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: table, [])
+    wire = await server.answer(dns.message.make_query("_http._tcp.h.shop.svc.cluster.local", "SRV").to_wire())
+    r = dns.message.from_wire(wire)
+    assert len(wire) <= 512 and not r.flags & dns.flags.TC and len(r.answer[0]) == 8
+    assert 0 < len(r.additional) < 8
