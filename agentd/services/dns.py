@@ -16,6 +16,9 @@ The wire format is dnspython's.
   gives AAAA as it gives A).
 * Other names under the cluster domain: NXDOMAIN (or NOERROR without answers when the name
   exists with another type), authoritative, TTL :data:`TTL`.
+* PTR (spec 2.3.3/2.4.3): the reverse name of a cluster IP gives its Service's name, a headless
+  Service's ready endpoint's its own name; other addresses of the Service ranges: NXDOMAIN;
+  other addresses' reverse names are forwarded.
 * Opcodes other than QUERY (UPDATE, NOTIFY, ...): NOTIMP, never forwarded (as CoreDNS).  A
   message with QR set (a response) is dropped unanswered.
 * Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
@@ -147,11 +150,24 @@ class Names:
     # The empty non-terminals (``<ns>.svc.<domain>.``, ``svc.<domain>.``, ``<domain>.``): how
     # many host names each has under it (a look-up, not a scan of every name, per NXDOMAIN).
     branches: Counter[str] = field(default_factory=Counter)
+    # The reverse names (``10.0.96.10.in-addr.arpa.``, ``...ip6.arpa.``) of the hosts'
+    # addresses: which hosts have each (how many times), for PTR answers.
+    ptr: dict[str, Counter[str]] = field(default_factory=dict)
 
     def add_hosts(self, hosts: Iterable[str], sign: int = 1) -> None:
-        """Count ``hosts`` in (``sign`` -1: out of) the branches above them."""
+        """Count ``hosts`` in (``sign`` -1: out of) the branches above them, and in the reverse
+        names of their addresses as ``a`` and ``aaaa`` hold them: after their addresses are
+        put in, before they are taken out."""
         suffix = f"{self.domain}."
         for host in hosts:
+            for address in (*self.a.get(host, ()), *self.aaaa.get(host, ())):
+                reverse = f"{ipaddress.ip_address(address).reverse_pointer}."
+                owners = self.ptr.setdefault(reverse, Counter())
+                owners[host] += sign
+                if owners[host] <= 0:
+                    del owners[host]
+                    if not owners:
+                        del self.ptr[reverse]
             labels = host.split(".")
             for i in range(1, len(labels)):
                 branch = ".".join(labels[i:])
@@ -200,14 +216,60 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
     return table
 
 
+def _reverse(table: Names, query: dns.message.Message, qname: str, service_ranges: Sequence[Any]) -> dns.message.Message | None:
+    """PTR (the Kubernetes DNS specification 2.3.3, 2.4.3): a cluster IP's reverse name gives
+    its Service's name, a headless Service's ready endpoint's its own name; another address of
+    the Services' ranges is NXDOMAIN; any other address's (a pod's, the world's) is forwarded."""
+    owners = table.ptr.get(qname)
+    if not owners:
+        address = _reverse_address(qname)
+        if address is None or not any(address in r for r in service_ranges):
+            return None
+    response = dns.message.make_response(query)
+    if not table.ready:
+        response.set_rcode(dns.rcode.SERVFAIL)
+        return response
+    response.flags |= dns.flags.AA
+    zone = "in-addr.arpa" if qname.endswith(".in-addr.arpa.") else "ip6.arpa"
+    q = query.question[0]
+    if not owners:
+        response.set_rcode(dns.rcode.NXDOMAIN)
+    elif q.rdtype in (dns.rdatatype.PTR, dns.rdatatype.ANY):
+        # A headless endpoint's address is its Service's name's too: the endpoint's own name
+        # (one label more) is the one.
+        deepest = max(host.count(".") for host in owners)
+        hosts = sorted(host for host in owners if host.count(".") == deepest)
+        response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", "PTR", hosts))
+    if not response.answer:
+        response.authority.append(_soa(zone))
+    return response
+
+
+def _reverse_address(qname: str) -> Any:
+    """The address a whole reverse name (``d.c.b.a.in-addr.arpa.``, 32 nibbles of
+    ``ip6.arpa.``) stands for; None for any other name."""
+    try:
+        if qname.endswith(".in-addr.arpa."):
+            labels = qname[: -len(".in-addr.arpa.")].split(".")
+            return ipaddress.IPv4Address(".".join(reversed(labels))) if len(labels) == 4 else None
+        labels = qname[: -len(".ip6.arpa.")].split(".")
+        if len(labels) != 32 or any(len(label) != 1 or label not in "0123456789abcdef" for label in labels):
+            return None
+        return ipaddress.IPv6Address(int("".join(reversed(labels)), 16))
+    except ValueError:
+        return None
+
+
 def endpoint_label(endpoint: Endpoint) -> str:
     """A headless Service's endpoint's label in DNS: its ``hostname``, else its address with
     dashes for dots and colons (``10-244-1-5``), as CoreDNS names it."""
     return endpoint.hostname or endpoint.ip.replace(".", "-").replace(":", "-")
 
 
-def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | None:
-    """The answer to ``query`` from ``table``, or None when the name is not ours (forward it)."""
+def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[Any] = ()) -> dns.message.Message | None:
+    """The answer to ``query`` from ``table``, or None when the name is not ours (forward it).
+    ``service_ranges`` (``ipaddress`` networks): the cluster IPs' ranges, whose reverse names
+    are ours."""
     if query.opcode() != dns.opcode.QUERY:
         # UPDATE, NOTIFY and the rest: not implemented, whatever the zone, as CoreDNS answers
         # them (miekg/dns); never forwarded, where an upstream would take them from the node.
@@ -220,6 +282,8 @@ def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | N
         return response
     q = query.question[0]
     qname = q.name.to_text().lower()
+    if qname.endswith((".in-addr.arpa.", ".ip6.arpa.")):
+        return _reverse(table, query, qname, service_ranges)
     if not (qname == f"{table.domain}." or qname.endswith(f".{table.domain}.")):
         return None
     response = dns.message.make_response(query)
@@ -371,8 +435,11 @@ class DnsServer:
     IPv6); answers from ``table()``, forwards the rest to ``upstreams``."""
 
     def __init__(self, address: str, port: int, table: Callable[[], Names], upstreams: list[tuple[str, int]],
-                 more: Sequence[str] = (), clients: Clients | None = None) -> None:  # fmt: skip
+                 more: Sequence[str] = (), clients: Clients | None = None,
+                 service_ranges: Iterable[str] = ()) -> None:  # fmt: skip
         self.address = address
+        # The cluster IPs' ranges: their reverse names are answered here, never forwarded.
+        self.service_ranges = [ipaddress.ip_network(r, strict=False) for r in service_ranges]
         self.clients = clients  # None: anyone (tests)
         self.addresses = [address, *more]
         self.port = port
@@ -427,7 +494,7 @@ class DnsServer:
             return None  # not DNS: no answer (as servers do with garbage)
         if query.flags & dns.flags.QR:
             return None  # a response, not a query: dropped, unlogged (nothing to answer, nothing to forward)
-        response, outcome = resolve(self.table(), query), "answered"
+        response, outcome = resolve(self.table(), query, self.service_ranges), "answered"
         if response is None and self.in_flight >= self.max_forwarded:
             response, outcome = dns.message.make_response(query), "rejected"
             response.set_rcode(dns.rcode.SERVFAIL)

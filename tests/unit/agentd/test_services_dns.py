@@ -690,12 +690,16 @@ endpoints:
 """
 
 
-def stateful_table() -> sdns.Names:
+def stateful_table_ports() -> list[ServicePort]:
     from agentd.resources import manifests
     from agentd.services import model
 
     svc, *slices = manifests.validate_all(manifests.read(STATEFUL, "f.yaml"), "f.yaml")
-    return sdns.names(model.build([svc], slices, []), "cluster.local")
+    return model.build([svc], slices, [])
+
+
+def stateful_table() -> sdns.Names:
+    return sdns.names(stateful_table_ports(), "cluster.local")
 
 
 def test_a_headless_services_endpoints_have_their_own_names():
@@ -752,3 +756,66 @@ async def test_an_srv_answer_whose_additional_records_do_not_fit_keeps_its_answe
     r = dns.message.from_wire(wire)
     assert len(wire) <= 512 and not r.flags & dns.flags.TC and len(r.answer[0]) == 8
     assert 0 < len(r.additional) < 8
+
+
+def reverse(address: str) -> str:
+    import ipaddress
+
+    return ipaddress.ip_address(address).reverse_pointer
+
+
+async def test_reverse_names_of_cluster_ips_and_headless_endpoints_are_answered(monkeypatch):
+    """PTR (the Kubernetes DNS specification 2.3.3, 2.4.3): a cluster IP's reverse name gives
+    its Service's name, a headless Service's ready endpoint's its own name, IPv4 and IPv6;
+    another address of the Service ranges is NXDOMAIN (authoritative, with an SOA); any other
+    address's reverse name (a pod's, the world's) is still forwarded.  They were all forwarded."""
+    table = sdns.names([
+        sp("web", "http", "TCP", 80, "10.96.0.10"), sp6("web", "http", 80, "fd00:10:96::a"),
+        *stateful_table_ports(),
+    ], "cluster.local")  # fmt: skip
+    asked = fake_upstream(monkeypatch)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: table, [("192.0.2.1", 53)],
+                            service_ranges=["10.96.0.0/12", "fd00:10:96::/112"])
+
+    async def ask(address: str, rdtype: str = "PTR") -> dns.message.Message:
+        wire = await server.answer(dns.message.make_query(reverse(address), rdtype).to_wire())
+        return dns.message.from_wire(wire)
+
+    expected = {"10.96.0.10": "web.shop.svc.cluster.local.", "fd00:10:96::a": "web.shop.svc.cluster.local.",
+                "10.244.1.5": "db-0.db.shop.svc.cluster.local.", "fd00:10:244:1::5": "db-0.db.shop.svc.cluster.local.",
+                "10.244.3.7": "10-244-3-7.db.shop.svc.cluster.local."}  # fmt: skip
+    for address, name in expected.items():
+        r = await ask(address)
+        assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA, address
+        assert lines(r.answer) == [f"{reverse(address)}. 5 IN PTR {name}"]
+    r = await ask("10.96.0.10", "A")  # the name exists, not with that type
+    assert r.rcode() == dns.rcode.NOERROR and r.answer == [] and lines(r.authority)[0].startswith("in-addr.arpa. 5 IN SOA")
+    for address, zone in (("10.96.0.99", "in-addr.arpa."), ("fd00:10:96::99", "ip6.arpa.")):
+        r = await ask(address)
+        assert r.rcode() == dns.rcode.NXDOMAIN and r.flags & dns.flags.AA and lines(r.authority)[0].startswith(f"{zone} 5 IN SOA")
+    assert asked == [] and server.forwarded == 0
+    for address in ("10.244.3.8", "192.0.2.7", "2001:db8::1"):  # a not-ready endpoint's, the world's
+        assert (await ask(address)).rcode() == dns.rcode.NOERROR
+    partial = dns.message.make_query("96.10.in-addr.arpa.", "PTR").to_wire()  # no address: not ours
+    assert dns.message.from_wire(await server.answer(partial)).rcode() == dns.rcode.NOERROR
+    assert [q.question[0].name.to_text() for q in asked] == [
+        f"{reverse(a)}." for a in ("10.244.3.8", "192.0.2.7", "2001:db8::1")] + ["96.10.in-addr.arpa."]
+
+
+def test_reverse_names_follow_services_changed_in_place():
+    """The agent changes one Service's names in place (agentd.services.agent: add_hosts -1
+    before its names are taken out, +1 after the new ones are put in): the reverse names follow."""
+    table = sdns.names([sp("web", "", "TCP", 80, "10.96.0.10")], "cluster.local")
+    key = f"{reverse('10.96.0.10')}."
+    assert dict(table.ptr) == {key: {"web.shop.svc.cluster.local.": 1}}
+    # web's cluster IP changes: out with the old names, in with the new ones.
+    table.add_hosts(["web.shop.svc.cluster.local."], -1)
+    table.a.pop("web.shop.svc.cluster.local.")
+    table.aaaa.pop("web.shop.svc.cluster.local.")
+    part = sdns.names([sp("web", "", "TCP", 80, "10.96.0.11")], "cluster.local")
+    table.a.update(part.a)
+    table.aaaa.update(part.aaaa)
+    table.add_hosts(part.a)
+    assert dict(table.ptr) == {f"{reverse('10.96.0.11')}.": {"web.shop.svc.cluster.local.": 1}}
+    r = sdns.resolve(table, dns.message.make_query(reverse("10.96.0.10"), "PTR"), [IPv4Network("10.96.0.0/12")])
+    assert r.rcode() == dns.rcode.NXDOMAIN
