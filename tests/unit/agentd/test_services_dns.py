@@ -819,3 +819,27 @@ def test_reverse_names_follow_services_changed_in_place():
     assert dict(table.ptr) == {f"{reverse('10.96.0.11')}.": {"web.shop.svc.cluster.local.": 1}}
     r = sdns.resolve(table, dns.message.make_query(reverse("10.96.0.10"), "PTR"), [IPv4Network("10.96.0.0/12")])
     assert r.rcode() == dns.rcode.NXDOMAIN
+
+
+async def test_a_cut_keeps_every_record_that_fits_with_names_compressed_and_edns(caplog):
+    """The cut's measuring pass writes what dnspython's renderer writes (owners compressed,
+    SRV targets whole, AAAA, the OPT record at the end): the cut fits and leaves no room for
+    one more record, whatever the limit."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="agentd.services.dns")
+    endpoints = [Endpoint(f"10.244.{i // 250}.{i % 250 + 1}", 8000 + i, hostname=f"db-{i}") for i in range(300)]
+    endpoints6 = [Endpoint(f"fd00:10:244::{i + 1:x}", 8000 + i, hostname=f"db-{i}") for i in range(300)]
+    table = sdns.names([sp("db", "pg", "TCP", 5432, None, endpoints), sp6("db", "pg", 5432, None, endpoints6)], "cluster.local")
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: table, [])
+    for name, rdtype, biggest in (("_pg._tcp.db.shop.svc.cluster.local", "SRV", 2 + 10 + 6 + len("db-299.db.shop.svc.cluster.local.") + 1),
+                                  ("db.shop.svc.cluster.local", "ANY", 2 + 10 + 16),
+                                  ("db.shop.svc.cluster.local", "AAAA", 2 + 10 + 16)):  # fmt: skip
+        for edns, payload in ((False, 512), (0, 1232), (0, 4000), (0, 6000)):
+            query = dns.message.make_query(name, rdtype, use_edns=edns, payload=payload)
+            wire = await server.answer(query.to_wire())
+            cut = dns.message.from_wire(wire)
+            kept = sum(len(rrset) for rrset in cut.answer)
+            assert cut.flags & dns.flags.TC and 0 < kept, (name, rdtype, payload)
+            assert payload - biggest < len(wire) <= payload, (name, rdtype, payload, len(wire))
+    assert not [r for r in caplog.records if "measured" in r.getMessage()]
