@@ -152,7 +152,8 @@ class ServiceAgent:
         else:
             upstreams = dns.host_resolvers(exclude=addresses)
         server = dns.DnsServer(address, 53, lambda: self.names, upstreams, more=addresses[1:],
-                               clients=dns.Clients([*self.pod_networks, *addresses]))
+                               clients=dns.Clients([*self.pod_networks, *addresses]),
+                               service_ranges=self.service_ranges.values())  # their reverse names are ours
         try:
             await server.start()
         except OSError as err:

@@ -6,12 +6,21 @@ agentd-cni hands that address to pods as their nameserver (the ADD result's ``dn
 The wire format is dnspython's.
 
 * ``<svc>.<ns>.svc.<domain>`` A: the IPv4 cluster IP, AAAA: the IPv6 one (a Service has the
-  records of its ``ipFamilies``); a headless service: its ready endpoints of each family.
-* ``_<port>._<proto>.<svc>.<ns>.svc.<domain>`` SRV (named ports): ``0 100 <port> <svc>.<ns>.svc.<domain>``,
-  the target's A and AAAA records in the additional section (RFC 2782; Kubernetes DNS spec
-  2.3.1/2.4.1, which gives AAAA as it gives A).
+  records of its ``ipFamilies``); a headless service: its ready endpoints of each family, and
+  each of them its own name, ``<hostname>.<svc>.<ns>.svc.<domain>`` (the EndpointSlice
+  endpoint's ``hostname``: a StatefulSet's ``db-0``), else its address with dashes
+  (``10-244-1-5.<svc>...``, as CoreDNS).
+* ``_<port>._<proto>.<svc>.<ns>.svc.<domain>`` SRV (named ports): ``0 100 <port> <svc>.<ns>.svc.<domain>``
+  (a headless Service: one per ready endpoint, its port and its own name), the targets' A and
+  AAAA records in the additional section (RFC 2782; Kubernetes DNS spec 2.3.1/2.4.1, which
+  gives AAAA as it gives A).
 * Other names under the cluster domain: NXDOMAIN (or NOERROR without answers when the name
   exists with another type), authoritative, TTL :data:`TTL`.
+* PTR (spec 2.3.3/2.4.3): the reverse name of a cluster IP gives its Service's name, a headless
+  Service's ready endpoint's its own name; other addresses of the Service ranges: NXDOMAIN;
+  other addresses' reverse names are forwarded.
+* Opcodes other than QUERY (UPDATE, NOTIFY, ...): NOTIMP, never forwarded (as CoreDNS).  A
+  message with QR set (a response) is dropped unanswered.
 * Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
   /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  At most
   :data:`MAX_FORWARDED` forwarded queries wait at once; more are SERVFAIL at once.  At most
@@ -44,15 +53,19 @@ import dns.exception
 import dns.flags
 import dns.message
 import dns.name
+import dns.opcode
 import dns.rcode
 import dns.rdataclass
 import dns.rdatatype
+import dns.rdtypes.IN.A
+import dns.rdtypes.IN.AAAA
+import dns.renderer
 import dns.rrset
 
 from agentd.kernel import netlink as nl
 from agentd.kernel.rtnl import Rtnl
 
-from .model import ServicePort
+from .model import Endpoint, ServicePort
 
 log = logging.getLogger("agentd.services.dns")
 
@@ -137,11 +150,24 @@ class Names:
     # The empty non-terminals (``<ns>.svc.<domain>.``, ``svc.<domain>.``, ``<domain>.``): how
     # many host names each has under it (a look-up, not a scan of every name, per NXDOMAIN).
     branches: Counter[str] = field(default_factory=Counter)
+    # The reverse names (``10.0.96.10.in-addr.arpa.``, ``...ip6.arpa.``) of the hosts'
+    # addresses: which hosts have each (how many times), for PTR answers.
+    ptr: dict[str, Counter[str]] = field(default_factory=dict)
 
     def add_hosts(self, hosts: Iterable[str], sign: int = 1) -> None:
-        """Count ``hosts`` in (``sign`` -1: out of) the branches above them."""
+        """Count ``hosts`` in (``sign`` -1: out of) the branches above them, and in the reverse
+        names of their addresses as ``a`` and ``aaaa`` hold them: after their addresses are
+        put in, before they are taken out."""
         suffix = f"{self.domain}."
         for host in hosts:
+            for address in (*self.a.get(host, ()), *self.aaaa.get(host, ())):
+                reverse = f"{ipaddress.ip_address(address).reverse_pointer}."
+                owners = self.ptr.setdefault(reverse, Counter())
+                owners[host] += sign
+                if owners[host] <= 0:
+                    del owners[host]
+                    if not owners:
+                        del self.ptr[reverse]
             labels = host.split(".")
             for i in range(1, len(labels)):
                 branch = ".".join(labels[i:])
@@ -170,25 +196,94 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
             addrs.add(sp.cluster_ip)
         else:
             addrs.update(e.ip for e in ready)
+            for e in ready:  # and each its own name (a StatefulSet's pods: db-0.db.<ns>.svc.<domain>)
+                own = f"{endpoint_label(e)}.{host}"
+                for hosts in by_family.values():
+                    hosts.setdefault(own, set())
+                by_family[sp.family][own].add(e.ip)
         if sp.port_name:
             # A headless Service is not translated: its SRV records give each endpoint's own
-            # port (the Kubernetes DNS specification, 2.4.1), a cluster IP's the Service's.
-            ports = {sp.port} if sp.cluster_ip is not None else {e.port for e in ready}
-            srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).update((port, host) for port in ports)
+            # port and name (the Kubernetes DNS specification, 2.4.1), a cluster IP's the
+            # Service's port and name.
+            if sp.cluster_ip is not None:
+                targets = {(sp.port, host)}
+            else:
+                targets = {(e.port, f"{endpoint_label(e)}.{host}") for e in ready}
+            srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).update(targets)
     a, aaaa = ({k: tuple(sorted(v)) for k, v in by_family[version].items()} for version in (4, 6))
     table = Names(domain, a, {k: tuple(sorted(v)) for k, v in srv.items()}, aaaa)
     table.add_hosts(a)
     return table
 
 
-def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | None:
-    """The answer to ``query`` from ``table``, or None when the name is not ours (forward it)."""
+def _reverse(table: Names, query: dns.message.Message, qname: str, service_ranges: Sequence[Any]) -> dns.message.Message | None:
+    """PTR (the Kubernetes DNS specification 2.3.3, 2.4.3): a cluster IP's reverse name gives
+    its Service's name, a headless Service's ready endpoint's its own name; another address of
+    the Services' ranges is NXDOMAIN; any other address's (a pod's, the world's) is forwarded."""
+    owners = table.ptr.get(qname)
+    if not owners:
+        address = _reverse_address(qname)
+        if address is None or not any(address in r for r in service_ranges):
+            return None
+    response = dns.message.make_response(query)
+    if not table.ready:
+        response.set_rcode(dns.rcode.SERVFAIL)
+        return response
+    response.flags |= dns.flags.AA
+    zone = "in-addr.arpa" if qname.endswith(".in-addr.arpa.") else "ip6.arpa"
+    q = query.question[0]
+    if not owners:
+        response.set_rcode(dns.rcode.NXDOMAIN)
+    elif q.rdtype in (dns.rdatatype.PTR, dns.rdatatype.ANY):
+        # A headless endpoint's address is its Service's name's too: the endpoint's own name
+        # (one label more) is the one.
+        deepest = max(host.count(".") for host in owners)
+        hosts = sorted(host for host in owners if host.count(".") == deepest)
+        response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", "PTR", hosts))
+    if not response.answer:
+        response.authority.append(_soa(zone))
+    return response
+
+
+def _reverse_address(qname: str) -> Any:
+    """The address a whole reverse name (``d.c.b.a.in-addr.arpa.``, 32 nibbles of
+    ``ip6.arpa.``) stands for; None for any other name."""
+    try:
+        if qname.endswith(".in-addr.arpa."):
+            labels = qname[: -len(".in-addr.arpa.")].split(".")
+            return ipaddress.IPv4Address(".".join(reversed(labels))) if len(labels) == 4 else None
+        labels = qname[: -len(".ip6.arpa.")].split(".")
+        if len(labels) != 32 or any(len(label) != 1 or label not in "0123456789abcdef" for label in labels):
+            return None
+        return ipaddress.IPv6Address(int("".join(reversed(labels)), 16))
+    except ValueError:
+        return None
+
+
+def endpoint_label(endpoint: Endpoint) -> str:
+    """A headless Service's endpoint's label in DNS: its ``hostname``, else its address with
+    dashes for dots and colons (``10-244-1-5``), as CoreDNS names it."""
+    return endpoint.hostname or endpoint.ip.replace(".", "-").replace(":", "-")
+
+
+def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[Any] = ()) -> dns.message.Message | None:
+    """The answer to ``query`` from ``table``, or None when the name is not ours (forward it).
+    ``service_ranges`` (``ipaddress`` networks): the cluster IPs' ranges, whose reverse names
+    are ours."""
+    if query.opcode() != dns.opcode.QUERY:
+        # UPDATE, NOTIFY and the rest: not implemented, whatever the zone, as CoreDNS answers
+        # them (miekg/dns); never forwarded, where an upstream would take them from the node.
+        response = dns.message.make_response(query)
+        response.set_rcode(dns.rcode.NOTIMP)
+        return response
     if not query.question:
         response = dns.message.make_response(query)
         response.set_rcode(dns.rcode.FORMERR)
         return response
     q = query.question[0]
     qname = q.name.to_text().lower()
+    if qname.endswith((".in-addr.arpa.", ".ip6.arpa.")):
+        return _reverse(table, query, qname, service_ranges)
     if not (qname == f"{table.domain}." or qname.endswith(f".{table.domain}.")):
         return None
     response = dns.message.make_response(query)
@@ -203,36 +298,92 @@ def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | N
         return response
     for rdtype, records in ((dns.rdatatype.A, table.a), (dns.rdatatype.AAAA, table.aaaa)):
         if q.rdtype in (rdtype, dns.rdatatype.ANY) and records.get(qname):
-            response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", rdtype, list(records[qname])))
+            response.answer.append(_addresses(q.name, rdtype, records[qname]))
     if q.rdtype in (dns.rdatatype.SRV, dns.rdatatype.ANY) and table.srv.get(qname):  # none: NODATA, not an empty RRset
         srv = [f"0 100 {port} {target}" for port, target in table.srv[qname]]
         response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", "SRV", srv))
-        for _, target in table.srv[qname]:
+        for target in dict.fromkeys(target for _, target in table.srv[qname]):  # each once, of several ports
             for rdtype, records in ((dns.rdatatype.A, table.a), (dns.rdatatype.AAAA, table.aaaa)):
                 if records.get(target):
-                    response.additional.append(dns.rrset.from_text_list(target, TTL, "IN", rdtype, list(records[target])))
+                    response.additional.append(_addresses(target, rdtype, records[target]))
     if not response.answer:  # NODATA: the name exists, without records of that type
         response.authority.append(_soa(table.domain))
     return response
 
 
+def _addresses(name: dns.name.Name | str, rdtype: int, addresses: Iterable[str]) -> dns.rrset.RRset:
+    """An A or AAAA RRset, made from the addresses, not parsed from text (half the cost: a
+    headless Service's answer is made anew per query)."""
+    kind = dns.rdtypes.IN.A.A if rdtype == dns.rdatatype.A else dns.rdtypes.IN.AAAA.AAAA
+    rdclass = dns.rdataclass.IN
+    return dns.rrset.from_rdata_list(name, TTL, [kind(rdclass, rdtype, a) for a in addresses])
+
+
+def _render(query: dns.message.Message, response: dns.message.Message, limit: int) -> bytes:
+    """``response`` in at most ``limit`` octets.  What does not fit is cut: when its answer
+    section fits whole, some of its additional records are left out, without TC (RFC 2181 9:
+    they are extra); else :func:`_truncated`."""
+    # The least the answers take: an answer too big for certain is not rendered in vain first.
+    least = 12 + sum(len(r) * (11 + (len(r.name) > 1) + _LEAST_DATA.get(r.rdtype, 0)) for r in response.answer)
+    if least > limit:
+        return _truncated(query, response, limit)
+    wire = response.to_wire(max_size=limit, prefer_truncation=True)
+    (ancount,) = struct.unpack("!H", wire[6:8])  # dnspython leaves out a whole RRset that does not fit
+    if ancount < sum(len(rrset) for rrset in response.answer):
+        return _truncated(query, response, limit)
+    return wire
+
+
+# Octets of a record's data at the least, by type (others: none): a record is its owner (the
+# root's one octet, or a compression pointer's two at least), 10 octets of type, class, TTL
+# and length, and its data.
+_LEAST_DATA = {dns.rdatatype.A: 4, dns.rdatatype.AAAA: 16}
+
+
 def _truncated(query: dns.message.Message, response: dns.message.Message, limit: int) -> bytes:
     """``response`` cut to ``limit`` octets, TC set: as many of its answer records as fit, in
-    order, nothing of the other sections."""
-    cut = dns.message.make_response(query)
-    cut.flags = response.flags | dns.flags.TC
-    cut.set_rcode(response.rcode())
-    wire = cut.to_wire(max_size=limit, prefer_truncation=True)
-    for rrset in response.answer:
-        kept = dns.rrset.RRset(rrset.name, rrset.rdclass, rrset.rdtype)
-        cut.answer.append(kept)
-        for rdata in rrset:
+    order, nothing of the other sections (as CoreDNS cuts: miekg/dns's ``Msg.Truncate``).  How
+    many fit comes from one pass that writes the records as dnspython's renderer does (names
+    compressed against the question and the records before) and stops where they no longer
+    fit: the cost of one rendering, not of one per record (a headless Service's 1,000
+    endpoints over UDP took a second of the event loop)."""
+    records = [(rrset, rdata) for rrset in response.answer for rdata in rrset]
+
+    def render(count: int) -> bytes:
+        cut = dns.message.make_response(query)
+        cut.flags = response.flags | dns.flags.TC
+        cut.set_rcode(response.rcode())
+        kept, source = None, None
+        for rrset, rdata in records[:count]:
+            if rrset is not source:
+                kept, source = dns.rrset.RRset(rrset.name, rrset.rdclass, rrset.rdtype), rrset
+                cut.answer.append(kept)
             kept.add(rdata, rrset.ttl)
-            try:
-                wire = cut.to_wire(max_size=limit)
-            except dns.exception.TooBig:
-                return wire  # the last that fitted
-    return wire
+        # Not shuffled (dnspython's default): the records take the room the pass measured.
+        return cut.to_wire(max_size=limit, prefer_truncation=count == 0, want_shuffle=False)
+
+    bare = render(0)  # the header, the question and the OPT record
+    pass_ = dns.renderer.Renderer(0, 0, 1 << 32)
+    for q in query.question:
+        pass_.add_question(q.name, q.rdtype, q.rdclass)
+    out = pass_.output
+    room = limit - (len(bare) - out.tell())  # for the question and the answers: the OPT record goes last
+    count = 0
+    for rrset, rdata in records:
+        rrset.name.to_wire(out, pass_.compress)
+        out.write(struct.pack("!HHI", rrset.rdtype, rrset.rdclass, rrset.ttl))
+        with dns.renderer.prefixed_length(out, 2):
+            rdata.to_wire(out, pass_.compress)
+        if out.tell() > room:
+            break
+        count += 1
+    if count == 0:
+        return bare
+    try:
+        return render(count)
+    except dns.exception.TooBig:  # the pass measured otherwise than the renderer wrote: none then
+        log.debug("an answer of %d records measured %d to fit in %d octets, which they did not", len(records), count, limit)
+        return bare
 
 
 def _soa(domain: str) -> dns.rrset.RRset:
@@ -284,8 +435,11 @@ class DnsServer:
     IPv6); answers from ``table()``, forwards the rest to ``upstreams``."""
 
     def __init__(self, address: str, port: int, table: Callable[[], Names], upstreams: list[tuple[str, int]],
-                 more: Sequence[str] = (), clients: Clients | None = None) -> None:  # fmt: skip
+                 more: Sequence[str] = (), clients: Clients | None = None,
+                 service_ranges: Iterable[str] = ()) -> None:  # fmt: skip
         self.address = address
+        # The cluster IPs' ranges: their reverse names are answered here, never forwarded.
+        self.service_ranges = [ipaddress.ip_network(r, strict=False) for r in service_ranges]
         self.clients = clients  # None: anyone (tests)
         self.addresses = [address, *more]
         self.port = port
@@ -338,7 +492,9 @@ class DnsServer:
             query = dns.message.from_wire(wire)
         except dns.exception.DNSException:
             return None  # not DNS: no answer (as servers do with garbage)
-        response, outcome = resolve(self.table(), query), "answered"
+        if query.flags & dns.flags.QR:
+            return None  # a response, not a query: dropped, unlogged (nothing to answer, nothing to forward)
+        response, outcome = resolve(self.table(), query, self.service_ranges), "answered"
         if response is None and self.in_flight >= self.max_forwarded:
             response, outcome = dns.message.make_response(query), "rejected"
             response.set_rcode(dns.rcode.SERVFAIL)
@@ -355,8 +511,9 @@ class DnsServer:
         # answer records as fit, as CoreDNS does: a resolver that never retries over TCP (musl
         # before 1.2.4, Alpine's) still gets addresses.
         limit = 65535 if tcp else min(65535, max(512, query.payload if query.edns >= 0 else 512))
-        wire = response.to_wire(max_size=65535, prefer_truncation=True)
-        wire = wire if len(wire) <= limit else _truncated(query, response, limit)
+        # Over TCP too, an answer over 65535 octets (a headless Service's 4,100 endpoints) keeps
+        # as many records as fit, TC set, as CoreDNS's does: not none.
+        wire = _render(query, response, limit)
         self.outcomes[outcome] += 1
         return wire
 

@@ -6,7 +6,7 @@ each a ready endpoint, its port the service port's ``targetPort`` (a number, or 
 one of the pod's container ports with the same protocol; a pod without that name is not an
 endpoint of that port, as in Kubernetes).  A Service without a selector takes them from the
 EndpointSlices labelled ``kubernetes.io/service-name: <service>`` in its namespace (each
-slice port by name, ``""`` for an unnamed service port), with their conditions.
+slice port by name, ``""`` for an unnamed service port), with their conditions and ``hostname``.
 
 :func:`build` gives one :class:`ServicePort` per (service, port, IP family): the unit the
 data path programs.  A dual-stack Service is two of each: its IPv4 cluster IP with the IPv4
@@ -41,6 +41,9 @@ class Endpoint:
     serving: bool = True
     terminating: bool = False
     pod: str | None = None  # "namespace/name" of a pod record
+    # An EndpointSlice endpoint's ``hostname`` ("": none): a headless Service gives it the DNS
+    # name ``<hostname>.<service>.<namespace>.svc.<domain>`` (a StatefulSet's pods have theirs).
+    hostname: str = ""
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,8 @@ def _from_slices(port: Obj, slices: list[Obj], family: str) -> list[Endpoint]:
             continue  # the slices of the other family are the other ServicePort's
         if port is NO_PORTS:  # every address of the slice, whatever its ports
             out.extend(Endpoint(e["addresses"][0], 0, e.get("nodeName"), ready=endpoint_ready(e),
-                                serving=endpoint_serving(e), terminating=endpoint_terminating(e))
+                                serving=endpoint_serving(e), terminating=endpoint_terminating(e),
+                                hostname=e.get("hostname", ""))
                        for e in s.get("endpoints", []))
             continue
         for sp in s.get("ports", []):
@@ -207,6 +211,7 @@ def _from_slices(port: Obj, slices: list[Obj], family: str) -> list[Endpoint]:
                     Endpoint(
                         e["addresses"][0], sp["port"], e.get("nodeName"),
                         ready=endpoint_ready(e), serving=endpoint_serving(e), terminating=endpoint_terminating(e),
+                        hostname=e.get("hostname", ""),
                     )
                 )  # fmt: skip
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import sys
 import time
@@ -587,6 +588,16 @@ async def test_service_dns_answers_a_srv_headless_forwards_and_follows_changes(w
         assert r["answer"] == ["_dns._udp.web.svc.svc.cluster.local. 5 IN SRV 0 100 53 web.svc.svc.cluster.local."], r
         r = await client.dns(DNS, "hl.svc.svc.cluster.local", "A")  # headless: the endpoints
         assert r["answer"] == [f"hl.svc.svc.cluster.local. 5 IN A {world.pods['web-2'].ip}"], r
+        own = f"{world.pods['web-2'].ip.replace('.', '-')}.hl.svc.svc.cluster.local."  # an endpoint's own name
+        r = await client.dns(DNS, own, "A")
+        assert r["rcode"] == "NOERROR" and r["answer"] == [f"{own} 5 IN A {world.pods['web-2'].ip}"], r
+        r = await client.dns(DNS, "_http._tcp.hl.svc.svc.cluster.local", "SRV")  # its target: that name
+        assert len(r["answer"]) == 1 and r["answer"][0].endswith(f" {own}") and r["additional"][0].startswith(own), r
+        ptr = ipaddress.ip_address(vip).reverse_pointer  # reverse: the cluster IP's Service
+        r = await client.dns(DNS, ptr, "PTR")
+        assert r["rcode"] == "NOERROR" and r["aa"] and r["answer"] == [f"{ptr}. 5 IN PTR web.svc.svc.cluster.local."], r
+        r = await client.dns(DNS, ipaddress.ip_address(world.pods["web-2"].ip).reverse_pointer, "PTR")
+        assert r["answer"][0].endswith(f" 5 IN PTR {own}"), r
         r = await client.dns(DNS, "nope.svc.svc.cluster.local", "A")
         assert r["rcode"] == "NXDOMAIN" and r["aa"], r
         r = await client.dns(DNS, "svc.svc.cluster.local", "A")  # a namespace: exists, no records

@@ -318,7 +318,7 @@ async def test_dns_query_counts_survive_a_restart_of_the_services_task(monkeypat
     agent.dns_config = SimpleNamespace(enabled=True, address=IPv4Address("169.254.20.10"), address_v6=None,
                                        upstream=["192.0.2.1"], cluster_domain="cluster.local")
     agent.families, agent.dns_server, agent.dns_counted, agent.error_dns = (4,), None, {}, None
-    agent.pod_networks = ("10.244.0.0/16",)
+    agent.pod_networks, agent.service_ranges = ("10.244.0.0/16",), {4: "10.96.0.0/12"}
     agent.programmer = object()
     crash = asyncio.Event()
 

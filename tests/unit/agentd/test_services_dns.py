@@ -131,6 +131,48 @@ async def test_an_answer_too_big_for_udp_is_truncated_with_tc_and_whole_over_tcp
     assert len(small) <= 600 and cut.flags & dns.flags.TC and len(cut.answer[0]) > len(udp.answer[0]) and cut.edns == 0
 
 
+def many(n: int) -> list[Endpoint]:
+    return [Endpoint(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}", 80) for i in range(1, n + 1)]
+
+
+async def test_cutting_an_answer_renders_it_a_few_times_not_once_per_record(monkeypatch):
+    """1,000 endpoints over UDP with EDNS 4096: the cut keeps as many records as fit, found
+    without rendering the message once per record kept (252 renderings, each of all the records
+    before: a second of the event loop per query)."""
+    table = sdns.names([sp("big", "", "TCP", 80, None, many(1000))], "cluster.local")
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: table, [])
+    renders = []
+    to_wire = dns.message.Message.to_wire
+
+    def counted(self, *args, **kw):
+        renders.append(1)
+        return to_wire(self, *args, **kw)
+
+    monkeypatch.setattr(dns.message.Message, "to_wire", counted)
+    query = dns.message.make_query("big.shop.svc.cluster.local", "A", use_edns=0, payload=4096)
+    wire = await server.answer(query.to_wire())
+    renders.clear()
+    wire = await server.answer(query.to_wire())
+    cut = dns.message.from_wire(wire)
+    assert len(renders) < 20, len(renders)
+    assert cut.flags & dns.flags.TC and 4096 - 16 < len(wire) <= 4096 and len(cut.answer[0]) == 252
+
+
+async def test_an_answer_over_64k_keeps_the_records_that_fit_over_tcp_too():
+    """5,000 A records take 80,000 octets, more than a DNS message holds: the answer keeps
+    the 4,000 and more that fit in 65535 octets, TC set (as CoreDNS's), over TCP and UDP alike;
+    it was an empty TC answer even over TCP, so that no client ever had an address."""
+    table = sdns.names([sp("big", "", "TCP", 80, None, many(5000))], "cluster.local")
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: table, [])
+    name = "big.shop.svc.cluster.local"
+    wire = await server.answer(dns.message.make_query(name, "A").to_wire(), tcp=True)
+    tcp = dns.message.from_wire(wire)
+    assert tcp.flags & dns.flags.TC and len(wire) <= 65535 and len(tcp.answer[0]) >= 4000
+    assert {r.address for r in tcp.answer[0]} <= {e.ip for e in many(5000)}
+    udp = dns.message.from_wire(await server.answer(dns.message.make_query(name, "A", use_edns=0, payload=4096).to_wire()))
+    assert udp.flags & dns.flags.TC and len(udp.answer[0]) == 252
+
+
 def test_host_resolvers_skip_our_own_address(tmp_path):
     conf = tmp_path / "resolv.conf"
     conf.write_text("search x\nnameserver 192.0.2.53\nnameserver 169.254.20.10\nnameserver fd00::1\n"
@@ -223,8 +265,9 @@ def test_a_headless_services_srv_records_give_the_endpoints_ports():
     table = sdns.names([sp("h", "http", "TCP", 80, None, [Endpoint("10.244.1.5", 8080), Endpoint("10.244.2.5", 8081)])],
                        "cluster.local")
     r = sdns.resolve(table, dns.message.make_query("_http._tcp.h.shop.svc.cluster.local", "SRV"))
-    assert sorted(lines(r.answer)) == ["_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 8080 h.shop.svc.cluster.local.",
-                                       "_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 8081 h.shop.svc.cluster.local."]
+    assert sorted(lines(r.answer)) == [
+        "_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 8080 10-244-1-5.h.shop.svc.cluster.local.",
+        "_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 8081 10-244-2-5.h.shop.svc.cluster.local."]
 
 
 async def test_an_upstream_that_closes_tcp_unanswered_is_a_failure_and_the_next_is_asked(monkeypatch):
@@ -549,3 +592,254 @@ async def test_queries_from_elsewhere_are_dropped_unanswered_and_counted_udp_and
     assert stranger.transport.aborted and stranger.sent == b""
     assert dns.message.from_wire(pod.sent[2:]).rcode() == dns.rcode.NOERROR
     assert server.outcomes["foreign"] == 2 and server.outcomes["answered"] == 2 and server.queries == 2
+
+
+def fake_upstream(monkeypatch) -> list[dns.message.Message]:
+    """dnspython's queries to an upstream, recorded (each answered NOERROR, over UDP and TCP)."""
+    import dns.asyncquery
+
+    asked: list[dns.message.Message] = []
+
+    async def ask(query, host, **kw):
+        asked.append(query)
+        return dns.message.make_response(query)
+
+    monkeypatch.setattr(dns.asyncquery, "udp", ask)
+    monkeypatch.setattr(dns.asyncquery, "tcp", ask)
+    return asked
+
+
+async def test_opcodes_other_than_query_are_not_implemented_and_never_forwarded(monkeypatch):
+    """An UPDATE or a NOTIFY is no question to forward: an upstream would take it from the
+    node's address (a pod's dynamic update to the site's DNS), and one for the cluster domain
+    is no authoritative NOERROR (nothing was updated).  NOTIMP, as CoreDNS (miekg/dns) answers."""
+    import dns.opcode
+    import dns.update
+
+    asked = fake_upstream(monkeypatch)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53)])
+    for zone in ("corp.example.", "cluster.local."):
+        update = dns.update.UpdateMessage(zone)
+        update.add(f"evil.{zone}", 300, "A", "10.244.1.99")
+        for tcp in (False, True):
+            r = dns.message.from_wire(await server.answer(update.to_wire(), tcp=tcp))
+            assert r.opcode() == dns.opcode.UPDATE and r.rcode() == dns.rcode.NOTIMP and not r.flags & dns.flags.AA
+    notify = dns.message.make_query("corp.example.", "SOA")
+    notify.set_opcode(dns.opcode.NOTIFY)
+    r = dns.message.from_wire(await server.answer(notify.to_wire()))
+    assert r.opcode() == dns.opcode.NOTIFY and r.rcode() == dns.rcode.NOTIMP
+    assert asked == [] and server.forwarded == 0
+
+
+async def test_a_response_sent_as_a_query_is_dropped_silently(monkeypatch, caplog):
+    """A message with QR set is no query: dropped unanswered, not forwarded (where it held a
+    forwarding slot for the upstream's timeout) and not logged per datagram (a flood of them
+    was a warning each)."""
+    import logging
+
+    asked = fake_upstream(monkeypatch)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53)])
+
+    class Transport:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        def is_closing(self) -> bool:
+            return False
+
+        def sendto(self, data, addr) -> None:
+            self.sent.append(data)
+
+    caplog.set_level(logging.DEBUG, logger="agentd.services.dns")
+    for name in ("example.com", "web.shop.svc.cluster.local"):
+        response = dns.message.make_query(name, "A")
+        response.flags |= dns.flags.QR
+        assert await server.answer(response.to_wire()) is None
+        assert await server.answer(response.to_wire(), tcp=True) is None
+        transport = Transport()
+        await server._udp_query(transport, response.to_wire(), ("10.244.1.5", 1234))  # type: ignore[arg-type]
+        assert transport.sent == []
+    assert asked == [] and server.forwarded == 0 and server.failed == 0
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+STATEFUL = """\
+apiVersion: v1
+kind: Service
+metadata: {name: db, namespace: shop}
+spec: {clusterIP: None, ipFamilyPolicy: PreferDualStack, ipFamilies: [IPv4, IPv6], ports: [{name: pg, port: 5432}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: db-v4, namespace: shop, labels: {kubernetes.io/service-name: db}}
+addressType: IPv4
+ports: [{name: pg, port: 5432, protocol: TCP}]
+endpoints:
+- {addresses: [10.244.1.5], hostname: db-0, conditions: {ready: true}}
+- {addresses: [10.244.2.6], hostname: db-1, conditions: {ready: true}}
+- {addresses: [10.244.3.7], conditions: {ready: true}}
+- {addresses: [10.244.3.8], hostname: db-2, conditions: {ready: false}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: db-v6, namespace: shop, labels: {kubernetes.io/service-name: db}}
+addressType: IPv6
+ports: [{name: pg, port: 5432, protocol: TCP}]
+endpoints:
+- {addresses: ["fd00:10:244:1::5"], hostname: db-0, conditions: {ready: true}}
+"""
+
+
+def stateful_table_ports() -> list[ServicePort]:
+    from agentd.resources import manifests
+    from agentd.services import model
+
+    svc, *slices = manifests.validate_all(manifests.read(STATEFUL, "f.yaml"), "f.yaml")
+    return model.build([svc], slices, [])
+
+
+def stateful_table() -> sdns.Names:
+    return sdns.names(stateful_table_ports(), "cluster.local")
+
+
+def test_a_headless_services_endpoints_have_their_own_names():
+    """Kubernetes DNS specification 2.4.1: an endpoint of a headless Service with a hostname
+    (a StatefulSet's pod: db-0) has <hostname>.<service>.<ns>.svc.<domain>, A and AAAA of
+    its addresses; one without, its address with dashes (CoreDNS's name for it).  Not-ready
+    endpoints have none; the Service's name still has every ready address."""
+    table = stateful_table()
+
+    def answer(name: str, rdtype: str) -> list[str]:
+        r = sdns.resolve(table, dns.message.make_query(name, rdtype))
+        assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA, (name, r)
+        return [rr.split()[-1] for rr in lines(r.answer)]
+
+    assert answer("db-0.db.shop.svc.cluster.local", "A") == ["10.244.1.5"]
+    assert answer("DB-0.db.shop.svc.cluster.local", "AAAA") == ["fd00:10:244:1::5"]
+    assert answer("db-1.db.shop.svc.cluster.local", "A") == ["10.244.2.6"]
+    assert answer("db-1.db.shop.svc.cluster.local", "AAAA") == []  # NODATA: it has no IPv6 address
+    assert answer("10-244-3-7.db.shop.svc.cluster.local", "A") == ["10.244.3.7"]
+    assert sorted(answer("db.shop.svc.cluster.local", "A")) == ["10.244.1.5", "10.244.2.6", "10.244.3.7"]
+    for gone in ("db-2.db.shop.svc.cluster.local", "10-244-3-8.db.shop.svc.cluster.local", "db-9.db.shop.svc.cluster.local"):
+        assert sdns.resolve(table, dns.message.make_query(gone, "A")).rcode() == dns.rcode.NXDOMAIN, gone
+
+
+def test_a_headless_services_srv_records_target_each_endpoints_own_name():
+    """SRV of a headless Service: one per ready endpoint, with its own name as the target
+    (the Kubernetes DNS specification 2.4.1; CoreDNS), each target's A and AAAA once in the
+    additional section."""
+    table = stateful_table()
+    r = sdns.resolve(table, dns.message.make_query("_pg._tcp.db.shop.svc.cluster.local", "SRV"))
+    assert sorted(lines(r.answer)) == [
+        "_pg._tcp.db.shop.svc.cluster.local. 5 IN SRV 0 100 5432 10-244-3-7.db.shop.svc.cluster.local.",
+        "_pg._tcp.db.shop.svc.cluster.local. 5 IN SRV 0 100 5432 db-0.db.shop.svc.cluster.local.",
+        "_pg._tcp.db.shop.svc.cluster.local. 5 IN SRV 0 100 5432 db-1.db.shop.svc.cluster.local."]
+    assert sorted(lines(r.additional)) == [
+        "10-244-3-7.db.shop.svc.cluster.local. 5 IN A 10.244.3.7",
+        "db-0.db.shop.svc.cluster.local. 5 IN A 10.244.1.5",
+        "db-0.db.shop.svc.cluster.local. 5 IN AAAA fd00:10:244:1::5",
+        "db-1.db.shop.svc.cluster.local. 5 IN A 10.244.2.6"]
+    # A target named by two ports is in the additional section once.
+    table = sdns.names([sp("h", "http", "TCP", 80, None, [Endpoint("10.244.1.5", 80, hostname="web-0")]),
+                        sp("h", "http", "UDP", 80, None, [Endpoint("10.244.1.5", 80, hostname="web-0")]),
+                        sp("h", "alt", "TCP", 81, None, [Endpoint("10.244.1.5", 81, hostname="web-0")])], "cluster.local")
+    r = sdns.resolve(table, dns.message.make_query("_http._tcp.h.shop.svc.cluster.local", "SRV"))
+    assert lines(r.additional) == ["web-0.h.shop.svc.cluster.local. 5 IN A 10.244.1.5"]
+
+
+async def test_an_srv_answer_whose_additional_records_do_not_fit_keeps_its_answers_without_tc():
+    """RFC 2181 9: TC is for an answer cut, not for additional records left out."""
+    endpoints = [Endpoint(f"10.244.1.{i}", 80, hostname=f"web-{i}") for i in range(1, 9)]
+    table = sdns.names([sp("h", "http", "TCP", 80, None, endpoints)], "cluster.local")
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: table, [])
+    wire = await server.answer(dns.message.make_query("_http._tcp.h.shop.svc.cluster.local", "SRV").to_wire())
+    r = dns.message.from_wire(wire)
+    assert len(wire) <= 512 and not r.flags & dns.flags.TC and len(r.answer[0]) == 8
+    assert 0 < len(r.additional) < 8
+
+
+def reverse(address: str) -> str:
+    import ipaddress
+
+    return ipaddress.ip_address(address).reverse_pointer
+
+
+async def test_reverse_names_of_cluster_ips_and_headless_endpoints_are_answered(monkeypatch):
+    """PTR (the Kubernetes DNS specification 2.3.3, 2.4.3): a cluster IP's reverse name gives
+    its Service's name, a headless Service's ready endpoint's its own name, IPv4 and IPv6;
+    another address of the Service ranges is NXDOMAIN (authoritative, with an SOA); any other
+    address's reverse name (a pod's, the world's) is still forwarded.  They were all forwarded."""
+    table = sdns.names([
+        sp("web", "http", "TCP", 80, "10.96.0.10"), sp6("web", "http", 80, "fd00:10:96::a"),
+        *stateful_table_ports(),
+    ], "cluster.local")  # fmt: skip
+    asked = fake_upstream(monkeypatch)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: table, [("192.0.2.1", 53)],
+                            service_ranges=["10.96.0.0/12", "fd00:10:96::/112"])
+
+    async def ask(address: str, rdtype: str = "PTR") -> dns.message.Message:
+        wire = await server.answer(dns.message.make_query(reverse(address), rdtype).to_wire())
+        return dns.message.from_wire(wire)
+
+    expected = {"10.96.0.10": "web.shop.svc.cluster.local.", "fd00:10:96::a": "web.shop.svc.cluster.local.",
+                "10.244.1.5": "db-0.db.shop.svc.cluster.local.", "fd00:10:244:1::5": "db-0.db.shop.svc.cluster.local.",
+                "10.244.3.7": "10-244-3-7.db.shop.svc.cluster.local."}  # fmt: skip
+    for address, name in expected.items():
+        r = await ask(address)
+        assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA, address
+        assert lines(r.answer) == [f"{reverse(address)}. 5 IN PTR {name}"]
+    r = await ask("10.96.0.10", "A")  # the name exists, not with that type
+    assert r.rcode() == dns.rcode.NOERROR and r.answer == [] and lines(r.authority)[0].startswith("in-addr.arpa. 5 IN SOA")
+    for address, zone in (("10.96.0.99", "in-addr.arpa."), ("fd00:10:96::99", "ip6.arpa.")):
+        r = await ask(address)
+        assert r.rcode() == dns.rcode.NXDOMAIN and r.flags & dns.flags.AA and lines(r.authority)[0].startswith(f"{zone} 5 IN SOA")
+    assert asked == [] and server.forwarded == 0
+    for address in ("10.244.3.8", "192.0.2.7", "2001:db8::1"):  # a not-ready endpoint's, the world's
+        assert (await ask(address)).rcode() == dns.rcode.NOERROR
+    partial = dns.message.make_query("96.10.in-addr.arpa.", "PTR").to_wire()  # no address: not ours
+    assert dns.message.from_wire(await server.answer(partial)).rcode() == dns.rcode.NOERROR
+    assert [q.question[0].name.to_text() for q in asked] == [
+        f"{reverse(a)}." for a in ("10.244.3.8", "192.0.2.7", "2001:db8::1")] + ["96.10.in-addr.arpa."]
+
+
+def test_reverse_names_follow_services_changed_in_place():
+    """The agent changes one Service's names in place (agentd.services.agent: add_hosts -1
+    before its names are taken out, +1 after the new ones are put in): the reverse names follow."""
+    table = sdns.names([sp("web", "", "TCP", 80, "10.96.0.10")], "cluster.local")
+    key = f"{reverse('10.96.0.10')}."
+    assert dict(table.ptr) == {key: {"web.shop.svc.cluster.local.": 1}}
+    # web's cluster IP changes: out with the old names, in with the new ones.
+    table.add_hosts(["web.shop.svc.cluster.local."], -1)
+    table.a.pop("web.shop.svc.cluster.local.")
+    table.aaaa.pop("web.shop.svc.cluster.local.")
+    part = sdns.names([sp("web", "", "TCP", 80, "10.96.0.11")], "cluster.local")
+    table.a.update(part.a)
+    table.aaaa.update(part.aaaa)
+    table.add_hosts(part.a)
+    assert dict(table.ptr) == {f"{reverse('10.96.0.11')}.": {"web.shop.svc.cluster.local.": 1}}
+    r = sdns.resolve(table, dns.message.make_query(reverse("10.96.0.10"), "PTR"), [IPv4Network("10.96.0.0/12")])
+    assert r.rcode() == dns.rcode.NXDOMAIN
+
+
+async def test_a_cut_keeps_every_record_that_fits_with_names_compressed_and_edns(caplog):
+    """The cut's measuring pass writes what dnspython's renderer writes (owners compressed,
+    SRV targets whole, AAAA, the OPT record at the end): the cut fits and leaves no room for
+    one more record, whatever the limit."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="agentd.services.dns")
+    endpoints = [Endpoint(f"10.244.{i // 250}.{i % 250 + 1}", 8000 + i, hostname=f"db-{i}") for i in range(300)]
+    endpoints6 = [Endpoint(f"fd00:10:244::{i + 1:x}", 8000 + i, hostname=f"db-{i}") for i in range(300)]
+    table = sdns.names([sp("db", "pg", "TCP", 5432, None, endpoints), sp6("db", "pg", 5432, None, endpoints6)], "cluster.local")
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: table, [])
+    for name, rdtype, biggest in (("_pg._tcp.db.shop.svc.cluster.local", "SRV", 2 + 10 + 6 + len("db-299.db.shop.svc.cluster.local.") + 1),
+                                  ("db.shop.svc.cluster.local", "ANY", 2 + 10 + 16),
+                                  ("db.shop.svc.cluster.local", "AAAA", 2 + 10 + 16)):  # fmt: skip
+        for edns, payload in ((False, 512), (0, 1232), (0, 4000), (0, 6000)):
+            query = dns.message.make_query(name, rdtype, use_edns=edns, payload=payload)
+            wire = await server.answer(query.to_wire())
+            cut = dns.message.from_wire(wire)
+            kept = sum(len(rrset) for rrset in cut.answer)
+            assert cut.flags & dns.flags.TC and 0 < kept, (name, rdtype, payload)
+            assert payload - biggest < len(wire) <= payload, (name, rdtype, payload, len(wire))
+    assert not [r for r in caplog.records if "measured" in r.getMessage()]
