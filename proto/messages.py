@@ -475,7 +475,12 @@ class Notification:
         return self.data[1 : 1 + self.data[0]].decode("utf-8", "replace")
 
     def encode(self, ctx: CodecContext = DEFAULT_CONTEXT) -> bytes:
-        return frame(MessageType.NOTIFICATION, bytes((self.code, self.subcode)) + self.data, ctx)
+        # RFC 4271 §4.5: the data is of variable length, but the message must fit the maximum
+        # (§4.1; RFC 8654 once negotiated).  Data carrying what the peer sent (a whole
+        # ROUTE-REFRESH, RFC 7313 §5; an attribute) is cut to fit, so that no peer can make
+        # a NOTIFICATION of ours impossible to send.
+        room = ctx.max_message_len - HEADER_LEN - 2
+        return frame(MessageType.NOTIFICATION, bytes((self.code, self.subcode)) + self.data[:room], ctx)
 
     @classmethod
     def decode(cls, body: bytes, ctx: CodecContext = DEFAULT_CONTEXT) -> Notification:

@@ -522,6 +522,22 @@ def test_encode_refuses_messages_over_4096_octets() -> None:
         u.encode()
 
 
+def test_notification_data_is_cut_to_fit_the_maximum_message_length() -> None:
+    # RFC 7313 §5 puts the whole over-long ROUTE-REFRESH into the data of 7/1; whatever a peer
+    # sends, the NOTIFICATION answering it must still be sendable (RFC 4271 §4.1, §4.5).
+    with pytest.raises(DecodeError) as info:
+        decode_message(5, bytes(4073))  # a 4,092-octet ROUTE-REFRESH
+    err = info.value
+    assert (err.code, err.subcode) == (7, 1) and len(err.data) == 4092
+    wire = Notification(err.code, err.subcode, err.data).encode()
+    assert len(wire) == 4096
+    assert Notification.decode(body(wire)) == Notification(7, 1, err.data[:4075])
+    extended = CodecContext(max_message_len=65535)  # RFC 8654
+    assert len(Notification(7, 1, bytes(70000)).encode(extended)) == 65535
+    assert len(Notification(7, 1, bytes(4075)).encode(extended)) == 4096  # cut only what does not fit
+    assert Notification(7, 1, b"\x01\x02").encode() == message(3, b"\x07\x01\x01\x02")
+
+
 def test_error_names() -> None:
     assert error_name(6, 2) == "Cease/Administrative Shutdown"
     assert error_name(1, 3) == "Message Header Error/Bad Message Type"

@@ -1,0 +1,264 @@
+"""What a session does with messages that come out of turn or out of bounds, and the timers and
+connections around it, sans-IO with a float clock.
+
+- Messages the FSM does not expect in its state (RFC 4271 §8.2.2) end the session with a
+  NOTIFICATION Finite State Machine Error whose subcode names the state (RFC 6608 §4).
+- An over-long ROUTE-REFRESH is answered with 7/1 (RFC 7313 §5), its data cut to fit.
+- The hold timer runs in OpenConfirm, the negotiated one (RFC 4271 §8.2.2); ROUTE-REFRESH
+  restarts it like any message; an UPDATE sent restarts our KeepaliveTimer (§10).
+- The restart backoff starts over once a session came up; an inbound connection that wins
+  in Connect closes the connection we were making (§8.2.2, Connect state).
+
+A speaker (10.0.0.1, AS 65000) with a passive eBGP neighbour A (10.0.0.9, AS 65001) driven
+by hand (bgp.testing.RawPeer), or a bare Peer (iBGP neighbour 10.0.0.2) whose connections the
+test makes and feeds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from ipaddress import IPv4Address
+
+import pytest
+
+from bgp import PeerSettings, Speaker, State
+from bgp.peer import Peer
+from bgp.session import Close, Connect, Send
+from bgp.settings import LocalSettings
+from bgp.testing import RawHarness, RawPeer
+from proto.errors import ErrorCode
+from proto.messages import (
+    MARKER,
+    Keepalive,
+    MessageReader,
+    MessageType,
+    Open,
+    RouteRefresh,
+)
+
+LOCAL, A, REMOTE = "10.0.0.1", "10.0.0.9", "10.0.0.2"
+_conns = itertools.count(-100, -1)
+
+# An UPDATE of A's: 10.60.0.0/24, ORIGIN IGP, AS_PATH 65001, NEXT_HOP A.
+UPDATE = (
+    MARKER + (19 + 4 + 20 + 4).to_bytes(2, "big") + b"\x02" + b"\x00\x00\x00\x14"
+    + b"\x40\x01\x01\x00" + b"\x40\x02\x06\x02\x01" + (65001).to_bytes(4, "big")
+    + b"\x40\x03\x04" + IPv4Address(A).packed + b"\x18\x0a\x3c\x00"
+)  # fmt: skip
+
+
+def harness() -> tuple[Speaker, RawHarness]:
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address(LOCAL)), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings(A, 65001, passive=True), 0.0)
+    sp.start(0.0)
+    return sp, RawHarness(sp, LOCAL)
+
+
+def raw(**kw) -> RawPeer:
+    return RawPeer(A, 65001, conn=next(_conns), **kw)
+
+
+def last_notification(peer: RawPeer) -> tuple[int, int]:
+    n = peer.notifications()
+    assert n, "no NOTIFICATION was sent"
+    return n[-1].code, n[-1].subcode
+
+
+# ---------------------------------------------------------------- RFC 4271 §8.2.2 / RFC 6608
+
+
+def _keepalive_before_open(h: RawHarness, a: RawPeer) -> None:
+    assert h.open(a)
+    h.send(a, Keepalive().encode())
+
+
+def _update_between_open_and_keepalive(h: RawHarness, a: RawPeer) -> None:
+    assert h.open(a)
+    h.send(a, a.open_message())
+    assert h.speaker.peers[A].state is State.OPEN_CONFIRM
+    h.send(a, UPDATE)
+
+
+def _open_again_in_open_confirm(h: RawHarness, a: RawPeer) -> None:
+    assert h.open(a)
+    h.send(a, a.open_message() + a.open_message())
+
+
+def _open_again_once_established(h: RawHarness, a: RawPeer) -> None:
+    assert h.connect(a)
+    assert h.speaker.peers[A].state is State.ESTABLISHED
+    h.send(a, a.open_message())
+
+
+def _route_refresh_in_open_confirm(h: RawHarness, a: RawPeer) -> None:
+    assert h.open(a)
+    h.send(a, a.open_message() + RouteRefresh(1, 1).encode())
+
+
+@pytest.mark.parametrize(
+    "provoke, subcode, unexpected",
+    [
+        (_keepalive_before_open, 1, "KEEPALIVE_MSG in OpenSent"),
+        (_update_between_open_and_keepalive, 2, "UPDATE_MSG in OpenConfirm"),
+        (_open_again_in_open_confirm, 2, "BGP_OPEN in OpenConfirm"),
+        (_route_refresh_in_open_confirm, 2, "ROUTE_REFRESH_MSG in OpenConfirm"),
+        (_open_again_once_established, 3, "BGP_OPEN in Established"),
+    ],
+    ids=["keepalive-in-open-sent", "update-in-open-confirm", "open-in-open-confirm", "route-refresh-in-open-confirm",
+         "open-in-established"],
+)  # fmt: skip
+def test_a_message_out_of_turn_is_an_fsm_error_naming_the_state(provoke, subcode, unexpected):
+    sp, h = harness()
+    a = raw()
+    provoke(h, a)
+    assert last_notification(a) == (ErrorCode.FSM, subcode)
+    assert a.closed
+    p = sp.peers[A]
+    assert p.state is not State.ESTABLISHED and p.session.conn is None
+    assert p.last_error == f"unexpected {unexpected}", p.last_error
+    assert not sp.counters["internal errors"]
+    # The UPDATE (in OpenConfirm) was not taken.
+    assert A not in sp.rib.adj_in or not len(sp.rib.adj_in[A])
+
+
+# ---------------------------------------------------------------- RFC 7313 §5
+
+
+def test_an_over_long_route_refresh_is_answered_with_7_1_cut_to_fit():
+    sp, h = harness()
+    a = raw()
+    assert h.connect(a)
+    body = b"\x00\x01\x00\x01" + bytes(4073)  # a ROUTE-REFRESH of 4,096 octets
+    msg = MARKER + (19 + len(body)).to_bytes(2, "big") + bytes((MessageType.ROUTE_REFRESH,)) + body
+    h.send(a, msg)
+    assert a.closed
+    (n,) = a.notifications()
+    assert (n.code, n.subcode) == (ErrorCode.ROUTE_REFRESH, 1)
+    # The data is the message, as much of it as fits in a 4,096-octet NOTIFICATION.
+    assert n.data == msg[: 4096 - 21]
+    assert not sp.counters["internal errors"]
+    assert sp.peers[A].last_error.startswith("sent NOTIFICATION ROUTE-REFRESH"), sp.peers[A].last_error
+
+
+# ---------------------------------------------------------------- hold timer in OpenConfirm
+
+
+def test_a_peer_silent_after_its_open_is_dropped_when_the_negotiated_hold_time_expires():
+    sp, h = harness()
+    a = raw(hold_time=30)  # we offer 90: 30 is negotiated
+    assert h.open(a)
+    h.advance(10.0)
+    h.send(a, a.open_message())
+    assert sp.peers[A].state is State.OPEN_CONFIRM
+    h.advance(29.9)  # our KEEPALIVEs go out meanwhile; the peer says nothing more
+    assert not a.closed and sp.peers[A].state is State.OPEN_CONFIRM
+    h.advance(0.2)
+    assert a.closed and last_notification(a) == (ErrorCode.HOLD_TIMER_EXPIRED, 0)
+    assert sp.peers[A].last_error == "hold timer expired"
+    # The slot is free again.
+    good = raw()
+    assert h.connect(good) and sp.peers[A].state is State.ESTABLISHED
+
+
+# ---------------------------------------------------------------- a bare Peer
+
+
+def local() -> LocalSettings:
+    return LocalSettings(asn=65000, router_id=IPv4Address(LOCAL))
+
+
+def bare_peer(**settings) -> Peer:
+    p = Peer(local(), PeerSettings(REMOTE, 65000, **settings), conn_ids=itertools.count(1), now=0.0,
+             rng=random.Random(3))  # fmt: skip
+    p.start(0.0)
+    return p
+
+
+def their_open(hold_time: int = 90) -> bytes:
+    return Open.build(65000, hold_time, IPv4Address(REMOTE), []).encode()
+
+
+def connects(actions) -> list[Connect]:
+    return [a for a in actions if isinstance(a, Connect)]
+
+
+def sent_types(actions) -> list[int]:
+    out = []
+    for a in actions:
+        if isinstance(a, Send):
+            reader = MessageReader()
+            reader.feed(a.data)
+            out.extend(t for t, _ in reader.messages())
+    return out
+
+
+def establish(p: Peer, now: float) -> int:
+    """Complete the pending outbound connection at ``now``; return its id."""
+    (c,) = connects(p.take_actions())
+    p.connection_made(c.conn, now)
+    p.data_received(c.conn, their_open() + Keepalive().encode(), now)
+    assert p.session.state is State.ESTABLISHED
+    p.take_actions()
+    return c.conn
+
+
+def test_the_backoff_starts_over_once_a_session_came_up():
+    p = bare_peer()
+    now = 0.0
+    gaps = []
+    for _ in range(3):
+        (c,) = connects(p.take_actions())
+        p.connect_failed(c.conn, now)
+        t = p.get_timer()
+        gaps.append(t - now)
+        now = t
+        p.handle_timer(now)
+    assert gaps[-1] > 2 * local().backoff_initial, gaps  # it did grow
+    conn = establish(p, now)
+    now += 100.0
+    p.connection_lost(conn, now)
+    assert p.session.state is State.IDLE
+    # One failure after a session that came up: the first delay again, not the fourth.
+    assert p.get_timer() - now <= local().backoff_initial
+
+
+def test_an_inbound_connection_in_connect_closes_the_one_we_were_making():
+    p = bare_peer()
+    (c,) = connects(p.take_actions())
+    assert p.session.state is State.CONNECT
+    assert p.accept(-1, 0.5)
+    actions = p.take_actions()
+    assert Close(c.conn) in actions
+    assert p.session.conn == -1 and not p.session.connecting
+    # Ours completing late is refused too.
+    p.connection_made(c.conn, 0.6)
+    assert Close(c.conn) in p.take_actions() and p.session.conn == -1
+
+
+# ---------------------------------------------------------------- timers once Established
+
+
+def test_a_route_refresh_restarts_the_hold_timer():
+    p = bare_peer()
+    conn = establish(p, 0.0)  # hold 90 from here
+    p.data_received(conn, RouteRefresh(1, 1).encode(), 60.0)
+    t = p.get_timer()
+    while t is not None and t < 149.0:  # our KEEPALIVEs every 30 s
+        p.handle_timer(t)
+        t = p.get_timer()
+    assert p.session.state is State.ESTABLISHED
+    assert MessageType.NOTIFICATION not in sent_types(p.take_actions())
+    p.handle_timer(150.0)
+    assert p.session.state is State.IDLE and p.session.last_error == "hold timer expired"
+
+
+def test_sending_an_update_restarts_our_keepalive_timer():
+    p = bare_peer()
+    establish(p, 0.0)  # keepalive every 30 s
+    update = MARKER + b"\x00\x17\x02" + bytes(4)  # an empty UPDATE (End-of-RIB)
+    p.send_messages([update], 20.0)
+    assert sent_types(p.take_actions()) == [MessageType.UPDATE]
+    assert p.get_timer() == 50.0
+    p.handle_timer(50.0)
+    assert sent_types(p.take_actions()) == [MessageType.KEEPALIVE]
