@@ -31,6 +31,8 @@ Subnet file format (``KEY=value`` lines; ``#`` comments and blank lines are igno
     AGENTD_DNS_V6=fd00:169:254:20::10  optional, instead of AGENTD_DNS on an IPv6-only node: the
                                     node-local DNS address pods without IPv4 get
     AGENTD_CLUSTER_DOMAIN=cluster.local  optional, with AGENTD_DNS(_V6): the search domains' base
+    AGENTD_WRITE_CONFLIST=true      not read here: how the agent runs, for `agentd docker-opts`
+    AGENTD_MASQUERADE=true          (agentd/daemon/node_files.py); keys not listed are skipped
 """
 
 from __future__ import annotations

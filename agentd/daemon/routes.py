@@ -136,6 +136,7 @@ class KernelRoutes:
         self.refused: list[dict[str, Any]] = []  # GET /routes too: best paths not installed, and why
         self._logged_refusals: set[tuple[str, str, str]] = set()  # (dst, peer, reason) logged while refused
         self._logged_untrusted: set[tuple[str, str, str]] = set()  # (node, subnet, reason) logged while so
+        self._logged_hops: set[tuple[str, str, str]] = set()  # (node, next hop, reason) logged while so
         # (dst, peer) -> when last seen refused; entries older than REFUSAL_MEMORY are pruned.
         self._refused_at: dict[tuple[str, str], float] = {}
         self._refusing_peers: set[str] = set()  # the peers of _refused_at
@@ -260,6 +261,7 @@ class KernelRoutes:
         self.rows = plan.rows
         self._log_refusals(plan.refused)
         self._log_untrusted(plan.untrusted)
+        self._log_untrusted_hops(plan.untrusted_next_hops)
         self._wanted = {r.dst: r for r in routes}
         if not self.initial_sync_done and self._initial_sync_complete():
             self.initial_sync_done = True
@@ -304,6 +306,15 @@ class KernelRoutes:
             log.error("node %s's record names subnet %s, %s: not taken as its subnet (its routes are held to the "
                       "pod network only, and no other node's route is refused for it)", name, subnet, reason)
         self._logged_untrusted = now
+
+    def _log_untrusted_hops(self, untrusted: list[dict[str, str]]) -> None:
+        """Each next hop a node record claims and is not taken as that node's (forwarding.
+        next_hop_owners) logged once while it stays so."""
+        now = {(u["node"], u["next_hop"], u["reason"]) for u in untrusted}
+        for name, hop, reason in sorted(now - self._logged_hops):
+            log.error("node %s's record gives next hop %s, %s: not taken as its next hop (routes through it "
+                      "are refused)", name, hop, reason)
+        self._logged_hops = now
 
     def _log_refusals(self, refused: list[dict[str, Any]]) -> None:
         """Each refused best path logged once while it stays refused (a peer may re-send it at

@@ -728,3 +728,26 @@ def test_the_held_subnets_index_finds_what_a_scan_of_every_subnet_finds():
         assert dict(index) == held
 
     check()
+
+
+def test_a_next_hop_not_taken_as_a_nodes_is_logged_once_while_it_stays():
+    import logging
+
+    from agentd.daemon.routes import KernelRoutes
+
+    routes = KernelRoutes(None)
+    bad = [{"node": "m", "next_hop": "::ffff:10.0.0.9",
+            "reason": "IPv4-mapped: the next hop of the node at 10.0.0.9, not of this one"}]  # fmt: skip
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("agentd").addHandler(handler)
+    try:
+        for _ in range(3):
+            routes._log_untrusted_hops(bad)
+        routes._log_untrusted_hops([])
+        routes._log_untrusted_hops(bad)  # back: logged again
+    finally:
+        logging.getLogger("agentd").removeHandler(handler)
+    lines = [r.getMessage() for r in records if r.levelno == logging.ERROR]
+    assert len(lines) == 2 and lines[0].startswith("node m's record gives next hop ::ffff:10.0.0.9, IPv4-mapped")
