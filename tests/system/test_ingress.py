@@ -581,7 +581,6 @@ async def test_the_workers_run_as_the_ingress_user_without_capabilities(world: W
     lab's default) with no capability at all, as ingress-nginx's nginx runs as uid 101; the
     master stays root, and a reload's new worker is the user's too.  The workers reach the
     access log's socket through the group of the proxy's directory."""
-    import grp
     import os
     import pwd
     import stat
