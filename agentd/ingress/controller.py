@@ -152,6 +152,7 @@ class IngressController:
         try:
             try:
                 run_as = await asyncio.to_thread(resolve_user, self.cfg.user or AUTO_USER)
+                await asyncio.to_thread(self._prepare_dir, run_as)
             except ProxyError as err:
                 if self.cfg.user:
                     raise
@@ -160,7 +161,7 @@ class IngressController:
                     log.warning("ingress: HAProxy's workers run as root, with the agent's capabilities, as "
                                 "[ingress] user is not set and %s", err)
                 self.run_as_fallback = str(err)
-            await asyncio.to_thread(self._prepare_dir, run_as)
+                await asyncio.to_thread(self._prepare_dir, None)
         except ProxyError as err:
             if self.run_as_error != str(err):
                 log.error("ingress: %s", err)
@@ -169,13 +170,14 @@ class IngressController:
         if run_as is None and self.cfg.user == "root":
             log.warning("ingress: HAProxy's workers run as root, with the agent's capabilities ([ingress] user = root)")
         self.run_as, self.run_as_error = run_as, None
-        self.access_log.mode = 0o620 if run_as is not None else 0o600
+        self.access_log.mode = 0o622 if run_as is not None else 0o600
         return True
 
     def _prepare_dir(self, run_as: RunAs | None) -> None:
         """The proxy's directory: the agent's alone (0700), or, when the workers run as
-        ``run_as``, searchable by its group and set-group-ID (02710), so that the access log's
-        socket bound in it is that group's (0620: the workers send to it); nothing else in it
+        ``run_as``, its group's to pass through (0710, root's and that group's), so that the
+        workers may send to the access log's socket bound in it (0622: no one else can reach
+        it; no set-group-ID bit, which the unit's RestrictSUIDSGID= refuses); nothing else in it
         is readable but by root (files 0600, certs/ 0700).  ProxyError when the directory
         cannot be given to the group."""
         self.paths.dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +186,7 @@ class IngressController:
             if run_as is not None:
                 try:
                     os.fchown(fd, -1, run_as.gid)  # fchown: the one the unit's seccomp filter allows
-                    os.fchmod(fd, 0o2710)
+                    os.fchmod(fd, 0o710)
                 except OSError as err:
                     raise ProxyError(f"cannot give {self.paths.dir} to group {run_as.group} of [ingress] user "
                                      f"{run_as.user} ({err.strerror}): under the systemd unit add "
@@ -438,6 +440,21 @@ class IngressController:
                     errors[where] = f"the TLS library refuses it ({refused}): {served}"
                 else:
                     out[t.secret] = pem
+        for key in self.table.hostless:
+            where = f"{key[0]}/{key[1]}"
+            if key in hosts or where in errors:
+                continue  # it serves other hosts (an entry with hosts names it), or said above
+            secret = self.objects["Secret"].get(key)
+            served = "its Ingress's hosts are served with the default certificate"
+            if secret is None:
+                errors[where] = f"no such Secret (a tls entry without hosts): {served}"
+            elif secret.get("type") != TLS_TYPE:
+                errors[where] = f"type is {secret.get('type')}, not {TLS_TYPE} (a tls entry without hosts): {served}"
+            elif (refused := self._refused(_pem(secret))) is not None:
+                errors[where] = f"the TLS library refuses it ({refused}; a tls entry without hosts): {served}"
+            else:
+                errors[where] = ("a tls entry without hosts, and its certificate names none of its Ingress's rule "
+                                 f"hosts that no other entry names: {served}")
         for where, why in errors.items():
             if self.tls_errors.get(where) != why:
                 log.warning("ingress: TLS Secret %s: %s", where, why)

@@ -467,7 +467,7 @@ class AccessLog:
         self.path = path
         self.writer = writer
         self.sock: socket.socket | None = None
-        # 0o620 when HAProxy's workers run as another user: its group (the directory's, set-group-ID) may send.
+        # 0o622 when HAProxy's workers run as another user: the directory (0710, its group's) keeps others out.
         self.mode = 0o600
 
     def open(self) -> None:

@@ -142,6 +142,9 @@ class RouteTable:
     tls: list[TlsHost] = field(default_factory=list)
     ingresses: list[tuple[str, str]] = field(default_factory=list)  # ours, oldest first
     conflicts: list[str] = field(default_factory=list)
+    # Secrets of ``tls[]`` entries without hosts that stand for no host (their Secret unusable,
+    # or its certificate naming none of their Ingress's rule hosts): said, not silently dropped.
+    hostless: list[tuple[str, str]] = field(default_factory=list)
 
     def vhost_for(self, host: str) -> VirtualHost | None:
         host = normalise_host(host)
@@ -298,6 +301,8 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True,
                 # name in the certificate, which would take other Ingresses' hosts by SNI.
                 names = cert_names(secret) if ok else ()
                 hosts = [h for h in own_hosts if h not in named and covers(names, h)]
+                if not hosts and secret not in table.hostless:
+                    table.hostless.append(secret)
             for host in hosts or []:
                 if host in tls_seen:
                     index, owner, owner_ok = tls_seen[host]

@@ -393,6 +393,7 @@ def test_a_tls_entry_without_hosts_takes_only_its_own_ingresses_hosts_its_certif
     # A Secret that cannot serve names nothing: the entry covers no host.
     table = routing.build([evil], usable=lambda s: False, cert_names=lambda s: names[s])
     assert table.tls == [] and haproxy.maps(table, {})["crt-list"] == ""
+    assert table.hostless == [("evil", "evil")]  # said (controller: tls_errors), not dropped silently
 
 
 def test_a_tls_entry_without_hosts_leaves_the_hosts_another_entry_names_to_it():

@@ -347,8 +347,9 @@ def test_a_user_the_workers_cannot_run_as_stops_the_render_with_its_reason_until
     """[ingress] user that cannot be used (no such user, a switch the sandbox forbids): no
     configuration is rendered (nothing started or reloaded), the reason is the error; once it
     can (asked again at each try), the workers' user and group are in the configuration and
-    the proxy's directory is the group's to pass through (set-group-ID: the access log's
-    socket bound in it is the group's)."""
+    the proxy's directory is the group's to pass through (0710, no set-group-ID bit: the
+    unit's RestrictSUIDSGID=yes refuses one, as this test does), the access log's socket in
+    it writable (0622) by whoever can reach it."""
     import os
     import stat
 
@@ -364,6 +365,14 @@ def test_a_user_the_workers_cannot_run_as_stops_the_render_with_its_reason_until
         return answers[0]
 
     monkeypatch.setattr(ctl_module, "resolve_user", resolve)
+    fchmod = os.fchmod
+
+    def restricted(fd: int, mode: int) -> None:  # systemd's RestrictSUIDSGID=yes
+        if mode & 0o6000:
+            raise PermissionError(1, "Operation not permitted")
+        fchmod(fd, mode)
+
+    monkeypatch.setattr(os, "fchmod", restricted)
 
     async def main():
         assert not await ctl._resolve_run_as()
@@ -380,8 +389,8 @@ def test_a_user_the_workers_cannot_run_as_stops_the_render_with_its_reason_until
         glob = files["haproxy.cfg"].decode().split("defaults")[0]
         assert "    user haproxy\n    group haproxy\n" in glob
         mode = ctl.paths.dir.stat().st_mode
-        assert stat.S_IMODE(mode) == 0o2710 and ctl.paths.dir.stat().st_gid == os.getgid(), oct(mode)
-        assert ctl.access_log.mode == 0o620
+        assert stat.S_IMODE(mode) == 0o710 and ctl.paths.dir.stat().st_gid == os.getgid(), oct(mode)
+        assert ctl.access_log.mode == 0o622
 
     asyncio.run(main())
 
@@ -421,5 +430,62 @@ def test_an_unset_user_is_haproxy_where_it_can_be_used_else_root_with_a_warning(
         files, _ = await ctl._render()
         assert "    user haproxy\n    group haproxy\n" in files["haproxy.cfg"].decode()
         assert asked == ["haproxy"] * 3
+
+    asyncio.run(main())
+
+
+def test_a_tls_entry_without_hosts_that_covers_nothing_is_said(tmp_path):
+    """A tls entry without hosts stands for its Ingress's hosts its certificate covers: one whose
+    Secret is missing (a typo), or whose certificate names none of them, covers nothing -- and
+    says so in tls_errors (and the log), as an entry with hosts always did."""
+    import base64
+
+    from agentd.ingress import certs
+
+    ctl, _ = controller(tmp_path)
+    ctl.objects["IngressClass"][("", "agentd")] = CLASS
+    for name, secret in (("a", "typo"), ("b", "other")):
+        ing = shop_ingress(name)
+        ing["spec"]["tls"] = [{"secretName": secret}]
+        ctl.objects["Ingress"][("shop", name)] = ing
+    pem = certs.self_signed("other", ("other.example",))
+    crt, key = pem.split(b"-----END CERTIFICATE-----\n")[0] + b"-----END CERTIFICATE-----\n", \
+        pem.split(b"-----END CERTIFICATE-----\n")[1]
+    ctl.objects["Secret"][("shop", "other")] = {"type": "kubernetes.io/tls", "data": {
+        "tls.crt": base64.b64encode(crt).decode(), "tls.key": base64.b64encode(key).decode()}}
+
+    async def main():
+        await ctl._render()
+        assert ctl.table.tls == []
+        assert ctl.tls_errors["shop/typo"].startswith("no such Secret (a tls entry without hosts)")
+        assert "names none of its Ingress's rule hosts" in ctl.tls_errors["shop/other"]
+
+    asyncio.run(main())
+
+
+def test_an_unset_user_whose_directory_cannot_be_given_to_its_group_falls_back_to_root(tmp_path, monkeypatch):
+    """[ingress] user not set, the switch possible but the directory not the group's (no
+    SupplementaryGroups= in the drop-in: fchown refused): the workers stay root, the proxy runs."""
+    import os
+
+    from agentd.ingress import controller as ctl_module
+    from agentd.ingress.proxy import RunAs
+
+    monkeypatch.setattr(ctl_module, "resolve_user", lambda name: RunAs("haproxy", "haproxy", os.getuid() + 1, 4242))
+
+    def refused(fd: int, uid: int, gid: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchown", refused)
+
+    async def main():
+        ctl, _ = controller(tmp_path)
+        assert await ctl._resolve_run_as() and ctl.run_as is None and ctl.run_as_error is None
+        assert "SupplementaryGroups=haproxy" in (ctl.run_as_fallback or "")
+        assert ctl.paths.dir.stat().st_mode & 0o777 == 0o700
+        files, _ = await ctl._render()
+        assert "    user " not in files["haproxy.cfg"].decode()
+        ctl, _ = controller(tmp_path / "named", user="haproxy")  # named: must be usable
+        assert not await ctl._resolve_run_as() and "SupplementaryGroups=haproxy" in (ctl.run_as_error or "")
 
     asyncio.run(main())
