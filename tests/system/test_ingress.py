@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,13 +207,13 @@ def tls_secret(name: str, hosts: list[str], ca: tuple[Any, Any], *, wrong_key: b
 async def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ingress")
     spec = LabSpec(name="in" + unique_tag("")[:6], nodes=3, pods=0, backend="host-gw", ingress=True)
-    root = tmp_path_factory.mktemp("labs")
-    lab = Lab(spec, root=root)
+    # HAProxy's workers run as the haproxy user and send the access log to a socket in the
+    # nodes' state directories, which they must be able to reach, as /var/lib/agentd is: the
+    # lab goes where labs go (/run/agentd-lab, 0755), not under pytest's directories (0700,
+    # and pytest puts 0700 back on its root whenever a process of it starts).
+    lab = Lab(spec)
     w = World(lab, tmp)
     w.ca_pair = make_ca(tmp)
-    # HAProxy's workers run as the haproxy user and send the access log to a socket in the
-    # nodes' state directories: pytest's directories (0700) must let them pass, as /var/lib does.
-    opened = searchable(root)
     try:
         await lab.up(timeout=90)
         layout = {"web-1": (0, "web"), "web-2": (1, "web"), "web-3": (2, "web"), "foo-1": (0, "foo"), "bar-1": (1, "bar")}
@@ -227,20 +229,11 @@ async def world(tmp_path_factory):
         if w.res is not None:
             await w.res.close()
         await lab.down(keep_files=True)
-        for d, mode in opened:
-            d.chmod(mode)
-
-
-def searchable(directory: Path) -> list[tuple[Path, int]]:
-    """Let every user pass through ``directory`` and the directories above it (o+x, no
-    listing); what was changed, with the mode it had."""
-    changed = []
-    for d in [*reversed(directory.parents), directory]:
-        mode = d.stat().st_mode & 0o7777
-        if not mode & 0o001:
-            d.chmod(mode | 0o001)
-            changed.append((d, mode))
-    return changed
+        # The nodes' logs kept with the test's files; the lab's directory goes.
+        for node in lab.nodes:
+            with contextlib.suppress(OSError):
+                shutil.copy(node.log_path, tmp / f"{node.name}.log")
+        shutil.rmtree(lab.dir, ignore_errors=True)
 
 
 WEBS = {"web-1", "web-2", "web-3"}

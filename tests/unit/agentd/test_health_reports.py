@@ -207,7 +207,7 @@ async def test_readiness_waits_for_a_reconcile_after_the_initial_sync(monkeypatc
     import agentd.daemon.routes as R
 
     monkeypatch.setattr(R, "desired_routes", lambda *a, **k: SimpleNamespace(
-        routes=[], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={}, refused=[], untrusted=[]))
+        routes=[], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={}, refused=[], untrusted=[], untrusted_next_hops=[]))
     programmer = RouteProgrammer()
     programmer.netlink = SimpleNamespace(is_open=True)  # the kernel's side stubbed: reconcile() itself runs
     failing = [False]

@@ -109,7 +109,7 @@ def recomputing(monkeypatch):
 
     def fake_desired(*args, **kwargs):
         calls.append(1)
-        return SimpleNamespace(routes=[], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={}, refused=[], untrusted=[])
+        return SimpleNamespace(routes=[], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={}, refused=[], untrusted=[], untrusted_next_hops=[])
 
     monkeypatch.setattr(R, "desired_routes", fake_desired)
     tunnels = SimpleNamespace(paths=lambda: None, available=None, apply=lambda *a, **k: None)

@@ -32,7 +32,7 @@ def routes(monkeypatch):
         rows = [{"dst": r.dst, "via": r.gateway, "dev": r.dev, "backend": "host-gw", "peer": r.gateway}
                 for r in (WANT, WANT6)]
         return SimpleNamespace(routes=[WANT, WANT6], plans={}, plans_v6={}, rows=rows, next_hops={}, next_hops_v6={},
-                               refused=[], untrusted=[])
+                               refused=[], untrusted=[], untrusted_next_hops=[])
 
     monkeypatch.setattr(R, "desired_routes", fake_desired)
     tunnels = SimpleNamespace(paths=lambda: None, available=None, apply=lambda *a, **k: None)
@@ -201,7 +201,7 @@ def test_a_recompute_that_fails_keeps_the_routes_and_is_one_log_line_until_it_ch
 
     def fake_desired(bests, *args, **kwargs):
         seen.append(list(bests))
-        return SimpleNamespace(routes=[WANT], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={}, refused=[], untrusted=[])
+        return SimpleNamespace(routes=[WANT], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={}, refused=[], untrusted=[], untrusted_next_hops=[])
 
     def to_str(afi, prefix):
         if prefix == b"bad":
