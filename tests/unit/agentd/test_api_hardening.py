@@ -93,9 +93,9 @@ async def test_connections_that_send_nothing_are_closed_and_at_most_the_cap_are_
             held.append(await asyncio.open_connection("127.0.0.1", server.port))
         held[1][1].write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # half a head, never finished
         await held[1][1].drain()
-        # One past the cap is closed as it comes.
+        # One past the cap is answered 503 and closed as it comes.
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        assert await asyncio.wait_for(reader.read(), 5) == b"" and server.connections.refused == 1
+        assert await asyncio.wait_for(reader.read(), 5) == api.BUSY_ANSWER and server.connections.refused == 1
         writer.close()
         # Nothing, or half a head: closed once the keep-alive time has passed, not an hour later.
         for reader, _ in held:
@@ -142,7 +142,7 @@ async def _burst() -> None:
         refused = [r for r, w in held if w.get_extra_info("sockname")[1] not in kept]
         assert len(refused) == 35
         closed = await asyncio.gather(*(asyncio.wait_for(r.read(), 5) for r in refused), return_exceptions=True)
-        assert all(c == b"" or isinstance(c, ConnectionResetError) for c in closed), closed
+        assert all(c == api.BUSY_ANSWER or isinstance(c, ConnectionResetError) for c in closed), closed
         for _, writer in held:
             writer.close()
         for _ in range(200):
@@ -156,6 +156,35 @@ async def _burst() -> None:
         for _, writer in held:
             writer.close()
         await server.stop()
+
+
+def test_a_full_api_refuses_the_leave_it_would_otherwise_run_without_the_agent(tmp_path):
+    """The agent's API at its connection cap: `agentd leave` is told to try again (the API
+    answers 503 past its cap), and the agent is not asked to leave, nor is anything done
+    without it."""
+    asked = []
+
+    class Agent(Provider):
+        def request_leave(self):
+            asked.append(True)
+
+    async def main() -> None:
+        token_file = tmp_path / "api.token"
+        server = api.ApiServer(Agent(), "127.0.0.1", 0, token=auth.write_token_file(token_file))
+        server.max_connections = 1
+        await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:  # the one place held, with a keep-alive request
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            await reader.readuntil(b"\r\n\r\n")
+            with pytest.raises(cli.LeaveRefused, match="too many connections open to this API: try again"):
+                await asyncio.to_thread(cli.leave_running_agent, "127.0.0.1", server.port, token_file, timeout=5)
+        finally:
+            writer.close()
+            await server.stop()
+
+    asyncio.run(main())
+    assert asked == []
 
 
 # ------------------------------------------------------------------ errors are JSON
@@ -541,12 +570,16 @@ async def test_the_cluster_listener_holds_at_most_so_many_connections_of_one_add
 
     class Transport:
         def __init__(self, peer) -> None:
-            self.peer, self.aborted = peer, False
+            self.peer, self.aborted, self.written = peer, False, b""
 
         def get_extra_info(self, name):
             return self.peer if name == "peername" else None
 
-        def abort(self) -> None:
+        def write(self, data: bytes) -> None:
+            self.written += data
+
+        def close(self) -> None:  # refused: answered 503, then closed
+            assert self.written == api.BUSY_ANSWER
             self.aborted = True
 
     cluster_listener.max_per_address = 2
@@ -594,12 +627,16 @@ async def test_registered_nodes_of_one_ipv6_64_are_each_counted_on_their_own():
 
     class Transport:
         def __init__(self, peer) -> None:
-            self.peer, self.aborted = peer, False
+            self.peer, self.aborted, self.written = peer, False, b""
 
         def get_extra_info(self, name):
             return self.peer if name == "peername" else None
 
-        def abort(self) -> None:
+        def write(self, data: bytes) -> None:
+            self.written += data
+
+        def close(self) -> None:  # refused: answered 503, then closed
+            assert self.written == api.BUSY_ANSWER
             self.aborted = True
 
     class Handler(asyncio.Protocol):
@@ -618,3 +655,47 @@ async def test_registered_nodes_of_one_ipv6_64_are_each_counted_on_their_own():
     others = [admitted(f"2001:db8:7::1:{i:x}") for i in range(70)]
     assert others.count(True) == api.MAX_PER_ADDRESS and others[: api.MAX_PER_ADDRESS] == [True] * api.MAX_PER_ADDRESS
     assert conns.by_address["2001:db8:7::/64"] == api.MAX_PER_ADDRESS
+
+
+async def test_hosts_of_the_underlay_cannot_take_the_registered_nodes_places():
+    """The cluster listener's cap was checked before the peer was known: 16 hosts of the
+    underlay at MAX_PER_ADDRESS each (connections sitting KEEPALIVE_TIMEOUT without a request,
+    then opened again) filled MAX_CONNECTIONS, and the registered nodes could no longer gather
+    from this one.  The others hold at most MAX_CONNECTIONS - NODE_RESERVE; a node finds a place."""
+    nodes = frozenset({*(f"10.0.0.{i}" for i in range(2, 10)), "2001:db8::2"})
+    cluster_listener = api.ApiServer(Provider(), "127.0.0.1", 0, read_token=lambda: "t", nodes=lambda: nodes)
+
+    class Transport:
+        def __init__(self, peer) -> None:
+            self.peer, self.refused = peer, False
+
+        def get_extra_info(self, name):
+            return self.peer if name == "peername" else None
+
+        def write(self, data: bytes) -> None:
+            assert data == api.BUSY_ANSWER
+
+        def close(self) -> None:
+            self.refused = True
+
+    class Handler(asyncio.Protocol):
+        pass
+
+    conns = cluster_listener._capped(lambda: Handler())  # type: ignore[arg-type]
+
+    def connect(address: str):
+        protocol, transport = conns(), Transport((address, 40000))
+        protocol.connection_made(transport)  # type: ignore[arg-type]
+        return protocol, transport
+
+    pods = [connect(f"10.244.1.{host}") for host in range(10, 26) for _ in range(api.MAX_PER_ADDRESS)]
+    others = api.MAX_CONNECTIONS - api.NODE_RESERVE
+    assert sum(not t.refused for _, t in pods) == others and conns.others == others
+    assert not connect("10.0.0.2")[1].refused and not connect("2001:db8::2")[1].refused
+    assert connect("127.0.0.1")[1].refused  # loopback is no registered node
+    # The nodes may take every place left (each at most MAX_PER_ADDRESS); then nobody gets one.
+    more = [connect(f"10.0.0.{i}") for i in range(2, 10) for _ in range(api.MAX_PER_ADDRESS)]
+    assert sum(not t.refused for _, t in more) == api.NODE_RESERVE - 2 and conns.open == api.MAX_CONNECTIONS
+    # A pod's place given back is a pod's again.
+    pods[0][0].connection_lost(None)
+    assert conns.open == api.MAX_CONNECTIONS - 1 and not connect("10.244.1.10")[1].refused
