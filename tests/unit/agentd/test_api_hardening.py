@@ -331,6 +331,49 @@ async def test_a_node_that_redirects_is_not_followed(monkeypatch):
             await runner.cleanup()
 
 
+
+async def test_a_nodes_endless_error_answer_is_read_no_further_than_its_start(monkeypatch):
+    """A followed request has no total deadline: a node answering 503 with a body that never
+    ends was read whole (a probe's agent grew by 821 MB) before NodeAnswered said so.  Its
+    start is read, the connection let go; the node gets to send a few chunks, not 64 KB."""
+    sent = 0
+    gone = asyncio.Event()
+
+    async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * 1024
+        try:
+            while sent < 4 << 20:  # "endless": the test stops it at 4 MB
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await writer.drain()
+                sent += len(chunk)
+                await asyncio.sleep(0)  # the reader runs between two chunks
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            gone.set()
+            writer.close()
+
+    server = await asyncio.start_server(node, "127.0.0.1", 0)
+    monkeypatch.setattr(cluster, "unsafe_address", lambda address: None)  # the test's node is on loopback
+    view = ClusterView("node1", lambda: {"node2": "127.0.0.1"}, server.sockets[0].getsockname()[1])
+    view.token = "read-token"
+    try:
+        with pytest.raises(NodeAnswered, match=r"node2 answered 503: x+$") as err:
+            async for _ in view.lines("node2", "/flows?follow=1", follow=True):
+                pass
+        assert err.value.status == 503
+        await asyncio.wait_for(gone.wait(), 5)
+        assert sent < 64 << 10, sent
+    finally:
+        await view.close()
+        server.close()
+        await server.wait_closed()
+
 # ------------------------------------------------------------------ followers
 
 
