@@ -403,6 +403,81 @@ async def test_local_readers_without_a_credential_cannot_take_the_clusters_place
     assert views.followers() == 0
 
 
+def _peer(address: str):
+    from unittest import mock
+
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda name, default=None: (address, 40000) if name == "peername" else default
+    return transport
+
+
+async def test_other_nodes_gatherers_cannot_take_this_nodes_roots_places():
+    """Other nodes' gatherers, the readers here with a credential and this node's own cluster
+    streams shared one pool: whoever holds the browser key on another node, opening 64 cluster
+    follows there, took the 64 places of every node -- root's `agentd flows -f` was refused
+    while readers without a credential still followed.  The gatherers hold at most
+    REMOTE_FOLLOWERS (REMOTE_PER_NODE each); a reader here with a credential falls back on an
+    open place when the trusted ones are taken."""
+    views = FlowViews(SimpleNamespace(ring=FlowRing(16)))
+    agent = SimpleNamespace(cluster_view=lambda: None, flows_view=lambda: views, node_name=lambda: "node1")
+    loopback = observe_api._Handlers(agent, read_only=False, token_of=lambda: TOKEN)
+    listener = observe_api._Handlers(agent, read_only=True, token_of=lambda: None)
+    key = auth.bearer_header(auth.ui_key(TOKEN))
+
+    async def follow(handlers, headers=None, peer="127.0.0.1", query="follow=1&last=0"):
+        request = make_mocked_request("GET", f"/flows?{query}", headers=headers or {}, transport=_peer(peer))
+        task = asyncio.create_task(handlers.flows(request))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return task
+
+    assert observe_api.REMOTE_FOLLOWERS < MAX_FOLLOWERS and observe_api.REMOTE_PER_NODE < observe_api.REMOTE_FOLLOWERS
+    one_node = [await follow(listener, peer="192.0.2.2") for _ in range(MAX_FOLLOWERS)]
+    assert sum(not t.done() for t in one_node) == observe_api.REMOTE_PER_NODE
+    refused = next(t for t in one_node if t.done())
+    assert refused.result().status == 503 and "192.0.2.2" in json.loads(refused.result().text)["error"]
+    nodes = [await follow(listener, peer=f"192.0.2.{i}") for i in range(3, 10) for _ in range(MAX_FOLLOWERS)]
+    assert sum(not t.done() for t in one_node + nodes) == observe_api.REMOTE_FOLLOWERS
+    roots = [await follow(loopback, key) for _ in range(MAX_FOLLOWERS - observe_api.REMOTE_FOLLOWERS)]
+    assert not any(t.done() for t in roots) and views.followers("trusted") == MAX_FOLLOWERS
+    # The trusted places all taken: a reader with the key still follows, in an open place.
+    more = [await follow(loopback, key), await follow(loopback)]
+    assert not any(t.done() for t in more) and views.followers("open") == 2
+    tasks = one_node + nodes + roots + more
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert views.followers() == 0 and listener.remote == {}
+
+
+async def test_cluster_follows_are_capped_with_flow_records_off_here():
+    """With this node's flow records off there is no follower of its own to count: a followed
+    cluster stream (each one following every node) was not limited at all."""
+    agent = SimpleNamespace(cluster_view=lambda: None, flows_view=lambda: None, node_name=lambda: "node1")
+    loopback = observe_api._Handlers(agent, read_only=False, token_of=lambda: TOKEN)
+    key = auth.bearer_header(auth.ui_key(TOKEN))
+
+    async def follow():
+        request = make_mocked_request("GET", "/flows?cluster=1&follow=1&last=0", headers=key)
+        task = asyncio.create_task(loopback.flows(request))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return task
+
+    streams = [await follow() for _ in range(MAX_FOLLOWERS)]
+    assert not any(t.done() for t in streams)
+    refused = await follow()
+    assert refused.done() and refused.result().status == 503
+    assert loopback.cluster_follows == MAX_FOLLOWERS
+    for task in streams:
+        task.cancel()
+    await asyncio.gather(*streams, return_exceptions=True)
+    assert loopback.cluster_follows == 0
+    again = await follow()  # the places given back
+    assert not again.done()
+    again.cancel()
+    await asyncio.gather(again, return_exceptions=True)
+
 @pytest.mark.parametrize("run", ["asyncio", "uvloop"])  # the agent runs on uvloop
 @pytest.mark.parametrize("stream", ["local", "cluster", "listener"])
 def test_a_follower_whose_reader_went_is_let_go_at_once(run, stream):
