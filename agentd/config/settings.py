@@ -943,7 +943,25 @@ def config_warnings(cfg: Config, *, nodes: bool = True) -> list[str]:
         out.append(f"the service range {service} ([network] service_cidr) overlaps the pod network {cidr} ([network] "
                    "cidr): cluster IPs inside a node's pod subnet are routed to that node's pods; a new cluster sets "
                    "[network] service_cidr outside cidr before its first agent starts")
+    out += _read_token_file_warnings(cfg)
     return out
+
+
+def _read_token_file_warnings(cfg: Config) -> list[str]:
+    """``[api] read_token_file`` readable by others, or another user's: the agent refuses it
+    (the cluster view stays off, agentd/daemon/auth.py read_line_token); said here before it
+    runs.  Nothing when the file cannot be looked at (a missing one is a configuration problem)."""
+    from agentd.daemon.auth import read_token_problem
+
+    path = cfg.api.read_token_file
+    if path is None:
+        return []
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    problem = read_token_problem(st, path)
+    return [f"{problem}: the agent refuses it, and the cluster view stays off here"] if problem else []
 
 
 def _listen_family_warnings(cfg: Config, at: HostPort, *, nodes: bool = True) -> list[str]:
