@@ -41,10 +41,11 @@ import hmac
 import ipaddress
 import os
 import secrets
-import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from agentd.config.settings import read_token_problem
 
 if TYPE_CHECKING:  # aiohttp only where the API runs: `agentd leave` reads the token without it
     from aiohttp import web
@@ -128,29 +129,9 @@ def new_token() -> str:
 READ_TOKEN_MAX = 4096  # bytes of [api] read_token_file read (one line: a token)
 
 
-def read_token_problem(st: os.stat_result, path: str | Path, agent_uid: int | None = None) -> str | None:
-    """Why ``[api] read_token_file`` (its ``st``) must not be taken, or None: not a regular file,
-    readable or writable by its group or others, or owned by someone other than root and the
-    agent's user (``agent_uid``, this process's by default).  The cluster read token lets whoever
-    holds it read every node's flows, routes and status, and the file is the operator's (unlike
-    the API token, which the agent writes itself 0600, or 0640 for ``[api] token_group``): the
-    same rule as ssh's for a private key."""
-    agent_uid = os.geteuid() if agent_uid is None else agent_uid
-    if not stat.S_ISREG(st.st_mode):
-        return f"[api] read_token_file {path} is not a regular file"
-    if st.st_uid not in (0, agent_uid):
-        return (f"[api] read_token_file {path} is owned by uid {st.st_uid}, neither root nor the agent's user: "
-                "whoever owns it can change the cluster read token (chown root it, chmod 600 it)")
-    if st.st_mode & 0o077:
-        return (f"[api] read_token_file {path} has mode {stat.S_IMODE(st.st_mode):04o}: its group or other users "
-                "can read (or change) the cluster read token, which reads every node's flows, routes and status "
-                "(chmod 600 it)")
-    return None
-
-
 def read_line_token(path: str | Path) -> str:
     """The cluster read token of ``[api] read_token_file``: one non-empty line, in a file
-    only its owner (root, or the agent's user) may read (:func:`read_token_problem`: refused
+    only its owner (root, or the agent's user) may read (:func:`agentd.config.settings.read_token_problem`: refused
     otherwise, with :class:`TokenFileError` saying why)."""
     # Not blocking on a FIFO; the checks are of what was opened (a symlink's target).
     with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK | os.O_CLOEXEC)) as file:

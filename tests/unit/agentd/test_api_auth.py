@@ -164,7 +164,7 @@ def test_a_read_token_file_others_may_read_is_refused_and_warned_of(tmp_path):
     the cluster read token (every node's flows, routes and status).  Refused unless only its
     owner, root or the agent's user, may read it -- the cluster view stays off, the agent says
     why -- and `agentd check-config` (config_warnings) says so before the agent runs."""
-    from agentd.config.settings import config_warnings, load_config
+    from agentd.config.settings import config_warnings, load_config, read_token_problem
 
     path = tmp_path / "read.token"
     path.write_text("s3cret\n")
@@ -181,11 +181,11 @@ def test_a_read_token_file_others_may_read_is_refused_and_warned_of(tmp_path):
         assert auth.read_line_token(path) == "s3cret" and config_warnings(cfg) == []
     # Another user's file: whoever owns it can change the token.
     st = path.stat()
-    assert auth.read_token_problem(st, path, agent_uid=st.st_uid) is None
+    assert read_token_problem(st, path, agent_uid=st.st_uid) is None
     other = os.stat_result((st.st_mode, *st[1:4], 4242, *st[5:]))
-    assert "owned by uid 4242, neither root nor the agent's user" in auth.read_token_problem(other, path, agent_uid=1000)
-    assert auth.read_token_problem(os.stat_result((st.st_mode, *st[1:4], 0, *st[5:])), path, agent_uid=1000) is None
-    assert "not a regular file" in auth.read_token_problem(os.stat(tmp_path), tmp_path)
+    assert "owned by uid 4242, neither root nor the agent's user" in read_token_problem(other, path, agent_uid=1000)
+    assert read_token_problem(os.stat_result((st.st_mode, *st[1:4], 0, *st[5:])), path, agent_uid=1000) is None
+    assert "not a regular file" in read_token_problem(os.stat(tmp_path), tmp_path)
     path.write_text("one\ntwo\n")
     with pytest.raises(ValueError, match="one non-empty line"):
         auth.read_line_token(path)
