@@ -7,6 +7,7 @@ and reports a problem as ONE line on stderr with a non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import json
 import logging
@@ -445,14 +446,67 @@ class LeaveRefused(Exception):
     """The running agent did not take ``agentd leave``'s request; the message says why."""
 
 
+# Why a connection to the API could not be made: nothing took it (no agent runs there; what
+# listens is looked at before a leave without the agent all the same: _agent_listens).  Any
+# other failure came from something that took the connection (a reset, a close without an
+# answer: a running agent whose connections are all taken, api.MAX_CONNECTIONS).
+NOTHING_THERE = frozenset({errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL})
+
+
+def _nothing_there(reason: object) -> bool:
+    """Whether a URLError's ``reason`` says no connection was made: refused, no route, not an
+    address here, the name unknown, or no answer to the connect in time (a full listen backlog
+    looks so too: :func:`_agent_listens` tells)."""
+    import socket
+
+    if isinstance(reason, (socket.gaierror, TimeoutError)):
+        return True
+    return isinstance(reason, OSError) and reason.errno in NOTHING_THERE
+
+
+def _reason(reason: object) -> str:
+    return str(getattr(reason, "strerror", None) or reason)
+
+
+def _closed_on_us(url: str, err: object) -> str:
+    return (f"the agent's API at {url} took the connection but closed it without an answer ({_reason(err) or 'busy?'}): "
+            "all its connections taken? try again (nothing was done without the agent)")
+
+
+def _agent_listens(host: str, port: int, token_file: Path) -> str | None:
+    """Why no leave without the agent may run although nothing answered at ``host:port``: what
+    listens there is root's or the agent's user's (the API token file's owner): an agent that
+    is starting, stopping or stuck.  None when nothing listens there (or it cannot be told),
+    or only another user's process (a squatter: no agent can have bound the port then)."""
+    import ipaddress
+
+    from agentd.daemon.listeners import file_owner, listener_owners, resolve, user_name
+
+    address = resolve(host)
+    try:
+        local = ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return None
+    uids = listener_owners(address, port, wildcards=local) or set()
+    ours = sorted(uids & {0, file_owner(token_file)})
+    if not ours:
+        return None
+    return (f"a process of {user_name(ours[0])} listens on {host}:{port}: an agent starting, stopping or stuck? "
+            "Not leaving without it while it may run: try again (stop it first if it does not answer)")
+
+
 def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: float = LEAVE_WAIT, wait: bool = True,
                         report_path: Path | None = None, out: Any = None) -> int | None:
     """POST /leave, with the API token of ``token_file``, to the agent on this host, then print
     every step of its leave with its result as it ends (GET /leave while its API is up, then
     the report file it writes, ``report_path`` unless the agent names another: it exits at the
     end) and the summary.  Returns the exit status (0: every step done or skipped), None if
-    no agent answers; :class:`LeaveRefused` if it answers no.  ``wait`` False: return once
+    nothing takes the connection and no process of root's or the agent's user listens there
+    (then, and only then, the leave runs without an agent); :class:`LeaveRefused` if it answers
+    no, or takes the connection and closes it without an answer (a running agent with all its
+    connections taken: not "no agent").  ``wait`` False: return once
     the node has left etcd; ``timeout``: how long to wait for the whole leave."""
+    import http.client
     import urllib.error
     import urllib.request
 
@@ -480,12 +534,21 @@ def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: floa
         if unreadable is not None:
             raise LeaveRefused(f"an agent runs at {url}, but {unreadable}") from None
         raise LeaveRefused(f"the agent at {url} refused: {_api_error(err)}") from None
-    except TimeoutError:  # connected, asked, no answer (a connect timeout is a URLError: no agent)
+    except TimeoutError:  # connected, asked, no answer (a connect timeout is a URLError)
         where = f"GET {url} while it runs, then {report_path}" if report_path is not None else f"GET {url} while it runs"
         raise LeaveRefused(f"the agent at {url} took the request but did not answer within {timeout:g} s (its etcd "
                            f"step waits up to 20 s on an unreachable etcd): it may be leaving; see {where}") from None
-    except (urllib.error.URLError, OSError, ValueError):
+    except urllib.error.URLError as err:  # the connection, or sending the request, failed
+        if not _nothing_there(err.reason):  # accepted, then reset while the request went
+            raise LeaveRefused(_closed_on_us(url, err.reason)) from None
+        why = _agent_listens(str(host), port, token_file)
+        if why is not None:
+            raise LeaveRefused(f"nothing answered at {url} ({_reason(err.reason)}), but {why}") from None
         return None
+    except (OSError, http.client.HTTPException) as err:  # accepted, then closed or reset before an answer
+        raise LeaveRefused(_closed_on_us(url, err)) from None
+    except ValueError as err:  # an answer that is no JSON
+        raise LeaveRefused(f"the agent at {url} answered, but not as an agent taking a leave: {err}") from None
     if not isinstance(answer, dict) or answer.get("leaving") is not True:
         raise LeaveRefused(f"the agent at {url} answered, but not as an agent taking a leave: {str(answer)[:200]}")
 

@@ -943,7 +943,43 @@ def config_warnings(cfg: Config, *, nodes: bool = True) -> list[str]:
         out.append(f"the service range {service} ([network] service_cidr) overlaps the pod network {cidr} ([network] "
                    "cidr): cluster IPs inside a node's pod subnet are routed to that node's pods; a new cluster sets "
                    "[network] service_cidr outside cidr before its first agent starts")
+    out += _read_token_file_warnings(cfg)
     return out
+
+
+def read_token_problem(st: os.stat_result, path: str | Path, agent_uid: int | None = None) -> str | None:
+    """Why ``[api] read_token_file`` (its ``st``) must not be taken, or None: not a regular file,
+    readable or writable by its group or others, or owned by someone other than root and the
+    agent's user (``agent_uid``, this process's by default).  The cluster read token lets whoever
+    holds it read every node's flows, routes and status, and the file is the operator's (unlike
+    the API token, which the agent writes itself 0600, or 0640 for ``[api] token_group``): the
+    same rule as ssh's for a private key."""
+    agent_uid = os.geteuid() if agent_uid is None else agent_uid
+    if not stat.S_ISREG(st.st_mode):
+        return f"[api] read_token_file {path} is not a regular file"
+    if st.st_uid not in (0, agent_uid):
+        return (f"[api] read_token_file {path} is owned by uid {st.st_uid}, neither root nor the agent's user: "
+                "whoever owns it can change the cluster read token (chown root it, chmod 600 it)")
+    if st.st_mode & 0o077:
+        return (f"[api] read_token_file {path} has mode {stat.S_IMODE(st.st_mode):04o}: its group or other users "
+                "can read (or change) the cluster read token, which reads every node's flows, routes and status "
+                "(chmod 600 it)")
+    return None
+
+
+def _read_token_file_warnings(cfg: Config) -> list[str]:
+    """``[api] read_token_file`` readable by others, or another user's: the agent refuses it
+    (the cluster view stays off: agentd/daemon/auth.py read_line_token); said here before it
+    runs.  Nothing when the file cannot be looked at (a missing one is a configuration problem)."""
+    path = cfg.api.read_token_file
+    if path is None:
+        return []
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    problem = read_token_problem(st, path)
+    return [f"{problem}: the agent refuses it, and the cluster view stays off here"] if problem else []
 
 
 def _listen_family_warnings(cfg: Config, at: HostPort, *, nodes: bool = True) -> list[str]:

@@ -38,9 +38,9 @@ HANDLER_CANCELLATION = True
 # listener is open to the underlay, and a connection that sends nothing must not hold a
 # file descriptor for long.
 KEEPALIVE_TIMEOUT = 15.0
-# Connections open at once on one listener; more are closed as they come (as the DNS
-# server's TCP clients are, agentd/services/dns.py): the agent's descriptors stay for etcd,
-# netlink and BGP whoever opens connections.
+# Connections open at once on one listener; more are answered 503 and closed as they come (as
+# the DNS server's TCP clients are closed, agentd/services/dns.py): the agent's descriptors
+# stay for etcd, netlink and BGP whoever opens connections.
 MAX_CONNECTIONS = 1000
 # Connections open at once from one remote address on the read-only cluster listener (loopback
 # not counted): without the read token one host could otherwise fill MAX_CONNECTIONS and the
@@ -50,6 +50,10 @@ MAX_CONNECTIONS = 1000
 # cluster's registered nodes' addresses, each counted on its own: a datacenter's IPv6 subnet is
 # often one /64 that every node shares, and each of them holds connections (gathers, follows).
 MAX_PER_ADDRESS = 64
+# Of the cluster listener's MAX_CONNECTIONS, the places only the registered nodes' addresses
+# take: a few hosts of the underlay (16 of them at MAX_PER_ADDRESS, each connection sitting
+# KEEPALIVE_TIMEOUT without a request, then opened again) cannot lock the nodes out.
+NODE_RESERVE = MAX_CONNECTIONS // 4
 RIB_LIMIT_MAX = 10_000_000  # /rib?limit=N: more prefixes than any RIB holds
 
 
@@ -88,22 +92,27 @@ async def _json_errors(request: web.Request, handler: auth.Handler) -> web.Strea
 
 class _Connections:
     """The protocol factory of one listener: aiohttp's server, with at most ``limit``
-    connections open at once (one past it is closed as it comes) and each connection's first
-    request head read within ``head_timeout`` seconds (later ones: aiohttp's keep-alive)."""
+    connections open at once (one past it is answered 503 and closed as it comes) and each
+    connection's first request head read within ``head_timeout`` seconds (later ones:
+    aiohttp's keep-alive).  With ``nodes`` (the cluster listener) the other clients together
+    hold at most ``limit - reserve``: the registered nodes always find places."""
 
     def __init__(self, server: web.Server, limit: int, head_timeout: float, per_address: int | None = None,
-                 nodes: Callable[[], Container[str]] | None = None) -> None:
+                 nodes: Callable[[], Container[str]] | None = None, reserve: int = 0) -> None:
         """``nodes``: the cluster's registered nodes' addresses (canonical text), each counted on
-        its own rather than with the rest of its IPv6 /64."""
+        its own rather than with the rest of its IPv6 /64, and admitted into the ``reserve``
+        places the others cannot take."""
         self._server = server
         self.nodes = nodes
         self.limit = limit
+        self.reserve = reserve if nodes is not None else 0
         self.head_timeout = head_timeout
         self.per_address = per_address  # None: no limit per remote address
         self.by_address: dict[str, int] = {}  # IPv4 address or IPv6 /64 -> its connections open (per_address only)
-        self.open = 0  # connections accepted and not yet lost (those closed as they came aside)
+        self.open = 0  # connections admitted and not yet lost (those refused as they came aside)
+        self.others = 0  # of them, those not from a registered node's address
         self.refused = 0
-        self.refused_address = 0  # closed as they came: their address had per_address open
+        self.refused_address = 0  # refused as they came: their address had per_address open
         # Connections whose first request head has not come yet (held until its time is up:
         # aiohttp's handlers take no weak references).
         self.waiting: set[Any] = set()
@@ -112,50 +121,55 @@ class _Connections:
         return getattr(self._server, name)
 
     def __call__(self) -> asyncio.BaseProtocol:
-        # Counted here, as it is accepted, not by aiohttp's server (which counts a connection
-        # once its connection_made has run): asyncio's loop accepts up to the listen backlog
-        # (aiohttp's 128) at a time and makes all their protocols before any is told of its
-        # transport, so a burst passed the limit by up to that many.  (uvloop, which agentd run
-        # uses, was seen to tell each before it made the next: exact there already.)
-        if self.open >= self.limit:
-            self.refused += 1
-            if self.refused == 1 or self.refused % 1000 == 0:
-                log.warning("API: %d connections open, more closed as they come (%d so far)", self.limit, self.refused)
-            return _Refused()
-        self.open += 1
-        handler = self._server()
-        self.waiting.add(handler)
-        asyncio.get_running_loop().call_later(self.head_timeout, self._head_due, handler)
-        return _Counted(self, handler)
+        # Admitted (or not) in connection_made, where the peer is known (a registered node has
+        # places of its own), and counted there at once: asyncio's loop accepts up to the
+        # listen backlog (aiohttp's 128) at a time and makes all their protocols before any is
+        # told of its transport, but tells them one after the other -- no burst passes the cap.
+        return _Counted(self, self._server())
 
-    def admit(self, peer: Any) -> str | None:
-        """The key ``peer`` is counted under, or None when its address has ``per_address``
-        connections open already; "" for what is not counted (loopback, a peer without address)."""
+    def admit(self, peer: Any) -> tuple[str, bool] | None:
+        """(the key ``peer`` is counted under, whether it is a registered node's address), or
+        None when it is refused: ``limit`` connections open (the others: ``limit - reserve``),
+        or its address has ``per_address`` open.  The key is "" for what is not counted per
+        address (loopback, a peer without address, a listener without ``per_address``)."""
         address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         try:
-            ip = ipaddress.ip_address(address.split("%", 1)[0])
+            ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(address.split("%", 1)[0])
         except ValueError:
-            return ""
+            ip = None
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # a dual-stack socket's IPv4 client
             ip = ip.ipv4_mapped
-        if ip.is_loopback:
-            return ""
+        node = ip is not None and not ip.is_loopback and self.nodes is not None and str(ip) in self.nodes()
+        if self.open >= self.limit or (not node and self.others >= self.limit - self.reserve):
+            self.refused += 1
+            if self.refused == 1 or self.refused % 1000 == 0:
+                log.warning("API: %d connections open (%d of them not from a registered node), more answered 503 "
+                            "as they come (%d so far)", self.open, self.others, self.refused)
+            return None
+        if ip is None or ip.is_loopback or self.per_address is None:
+            return "", node
         # An IPv6 host is given a /64 and may use any address of it: counted per /64, but for a
         # registered node's address (the nodes of one subnet often share its /64).
         address = str(ip)
-        if ip.version == 6 and (self.nodes is None or address not in self.nodes()):
+        if ip.version == 6 and not node:
             address = str(ipaddress.IPv6Network((ip, 64), strict=False))
         n = self.by_address.get(address, 0)
-        if self.per_address is not None and n >= self.per_address:
+        if n >= self.per_address:
             self.refused_address += 1
             if self.refused_address == 1 or self.refused_address % 1000 == 0:
-                log.warning("API: %s has %d connections open, more from it closed as they come (%d so far)",
+                log.warning("API: %s has %d connections open, more from it answered 503 as they come (%d so far)",
                             address, n, self.refused_address)  # fmt: skip
             return None
         self.by_address[address] = n + 1
-        return address
+        return address, node
 
-    def release(self, address: str) -> None:
+    def take(self, node: bool) -> None:
+        self.open += 1
+        self.others += not node
+
+    def release(self, address: str, node: bool) -> None:
+        self.open -= 1
+        self.others -= not node
         if address:
             n = self.by_address.pop(address, 0) - 1
             if n > 0:
@@ -172,53 +186,62 @@ class _Connections:
 
 
 class _Counted(asyncio.Protocol):
-    """aiohttp's handler, counted in ``open`` from its accept to its end, behind a check of
-    the remote address's connections (``admit``, with ``per_address``): one past that limit is
-    closed before aiohttp sees it."""
+    """aiohttp's handler behind the listener's limits (:meth:`_Connections.admit`), counted
+    in ``open`` from its admission to its end: one refused is answered 503 and closed before
+    aiohttp sees it."""
 
     def __init__(self, connections: _Connections, handler: Any) -> None:
         self.connections = connections
         self.handler = handler
-        self.counted = True  # in connections.open until connection_lost
-        self.address: str | None = None  # what it is counted under per address; None: aiohttp has it not
+        self.counted: tuple[str, bool] | None = None  # its admit() key while counted; None: aiohttp has it not
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self.connections.per_address is None:
-            self.address = ""
-        else:
-            self.address = self.connections.admit(transport.get_extra_info("peername"))
-        if self.address is None:
-            self.connections.waiting.discard(self.handler)
-            transport.abort()
+        admitted = self.connections.admit(transport.get_extra_info("peername"))
+        if admitted is None:
+            _refuse(transport)  # type: ignore[arg-type]
             return
+        self.counted = admitted
+        self.connections.take(admitted[1])
+        self.connections.waiting.add(self.handler)
+        asyncio.get_running_loop().call_later(self.connections.head_timeout, self.connections._head_due, self.handler)
         self.handler.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.counted:
-            self.counted = False
-            self.connections.open -= 1
-        if self.address is None:
+        if self.counted is None:
             return
-        self.connections.release(self.address)
-        self.address = None
+        self.connections.release(*self.counted)
+        self.counted = None
+        self.connections.waiting.discard(self.handler)
         self.handler.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        self.handler.data_received(data)
+        if self.counted is not None:
+            self.handler.data_received(data)
 
     def eof_received(self) -> bool | None:
+        if self.counted is None:
+            return None
         return self.handler.eof_received()  # type: ignore[no-any-return]
 
     def pause_writing(self) -> None:
-        self.handler.pause_writing()
+        if self.counted is not None:
+            self.handler.pause_writing()
 
     def resume_writing(self) -> None:
-        self.handler.resume_writing()
+        if self.counted is not None:
+            self.handler.resume_writing()
 
 
-class _Refused(asyncio.Protocol):
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.close()
+_BUSY = json.dumps({"error": "too many connections open to this API: try again"}).encode() + b"\n"
+# What a connection past a limit is told before it is closed: one write of what the client would
+# otherwise have to guess from a close (a running agent, busy; not "no agent here").
+BUSY_ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s") % (len(_BUSY), _BUSY)
+
+
+def _refuse(transport: asyncio.WriteTransport) -> None:
+    transport.write(BUSY_ANSWER)  # into the socket's buffer at once (a few hundred bytes)
+    transport.close()
 
 
 class _Runner(web.AppRunner):
@@ -282,6 +305,7 @@ class ApiServer:
         self.connections: _Connections | None = None
         self.max_connections = MAX_CONNECTIONS
         self.max_per_address = MAX_PER_ADDRESS if read_token is not None else None  # the cluster listener's
+        self.node_reserve = NODE_RESERVE  # with ``nodes``: places only the registered nodes take
         self.keepalive_timeout = KEEPALIVE_TIMEOUT
         read_only = read_token is not None
         if read_token is not None:
@@ -319,7 +343,7 @@ class ApiServer:
 
     def _capped(self, server: web.Server) -> _Connections:
         self.connections = _Connections(server, self.max_connections, self.keepalive_timeout, self.max_per_address,
-                                        self.nodes)
+                                        self.nodes, self.node_reserve)
         return self.connections
 
     async def start(self) -> None:

@@ -45,6 +45,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentd.config.settings import read_token_problem
+
 if TYPE_CHECKING:  # aiohttp only where the API runs: `agentd leave` reads the token without it
     from aiohttp import web
 
@@ -124,10 +126,24 @@ def new_token() -> str:
     return secrets.token_urlsafe(TOKEN_BYTES)
 
 
+READ_TOKEN_MAX = 4096  # bytes of [api] read_token_file read (one line: a token)
+
+
 def read_line_token(path: str | Path) -> str:
-    """The cluster read token of ``[api] read_token_file``: one non-empty line."""
-    token = Path(path).read_text().strip()
-    if not token or "\n" in token:
+    """The cluster read token of ``[api] read_token_file``: one non-empty line, in a file
+    only its owner (root, or the agent's user) may read (:func:`agentd.config.settings.read_token_problem`: refused
+    otherwise, with :class:`TokenFileError` saying why)."""
+    # Not blocking on a FIFO; the checks are of what was opened (a symlink's target).
+    with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK | os.O_CLOEXEC)) as file:
+        problem = read_token_problem(os.fstat(file.fileno()), path)
+        if problem is not None:
+            raise TokenFileError(problem)
+        data = file.read(READ_TOKEN_MAX + 1)
+    try:
+        token = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: the read token is not UTF-8 text") from None
+    if not token or "\n" in token or len(data) > READ_TOKEN_MAX:
         raise ValueError(f"{path}: the read token must be one non-empty line")
     return token
 

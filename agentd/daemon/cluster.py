@@ -27,6 +27,7 @@ unreachable with that reason, and nothing is sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +42,7 @@ log = logging.getLogger("agentd.cluster")
 TIMEOUT = 3.0  # seconds a node has to answer a gathered GET (to connect, and between two reads)
 GATHER_TOTAL = 60.0  # seconds a gathered answer may take in all (the last 100,000 records of a node)
 RELAY_MAX = 64 << 20  # bytes of one node's answer a gathering node holds (a large /rib: ask that node itself)
+ERROR_BODY_MAX = 4096  # bytes of a streamed answer that is not 200 read for its error (NodeAnswered)
 KEEPALIVE = 10.0  # seconds between empty lines on a quiet followed stream (proxies close idle ones)
 FOLLOW_IDLE = 2.5 * KEEPALIVE  # seconds without a byte after which a followed node counts as gone
 IDLE_KEPT = 10.0  # seconds an idle connection to another node is kept for the next GET
@@ -179,7 +181,7 @@ class ClusterView:
                 if 300 <= resp.status < 400:
                     raise NodeAnswered(node, resp.status, _redirect(resp))
                 if resp.status != 200:
-                    raise NodeAnswered(node, resp.status, await resp.read())
+                    raise NodeAnswered(node, resp.status, await _error_body(resp))
                 if blanks and follow and resp.headers.get(LAST_END) != "empty-line":
                     raise UnmarkedStream(f"{node} does not end its last records with an empty line")
                 if seen is not None and RING in resp.headers:
@@ -213,6 +215,21 @@ class ClusterView:
                 return name, {"error": str(err) if not isinstance(err, KeyError) else f"no node {name} in etcd"}
 
         return dict(await asyncio.gather(*(one(n) for n in names)))
+
+
+async def _error_body(resp: aiohttp.ClientResponse) -> bytes:
+    """The start of an answer that is not 200 (what :class:`NodeAnswered` says): at most
+    ``ERROR_BODY_MAX`` bytes, read for at most ``TIMEOUT`` seconds -- a followed request has no
+    total deadline, and a node's endless error answer must not fill this agent's memory."""
+    body = bytearray()
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(TIMEOUT):
+            while len(body) < ERROR_BODY_MAX:
+                chunk = await resp.content.read(ERROR_BODY_MAX - len(body))
+                if not chunk:
+                    break
+                body += chunk
+    return bytes(body)
 
 
 def _redirect(resp: aiohttp.ClientResponse) -> bytes:

@@ -71,6 +71,17 @@ UI_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", 
             ".png": "image/png", ".ico": "image/x-icon"}
 
 
+# Of a node's MAX_FOLLOWERS places for readers with a credential, the most other nodes'
+# gatherers hold (the rest stay for this node's root: `agentd flows -f`, its cluster streams),
+# and the most one of them holds (whoever reads its cluster view opens one here per stream).
+REMOTE_FOLLOWERS = MAX_FOLLOWERS * 3 // 4
+REMOTE_PER_NODE = MAX_FOLLOWERS // 4
+
+
+def _full(view: FlowViews | None, pool: str) -> bool:
+    return view is not None and view.followers(pool) >= MAX_FOLLOWERS
+
+
 class ObservedAgent(Protocol):
     """What these endpoints read (``agentd.daemon.views.AgentViews``)."""
 
@@ -119,9 +130,21 @@ class _Handlers:
         self.own = own or {}
         self.read_only = read_only  # the cluster listener: never relays
         self.token_of = token_of
+        self.remote: dict[str, int] = {}  # another node's address -> its followed streams here (read_only)
+        self.cluster_follows = 0  # followed cluster=1 streams (loopback): each follows every node
 
     def _may_gather(self, request: web.Request) -> bool:
         return auth.may_read_cluster(request.headers.get("Authorization", ""), self.token_of())
+
+    def _remote_busy(self, source: str) -> str | None:
+        """Why another node's gatherer (at address ``source``) may not follow now, or None."""
+        held = self.remote.get(source, 0)
+        if held >= REMOTE_PER_NODE:
+            return f"{held} streams of {source} already follow this node's flow records (at most {REMOTE_PER_NODE} each)"
+        everyone = sum(self.remote.values())
+        if everyone >= REMOTE_FOLLOWERS:
+            return f"{everyone} streams of other nodes already follow this node's flow records (at most {REMOTE_FOLLOWERS})"
+        return None
 
     # ------------------------------------------------------------------ /flows
 
@@ -147,11 +170,22 @@ class _Handlers:
         if view is None and not cluster:
             return web.json_response({"error": "flow records are off on this node ([flows] enabled = false)"}, status=404)
         # Other nodes' gatherers (the read token) and readers with the API token or browser key
-        # have places of their own: local readers without one cannot take them all.
-        pool = "trusted" if self.read_only or self._may_gather(request) else "open"
-        if follow and view is not None and view.followers(pool) >= MAX_FOLLOWERS:
-            return web.json_response({"error": f"{view.followers(pool)} streams already follow this node's flow "
-                                               f"records (at most {MAX_FOLLOWERS}); try again later"}, status=503)
+        # have places of their own: local readers without one cannot take them all.  The
+        # gatherers hold at most REMOTE_FOLLOWERS of those (each node REMOTE_PER_NODE): whoever
+        # reads one node's cluster view cannot take this node's root's places; a reader here
+        # with a credential takes an open place when the trusted ones are all taken.
+        pool = "trusted" if self.read_only or (self._may_gather(request) and not _full(view, "trusted")) else "open"
+        source = str(request.remote or "")
+        busy = None
+        if follow and self.read_only:
+            busy = self._remote_busy(source)
+        if follow and cluster and self.cluster_follows >= MAX_FOLLOWERS:
+            busy = f"{self.cluster_follows} streams already follow the cluster from this node (at most {MAX_FOLLOWERS})"
+        if follow and busy is None and _full(view, pool):
+            assert view is not None
+            busy = f"{view.followers(pool)} streams already follow this node's flow records (at most {MAX_FOLLOWERS})"
+        if busy is not None:
+            return web.json_response({"error": f"{busy}; try again later"}, status=503)
         follower: Follower | None = None
         search: LastSearch | None = None
         cursor = ""
@@ -171,6 +205,10 @@ class _Handlers:
             headers[LAST_END] = "empty-line"  # a gathering node splits the last N from what follows there
             headers[RING] = cursor
         resp = web.StreamResponse(headers=headers)
+        remote = follower is not None and self.read_only
+        if remote:
+            self.remote[source] = self.remote.get(source, 0) + 1
+        self.cluster_follows += cluster and follow
         try:
             await resp.prepare(request)
             if cluster:
@@ -181,6 +219,11 @@ class _Handlers:
         except ConnectionResetError:  # the reader went during a write (else: cancelled then, api.HANDLER_CANCELLATION)
             return resp
         finally:
+            self.cluster_follows -= cluster and follow
+            if remote:
+                n = self.remote.pop(source) - 1
+                if n:
+                    self.remote[source] = n
             if follower is not None:
                 view.unfollow(follower)  # type: ignore[union-attr]  # view is there when follower is
         with contextlib.suppress(ConnectionResetError):
@@ -578,8 +621,11 @@ class _Merge:
 
 
 async def _pump_local(view: FlowViews, flt: FlowFilter, merge: _Merge, me: str) -> None:
-    try:
-        follower = view.follow(flt, "trusted")  # the cluster's stream: its reader has a credential
+    try:  # the cluster's stream: its reader has a credential (an open place when the trusted ones are taken)
+        try:
+            follower = view.follow(flt, "trusted")
+        except TooManyFollowers:
+            follower = view.follow(flt, "open")
     except TooManyFollowers as err:
         merge.put(_line({"node": me, "error": str(err)}))
         return

@@ -154,3 +154,38 @@ async def test_the_cluster_view_never_sends_the_token_to_a_loopback_or_link_loca
     except OSError as err:
         assert "loopback" in str(err)
     assert view._session is None
+
+
+# ------------------------------------------------------------------ [api] read_token_file
+
+
+def test_a_read_token_file_others_may_read_is_refused_and_warned_of(tmp_path):
+    """[api] read_token_file was taken whatever its mode: a 0644 file handed every local user
+    the cluster read token (every node's flows, routes and status).  Refused unless only its
+    owner, root or the agent's user, may read it -- the cluster view stays off, the agent says
+    why -- and `agentd check-config` (config_warnings) says so before the agent runs."""
+    from agentd.config.settings import config_warnings, load_config, read_token_problem
+
+    path = tmp_path / "read.token"
+    path.write_text("s3cret\n")
+    cfg = load_config(env={"AGENTD_API_READ_TOKEN_FILE": str(path), "AGENTD_NODE_NAME": "n1",
+                           "AGENTD_NODE_ADDRESS": "192.0.2.1"})
+    for mode in (0o644, 0o640, 0o604, 0o620):
+        path.chmod(mode)
+        with pytest.raises(auth.TokenFileError, match=rf"^\[api\] read_token_file {path} has mode {mode:04o}: .*chmod 600"):
+            auth.read_line_token(path)
+        (warning,) = config_warnings(cfg)
+        assert warning.startswith(f"[api] read_token_file {path} has mode {mode:04o}") and "refuses" in warning
+    for mode in (0o600, 0o400):
+        path.chmod(mode)
+        assert auth.read_line_token(path) == "s3cret" and config_warnings(cfg) == []
+    # Another user's file: whoever owns it can change the token.
+    st = path.stat()
+    assert read_token_problem(st, path, agent_uid=st.st_uid) is None
+    other = os.stat_result((st.st_mode, *st[1:4], 4242, *st[5:]))
+    assert "owned by uid 4242, neither root nor the agent's user" in read_token_problem(other, path, agent_uid=1000)
+    assert read_token_problem(os.stat_result((st.st_mode, *st[1:4], 0, *st[5:])), path, agent_uid=1000) is None
+    assert "not a regular file" in read_token_problem(os.stat(tmp_path), tmp_path)
+    path.write_text("one\ntwo\n")
+    with pytest.raises(ValueError, match="one non-empty line"):
+        auth.read_line_token(path)

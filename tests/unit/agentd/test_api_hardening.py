@@ -93,9 +93,9 @@ async def test_connections_that_send_nothing_are_closed_and_at_most_the_cap_are_
             held.append(await asyncio.open_connection("127.0.0.1", server.port))
         held[1][1].write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # half a head, never finished
         await held[1][1].drain()
-        # One past the cap is closed as it comes.
+        # One past the cap is answered 503 and closed as it comes.
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        assert await asyncio.wait_for(reader.read(), 5) == b"" and server.connections.refused == 1
+        assert await asyncio.wait_for(reader.read(), 5) == api.BUSY_ANSWER and server.connections.refused == 1
         writer.close()
         # Nothing, or half a head: closed once the keep-alive time has passed, not an hour later.
         for reader, _ in held:
@@ -142,7 +142,7 @@ async def _burst() -> None:
         refused = [r for r, w in held if w.get_extra_info("sockname")[1] not in kept]
         assert len(refused) == 35
         closed = await asyncio.gather(*(asyncio.wait_for(r.read(), 5) for r in refused), return_exceptions=True)
-        assert all(c == b"" or isinstance(c, ConnectionResetError) for c in closed), closed
+        assert all(c == api.BUSY_ANSWER or isinstance(c, ConnectionResetError) for c in closed), closed
         for _, writer in held:
             writer.close()
         for _ in range(200):
@@ -156,6 +156,35 @@ async def _burst() -> None:
         for _, writer in held:
             writer.close()
         await server.stop()
+
+
+def test_a_full_api_refuses_the_leave_it_would_otherwise_run_without_the_agent(tmp_path):
+    """The agent's API at its connection cap: `agentd leave` is told to try again (the API
+    answers 503 past its cap), and the agent is not asked to leave, nor is anything done
+    without it."""
+    asked = []
+
+    class Agent(Provider):
+        def request_leave(self):
+            asked.append(True)
+
+    async def main() -> None:
+        token_file = tmp_path / "api.token"
+        server = api.ApiServer(Agent(), "127.0.0.1", 0, token=auth.write_token_file(token_file))
+        server.max_connections = 1
+        await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:  # the one place held, with a keep-alive request
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            await reader.readuntil(b"\r\n\r\n")
+            with pytest.raises(cli.LeaveRefused, match="too many connections open to this API: try again"):
+                await asyncio.to_thread(cli.leave_running_agent, "127.0.0.1", server.port, token_file, timeout=5)
+        finally:
+            writer.close()
+            await server.stop()
+
+    asyncio.run(main())
+    assert asked == []
 
 
 # ------------------------------------------------------------------ errors are JSON
@@ -302,6 +331,49 @@ async def test_a_node_that_redirects_is_not_followed(monkeypatch):
             await runner.cleanup()
 
 
+
+async def test_a_nodes_endless_error_answer_is_read_no_further_than_its_start(monkeypatch):
+    """A followed request has no total deadline: a node answering 503 with a body that never
+    ends was read whole (a probe's agent grew by 821 MB) before NodeAnswered said so.  Its
+    start is read, the connection let go; the node gets to send a few chunks, not 64 KB."""
+    sent = 0
+    gone = asyncio.Event()
+
+    async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * 1024
+        try:
+            while sent < 4 << 20:  # "endless": the test stops it at 4 MB
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await writer.drain()
+                sent += len(chunk)
+                await asyncio.sleep(0)  # the reader runs between two chunks
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            gone.set()
+            writer.close()
+
+    server = await asyncio.start_server(node, "127.0.0.1", 0)
+    monkeypatch.setattr(cluster, "unsafe_address", lambda address: None)  # the test's node is on loopback
+    view = ClusterView("node1", lambda: {"node2": "127.0.0.1"}, server.sockets[0].getsockname()[1])
+    view.token = "read-token"
+    try:
+        with pytest.raises(NodeAnswered, match=r"node2 answered 503: x+$") as err:
+            async for _ in view.lines("node2", "/flows?follow=1", follow=True):
+                pass
+        assert err.value.status == 503
+        await asyncio.wait_for(gone.wait(), 5)
+        assert sent < 64 << 10, sent
+    finally:
+        await view.close()
+        server.close()
+        await server.wait_closed()
+
 # ------------------------------------------------------------------ followers
 
 
@@ -330,6 +402,81 @@ async def test_local_readers_without_a_credential_cannot_take_the_clusters_place
     await asyncio.gather(*open_ones, *trusted, return_exceptions=True)
     assert views.followers() == 0
 
+
+def _peer(address: str):
+    from unittest import mock
+
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda name, default=None: (address, 40000) if name == "peername" else default
+    return transport
+
+
+async def test_other_nodes_gatherers_cannot_take_this_nodes_roots_places():
+    """Other nodes' gatherers, the readers here with a credential and this node's own cluster
+    streams shared one pool: whoever holds the browser key on another node, opening 64 cluster
+    follows there, took the 64 places of every node -- root's `agentd flows -f` was refused
+    while readers without a credential still followed.  The gatherers hold at most
+    REMOTE_FOLLOWERS (REMOTE_PER_NODE each); a reader here with a credential falls back on an
+    open place when the trusted ones are taken."""
+    views = FlowViews(SimpleNamespace(ring=FlowRing(16)))
+    agent = SimpleNamespace(cluster_view=lambda: None, flows_view=lambda: views, node_name=lambda: "node1")
+    loopback = observe_api._Handlers(agent, read_only=False, token_of=lambda: TOKEN)
+    listener = observe_api._Handlers(agent, read_only=True, token_of=lambda: None)
+    key = auth.bearer_header(auth.ui_key(TOKEN))
+
+    async def follow(handlers, headers=None, peer="127.0.0.1", query="follow=1&last=0"):
+        request = make_mocked_request("GET", f"/flows?{query}", headers=headers or {}, transport=_peer(peer))
+        task = asyncio.create_task(handlers.flows(request))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return task
+
+    assert observe_api.REMOTE_FOLLOWERS < MAX_FOLLOWERS and observe_api.REMOTE_PER_NODE < observe_api.REMOTE_FOLLOWERS
+    one_node = [await follow(listener, peer="192.0.2.2") for _ in range(MAX_FOLLOWERS)]
+    assert sum(not t.done() for t in one_node) == observe_api.REMOTE_PER_NODE
+    refused = next(t for t in one_node if t.done())
+    assert refused.result().status == 503 and "192.0.2.2" in json.loads(refused.result().text)["error"]
+    nodes = [await follow(listener, peer=f"192.0.2.{i}") for i in range(3, 10) for _ in range(MAX_FOLLOWERS)]
+    assert sum(not t.done() for t in one_node + nodes) == observe_api.REMOTE_FOLLOWERS
+    roots = [await follow(loopback, key) for _ in range(MAX_FOLLOWERS - observe_api.REMOTE_FOLLOWERS)]
+    assert not any(t.done() for t in roots) and views.followers("trusted") == MAX_FOLLOWERS
+    # The trusted places all taken: a reader with the key still follows, in an open place.
+    more = [await follow(loopback, key), await follow(loopback)]
+    assert not any(t.done() for t in more) and views.followers("open") == 2
+    tasks = one_node + nodes + roots + more
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert views.followers() == 0 and listener.remote == {}
+
+
+async def test_cluster_follows_are_capped_with_flow_records_off_here():
+    """With this node's flow records off there is no follower of its own to count: a followed
+    cluster stream (each one following every node) was not limited at all."""
+    agent = SimpleNamespace(cluster_view=lambda: None, flows_view=lambda: None, node_name=lambda: "node1")
+    loopback = observe_api._Handlers(agent, read_only=False, token_of=lambda: TOKEN)
+    key = auth.bearer_header(auth.ui_key(TOKEN))
+
+    async def follow():
+        request = make_mocked_request("GET", "/flows?cluster=1&follow=1&last=0", headers=key)
+        task = asyncio.create_task(loopback.flows(request))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return task
+
+    streams = [await follow() for _ in range(MAX_FOLLOWERS)]
+    assert not any(t.done() for t in streams)
+    refused = await follow()
+    assert refused.done() and refused.result().status == 503
+    assert loopback.cluster_follows == MAX_FOLLOWERS
+    for task in streams:
+        task.cancel()
+    await asyncio.gather(*streams, return_exceptions=True)
+    assert loopback.cluster_follows == 0
+    again = await follow()  # the places given back
+    assert not again.done()
+    again.cancel()
+    await asyncio.gather(again, return_exceptions=True)
 
 @pytest.mark.parametrize("run", ["asyncio", "uvloop"])  # the agent runs on uvloop
 @pytest.mark.parametrize("stream", ["local", "cluster", "listener"])
@@ -541,12 +688,16 @@ async def test_the_cluster_listener_holds_at_most_so_many_connections_of_one_add
 
     class Transport:
         def __init__(self, peer) -> None:
-            self.peer, self.aborted = peer, False
+            self.peer, self.aborted, self.written = peer, False, b""
 
         def get_extra_info(self, name):
             return self.peer if name == "peername" else None
 
-        def abort(self) -> None:
+        def write(self, data: bytes) -> None:
+            self.written += data
+
+        def close(self) -> None:  # refused: answered 503, then closed
+            assert self.written == api.BUSY_ANSWER
             self.aborted = True
 
     cluster_listener.max_per_address = 2
@@ -594,12 +745,16 @@ async def test_registered_nodes_of_one_ipv6_64_are_each_counted_on_their_own():
 
     class Transport:
         def __init__(self, peer) -> None:
-            self.peer, self.aborted = peer, False
+            self.peer, self.aborted, self.written = peer, False, b""
 
         def get_extra_info(self, name):
             return self.peer if name == "peername" else None
 
-        def abort(self) -> None:
+        def write(self, data: bytes) -> None:
+            self.written += data
+
+        def close(self) -> None:  # refused: answered 503, then closed
+            assert self.written == api.BUSY_ANSWER
             self.aborted = True
 
     class Handler(asyncio.Protocol):
@@ -618,3 +773,47 @@ async def test_registered_nodes_of_one_ipv6_64_are_each_counted_on_their_own():
     others = [admitted(f"2001:db8:7::1:{i:x}") for i in range(70)]
     assert others.count(True) == api.MAX_PER_ADDRESS and others[: api.MAX_PER_ADDRESS] == [True] * api.MAX_PER_ADDRESS
     assert conns.by_address["2001:db8:7::/64"] == api.MAX_PER_ADDRESS
+
+
+async def test_hosts_of_the_underlay_cannot_take_the_registered_nodes_places():
+    """The cluster listener's cap was checked before the peer was known: 16 hosts of the
+    underlay at MAX_PER_ADDRESS each (connections sitting KEEPALIVE_TIMEOUT without a request,
+    then opened again) filled MAX_CONNECTIONS, and the registered nodes could no longer gather
+    from this one.  The others hold at most MAX_CONNECTIONS - NODE_RESERVE; a node finds a place."""
+    nodes = frozenset({*(f"10.0.0.{i}" for i in range(2, 10)), "2001:db8::2"})
+    cluster_listener = api.ApiServer(Provider(), "127.0.0.1", 0, read_token=lambda: "t", nodes=lambda: nodes)
+
+    class Transport:
+        def __init__(self, peer) -> None:
+            self.peer, self.refused = peer, False
+
+        def get_extra_info(self, name):
+            return self.peer if name == "peername" else None
+
+        def write(self, data: bytes) -> None:
+            assert data == api.BUSY_ANSWER
+
+        def close(self) -> None:
+            self.refused = True
+
+    class Handler(asyncio.Protocol):
+        pass
+
+    conns = cluster_listener._capped(lambda: Handler())  # type: ignore[arg-type]
+
+    def connect(address: str):
+        protocol, transport = conns(), Transport((address, 40000))
+        protocol.connection_made(transport)  # type: ignore[arg-type]
+        return protocol, transport
+
+    pods = [connect(f"10.244.1.{host}") for host in range(10, 26) for _ in range(api.MAX_PER_ADDRESS)]
+    others = api.MAX_CONNECTIONS - api.NODE_RESERVE
+    assert sum(not t.refused for _, t in pods) == others and conns.others == others
+    assert not connect("10.0.0.2")[1].refused and not connect("2001:db8::2")[1].refused
+    assert connect("127.0.0.1")[1].refused  # loopback is no registered node
+    # The nodes may take every place left (each at most MAX_PER_ADDRESS); then nobody gets one.
+    more = [connect(f"10.0.0.{i}") for i in range(2, 10) for _ in range(api.MAX_PER_ADDRESS)]
+    assert sum(not t.refused for _, t in more) == api.NODE_RESERVE - 2 and conns.open == api.MAX_CONNECTIONS
+    # A pod's place given back is a pod's again.
+    pods[0][0].connection_lost(None)
+    assert conns.open == api.MAX_CONNECTIONS - 1 and not connect("10.244.1.10")[1].refused

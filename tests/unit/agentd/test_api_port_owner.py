@@ -94,9 +94,8 @@ def test_agentd_leave_sends_the_token_to_no_other_users_listener(tmp_path, monke
         assert seen == []
         monkeypatch.setattr(listeners, "file_owner", lambda path: 1000)  # an agent run as that user (User=): it is its own
         server.timeout = 5
-        monkeypatch.setattr(cli, "LEAVE_WAIT", 1.0)
-        try:
-            cli.leave_running_agent("127.0.0.1", port, token_file)
+        try:  # (an answer without a leave's id: the older agent's way, waited for up to the timeout)
+            cli.leave_running_agent("127.0.0.1", port, token_file, timeout=1.0)
         except cli.LeaveRefused:
             pass
         assert seen == ["Bearer t0ken"]
@@ -153,3 +152,67 @@ def test_agentd_flows_asks_who_listens_on_the_schemes_default_port(api, port, tm
                               **{f"filter_{n.replace('-', '_')}": [] for n in cli.FLOW_FILTERS})  # fmt: skip
     assert cli.flows_command(args, token_file) == 1
     assert asked == [("127.0.0.1", port)] and sent == []
+
+
+# ------------------------------------------------------------------ leave: "no agent" is nothing taking the connection
+
+
+def _closed_port() -> int:
+    """A port of 127.0.0.1 nothing listens on (connections to it are refused)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_a_connection_taken_and_closed_without_an_answer_is_no_leave_without_the_agent(tmp_path, how):
+    """A running agent whose API has all its connections taken (any local user can open them)
+    closed each new one as it came: urllib's RemoteDisconnected (an OSError) was read as "no
+    agent answers", and `agentd leave` ran the leave without the agent under the running one
+    (its node out of etcd, its routes, tables and BPF data path removed).  Only a connection
+    nothing takes means no agent."""
+    import socket
+    import struct
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            if how == "reset":
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with pytest.raises(cli.LeaveRefused, match=r"took the connection but closed it without an answer.*try again"):
+            cli.leave_running_agent("127.0.0.1", port, tmp_path / "api.token", timeout=5)
+    finally:
+        server.close()
+
+
+def test_nothing_answering_is_no_agent_unless_roots_or_the_agents_user_listens_there(proc, tmp_path, monkeypatch):
+    """Refused (nothing took the connection): no agent, the leave runs without it -- unless a
+    process of root's or the agent's user listens on the port (an agent starting, or stuck
+    with its listen backlog full: what /proc/net/tcp says).  Another user's listener is no agent."""
+    port = _closed_port()
+    token_file = tmp_path / "api.token"
+    assert cli.leave_running_agent("127.0.0.1", port, token_file, timeout=5) is None
+    (proc / "tcp").write_text(TCP.replace(":238B ", f":{port:04X} ").replace("  1000        0 4242", "     0        0 4242"))
+    with pytest.raises(cli.LeaveRefused, match=rf"^nothing answered at http://127.0.0.1:{port}/leave \(.*\), but a "
+                                               rf"process of uid 0 .*listens on 127.0.0.1:{port}.*Not leaving without it"):
+        cli.leave_running_agent("127.0.0.1", port, token_file, timeout=5)
+    (proc / "tcp").write_text(TCP.replace(":238B ", f":{port:04X} "))  # uid 1000's: a squatter, not an agent
+    assert cli.leave_running_agent("127.0.0.1", port, token_file, timeout=5) is None
+    monkeypatch.setattr(listeners, "file_owner", lambda path: 1000)  # unless the agent runs as that user
+    with pytest.raises(cli.LeaveRefused, match="process of uid 1000"):
+        cli.leave_running_agent("127.0.0.1", port, token_file, timeout=5)
+
