@@ -216,6 +216,17 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
     return table
 
 
+def _ours(table: Names, query: dns.message.Message) -> dns.message.Message:
+    """The start of an answer from ``table``: SERVFAIL before its first sync (the caller
+    returns it as it is), else authoritative."""
+    response = dns.message.make_response(query)
+    if table.ready:
+        response.flags |= dns.flags.AA
+    else:
+        response.set_rcode(dns.rcode.SERVFAIL)
+    return response
+
+
 def _reverse(table: Names, query: dns.message.Message, qname: str, service_ranges: Sequence[Any]) -> dns.message.Message | None:
     """PTR (the Kubernetes DNS specification 2.3.3, 2.4.3): a cluster IP's reverse name gives
     its Service's name, a headless Service's ready endpoint's its own name; another address of
@@ -225,11 +236,9 @@ def _reverse(table: Names, query: dns.message.Message, qname: str, service_range
         address = _reverse_address(qname)
         if address is None or not any(address in r for r in service_ranges):
             return None
-    response = dns.message.make_response(query)
+    response = _ours(table, query)
     if not table.ready:
-        response.set_rcode(dns.rcode.SERVFAIL)
         return response
-    response.flags |= dns.flags.AA
     zone = "in-addr.arpa" if qname.endswith(".in-addr.arpa.") else "ip6.arpa"
     q = query.question[0]
     if not owners:
@@ -286,11 +295,9 @@ def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[A
         return _reverse(table, query, qname, service_ranges)
     if not (qname == f"{table.domain}." or qname.endswith(f".{table.domain}.")):
         return None
-    response = dns.message.make_response(query)
+    response = _ours(table, query)
     if not table.ready:
-        response.set_rcode(dns.rcode.SERVFAIL)
         return response
-    response.flags |= dns.flags.AA
     known = qname in table.a or qname in table.srv or _is_branch(table, qname)  # a holds every host, aaaa too
     if not known:
         response.set_rcode(dns.rcode.NXDOMAIN)
