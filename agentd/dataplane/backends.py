@@ -10,7 +10,10 @@ data paths (agentd.backend_table) that comes up here, and says why it fell back:
 ============  ==========================================================================
 vxlan-device  kernel VTEP ``agentd.vxlan`` (VNI/port configurable, no learning); per peer a
               permanent neighbour entry (peer VTEP IP -> MAC) and an FDB entry (MAC -> peer
-              underlay IP), as flannel does; routes ``subnet via vtep_ip dev agentd.vxlan onlink``.
+              underlay IP, and the peer's VNI and port where they are not ours), as flannel
+              does; routes ``subnet via vtep_ip dev agentd.vxlan onlink``.  The entries are
+              re-read from the kernel every VXLAN_REREAD seconds and put back where they went
+              (the device set down and up, ``ip neigh flush``, ``bridge fdb del``).
               One VTEP carries both pod families: a dual-stack peer gets an IPv6 neighbour
               entry too (its IPv6 VTEP address, the network address of its IPv6 subnet, as
               flannel's second VTEP has it); the VTEP's outer family is the node's underlay's.
@@ -58,10 +61,13 @@ log = logging.getLogger("agentd.backends")
 
 DEVICES = {name: b.device for name, b in BACKENDS.items() if b.device}
 GATEWAY_REFRESH = 15.0  # seconds between re-resolving the underlay next hops of BPF routes
+VXLAN_REREAD = GATEWAY_REFRESH  # seconds between re-reading the VTEP's neighbour and FDB entries
 WORKER_EXIT_TIMEOUT = 5.0  # seconds a replaced worker has to exit before its successor starts
 
 
-VtepPeer = tuple[tuple[str, ...], str]  # (the peer's VTEP addresses, one per pod family; its VTEP MAC)
+# (the peer's VTEP addresses, one per pod family; its VTEP MAC; its UDP port and VNI where they
+# are not ours, else None)
+VtepPeer = tuple[tuple[str, ...], str, "int | None", "int | None"]
 
 
 def _packed(address: str) -> tuple[int, bytes]:
@@ -69,15 +75,18 @@ def _packed(address: str) -> tuple[int, bytes]:
     return family, socket.inet_pton(family, address)
 
 
-def vxlan_peer_entries(index: int, vtep_ips: tuple[str, ...], mac: str, peer: str) -> list[nl.NeighMessage]:
+def vxlan_peer_entries(index: int, vtep_ips: tuple[str, ...], mac: str, peer: str,
+                       port: int | None = None, vni: int | None = None) -> list[nl.NeighMessage]:
     """What a VXLAN peer needs on our VTEP (device ``index``), as flannel does it: a permanent
     neighbour entry per pod family (its VTEP IP -> its VTEP MAC: ARP for IPv4, NDP for IPv6)
     and an FDB entry on the device itself (NTF_SELF: the VXLAN driver's table, MAC -> its
-    underlay address, IPv4 or IPv6)."""
+    underlay address, IPv4 or IPv6).  ``port`` and ``vni``: the peer's UDP port and VNI where
+    they are not our device's (the kernel keeps them per remote, and sends to it with them)."""
     lladdr = bytes.fromhex(mac.replace(":", ""))
     entries = [nl.NeighMessage(family, index, nl.NUD_PERMANENT, 0, 0, raw, lladdr)
                for family, raw in map(_packed, vtep_ips)]
-    entries.append(nl.NeighMessage(nl.AF_BRIDGE, index, nl.NUD_PERMANENT, nl.NTF_SELF, 0, _packed(peer)[1], lladdr))
+    entries.append(nl.NeighMessage(nl.AF_BRIDGE, index, nl.NUD_PERMANENT, nl.NTF_SELF, 0, _packed(peer)[1], lladdr,
+                                   port=port, vni=vni))
     return entries
 
 
@@ -117,8 +126,13 @@ def vxlan_peers_installed(rt: Rtnl, index: int) -> dict[str, VtepPeer]:
             continue
         family = socket.AF_INET if len(e.dst) == 4 else socket.AF_INET6
         ips = tuple(ip for _f, ip in sorted(vteps.get(e.lladdr, []), key=lambda v: v[0] != nl.AF_INET))
-        peers[socket.inet_ntop(family, e.dst)] = (ips, _mac(e.lladdr) or "")
+        peers[socket.inet_ntop(family, e.dst)] = (ips, _mac(e.lladdr) or "", e.port, e.vni)
     return peers
+
+
+def _vxlan_peers_of(index: int) -> dict[str, VtepPeer]:
+    with Rtnl() as rt:
+        return vxlan_peers_installed(rt, index)
 
 
 def _set_address(rt: Rtnl, index: int, *addresses: str) -> None:
@@ -150,8 +164,12 @@ class _Vxlan:
         self.mac: str | None = None
         self.vtep_ip: str | None = None
         self.vtep_ip_v6: str | None = None
-        self.installed: dict[str, VtepPeer] = {}  # peer underlay -> (vtep ips, mac)
-
+        self.installed: dict[str, VtepPeer] = {}  # peer underlay -> (vtep ips, mac, port, vni)
+        # The kernel's entries are re-read when the readiness loop's refresh sets ``reread``
+        # (every VXLAN_REREAD seconds after ``read_at``) or the device has another index.
+        self.read_at = time.monotonic()
+        self.reread = False
+        self.index: int | None = None
     def _up(self, subnet: IPv4Network | IPv6Network) -> None:
         cfg, ul = self.t.cfg.network, self.t.underlay
         mtu = ul.mtu - mtu_overhead("vxlan", ul.family)
@@ -174,6 +192,7 @@ class _Vxlan:
             # An adopted device keeps the previous run's entries: known, they are pruned once
             # the routes are re-learned (peers gone meanwhile), like the routes themselves.
             self.installed = vxlan_peers_installed(rt, link.index)
+            self.index, self.read_at, self.reread = link.index, time.monotonic(), False
             v4, v6 = self.t.subnets.get(4), self.t.subnets.get(6)
             self.vtep_ip = str(v4.network_address) if v4 else None
             self.vtep_ip_v6 = str(v6.network_address) if v6 else None
@@ -194,6 +213,18 @@ class _Vxlan:
             data["vtep_ip_v6"] = self.vtep_ip_v6
         return data
 
+    async def _reread(self, index: int) -> None:
+        """The entries the kernel holds now become ``installed``: what went since (the device
+        set down and up flushes even permanent neighbour entries; ``ip neigh flush``, ``bridge
+        fdb del``) is put back by the sync that follows."""
+        self.reread, self.index, self.read_at = False, index, time.monotonic()
+        kernel = await asyncio.to_thread(_vxlan_peers_of, index)
+        lost = sorted(p for p, v in self.installed.items() if kernel.get(p) != v)
+        if lost:
+            log.warning("%s lost the neighbour or FDB entries of %d peers (%s%s); putting them back", self.device,
+                        len(lost), ", ".join(lost[:3]), ", ..." if len(lost) > 3 else "")
+        self.installed = kernel
+
     async def _sync(self, wanted: dict[str, VtepPeer], prune: bool) -> None:
         """Neighbour and FDB entries through agentd.kernel.netlink, the route programmer's
         rtnetlink codec."""
@@ -201,33 +232,37 @@ class _Vxlan:
             index = socket.if_nametoindex(self.device)
         except OSError:
             return  # no device (yet): nothing to program
+        if self.reread or index != self.index:
+            await self._reread(index)
         sock = NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
         seq = 0
         # A neighbour entry is the kernel's by VTEP address alone: one a wanted peer uses now
         # (a peer re-addressed, its VTEP address kept) is not deleted with the old peer's.
-        in_use = {ip for ips, _mac in wanted.values() for ip in ips}
+        in_use = {ip for ips, *_rest in wanted.values() for ip in ips}
         try:
-            for peer, (vtep_ips, mac) in list(self.installed.items()):
-                if prune and wanted.get(peer) != (vtep_ips, mac):
-                    for entry in vxlan_peer_entries(index, vtep_ips, mac, peer):
+            for peer, have in list(self.installed.items()):
+                if prune and wanted.get(peer) != have:
+                    for entry in vxlan_peer_entries(index, *have[:2], peer):
                         if entry.family != nl.AF_BRIDGE and entry.dst and socket.inet_ntop(entry.family, entry.dst) in in_use:
                             continue
                         seq += 1
                         with contextlib.suppress(nl.NetlinkError):
                             await _neigh_request(sock, "del", entry, seq)
                     del self.installed[peer]
-            for peer, (vtep_ips, mac) in wanted.items():
-                if self.installed.get(peer) == (vtep_ips, mac):
+            for peer, want in wanted.items():
+                if self.installed.get(peer) == want:
                     continue
-                for entry in vxlan_peer_entries(index, vtep_ips, mac, peer):
+                vtep_ips, mac, port, vni = want
+                for entry in vxlan_peer_entries(index, vtep_ips, mac, peer, port, vni):
                     seq += 1
                     await _neigh_request(sock, "replace", entry, seq)
-                self.installed[peer] = (vtep_ips, mac)
+                self.installed[peer] = want
         finally:
             sock.close()
 
     async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], prune: bool) -> None:
         wanted: dict[str, VtepPeer] = {}
+        ours = self.t.cfg.network
         # A dual-stack peer may be reached over VXLAN for one family only (cross-subnet, on-link
         # for IPv4 but without an IPv6 next hop on the segment): its IPv6 plan needs it too.
         for addr, plan in [*plans.items(), *self.t.plans_v6.items()]:
@@ -235,13 +270,19 @@ class _Vxlan:
                 # The peer's VTEP address of each pod family this node has too.
                 keys = [k for k, mine in (("vtep_ip", self.vtep_ip), ("vtep_ip_v6", self.vtep_ip_v6)) if mine]
                 ips = tuple(str(plan.extra[k]) for k in keys if plan.extra.get(k))
+                # Its port and VNI (checked by plan_peer) where they are not ours.
+                port, vni = plan.extra.get("vxlan_port"), plan.extra.get("vni")
                 if ips:
-                    wanted[addr] = (ips, str(plan.extra["vtep_mac"]))
+                    wanted[addr] = (ips, str(plan.extra["vtep_mac"]), None if port in (None, ours.vxlan_port) else port,
+                                    None if vni in (None, ours.vxlan_vni) else vni)
         await self._sync(wanted, prune)
 
     def status(self) -> dict[str, Any]:
         return {"datapath": self.datapath, "device": self.device, **self.data(),
-                "peers": {p: {"vtep_ip": v[0], "vtep_ips": list(v), "mac": m} for p, (v, m) in self.installed.items()}}
+                "peers": {p: {"vtep_ip": v[0] if v else None, "vtep_ips": list(v), "mac": m,
+                              **({"vxlan_port": port} if port is not None else {}),
+                              **({"vni": vni} if vni is not None else {})}
+                          for p, (v, m, port, vni) in self.installed.items()}}
 
     async def down(self, remove: bool) -> None:
         if remove:
@@ -842,8 +883,13 @@ class Tunnels:
             else:
                 if self._refresh_failing.pop(name, None) is not None:
                     log.info("refreshing %s works again", name)
-        if self._plans and time.monotonic() - self._gateways_at >= GATEWAY_REFRESH:
+        now = time.monotonic()
+        if self._plans and now - self._gateways_at >= GATEWAY_REFRESH:
             self._dirty.set()  # the sync loop re-reads the underlay next hops
+        for impl in list(self.active.values()):
+            if isinstance(impl, _Vxlan) and not impl.reread and now - impl.read_at >= VXLAN_REREAD:
+                impl.reread = True  # the sync loop re-reads the VTEP's entries and puts back what went
+                self._dirty.set()
 
     def status(self) -> dict[str, Any]:
         active = {}
