@@ -63,6 +63,29 @@ DEVICES = {name: b.device for name, b in BACKENDS.items() if b.device}
 GATEWAY_REFRESH = 15.0  # seconds between re-resolving the underlay next hops of BPF routes
 VXLAN_REREAD = GATEWAY_REFRESH  # seconds between re-reading the VTEP's neighbour and FDB entries
 WORKER_EXIT_TIMEOUT = 5.0  # seconds a replaced worker has to exit before its successor starts
+RETRY_FIRST, RETRY_MAX = 5.0, 300.0  # a backend that failed to come up: tried again after 5 s, 10 s, ... 5 min
+
+
+class _Retries:
+    """When the parts that failed to come up (backends, workers) may be tried again: RETRY_FIRST
+    seconds after the first failure, twice as long after each next one, at most RETRY_MAX."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, tuple[float, float]] = {}  # name -> (when, the delay that led there)
+
+    def failed(self, name: str, now: float) -> float:
+        delay = min(self._at[name][1] * 2, RETRY_MAX) if name in self._at else RETRY_FIRST
+        self._at[name] = (now + delay, delay)
+        return delay
+
+    def due(self, name: str, now: float) -> bool:
+        return name not in self._at or now >= self._at[name][0]
+
+    def any_due(self, now: float) -> bool:
+        return any(now >= at for at, _delay in self._at.values())
+
+    def succeeded(self, name: str) -> None:
+        self._at.pop(name, None)
 
 
 # (the peer's VTEP addresses, one per pod family; its VTEP MAC; its UDP port and VNI where they
@@ -170,6 +193,7 @@ class _Vxlan:
         self.read_at = time.monotonic()
         self.reread = False
         self.index: int | None = None
+        self.made = False  # ``up`` made the device (rather than adopting a previous run's)
     def _up(self, subnet: IPv4Network | IPv6Network) -> None:
         cfg, ul = self.t.cfg.network, self.t.underlay
         mtu = ul.mtu - mtu_overhead("vxlan", ul.family)
@@ -185,6 +209,7 @@ class _Vxlan:
                     link = None
             if link is None:
                 rt.create_vxlan(self.device, wanted)
+                self.made = True
                 link = rt.link(self.device)
                 if link is None:
                     raise OSError(errno.ENODEV, f"vxlan device {self.device} vanished after it was made")
@@ -286,6 +311,11 @@ class _Vxlan:
 
     async def down(self, remove: bool) -> None:
         if remove:
+            await asyncio.to_thread(_delete_link, self.device)
+
+    async def discard(self) -> None:
+        """After an ``up`` that failed: a device it made goes (a previous run's keeps forwarding)."""
+        if self.made:
             await asyncio.to_thread(_delete_link, self.device)
 
 
@@ -455,6 +485,22 @@ class _Worker:
         assert self.t.subnet is not None
         await self.up(self.t.subnet)
 
+    async def discard(self) -> None:
+        """After an ``up`` that failed: a worker it started goes (one of a previous run it
+        attached to keeps forwarding)."""
+        if self.process is not None:
+            with contextlib.suppress(DataplaneError, OSError):
+                if self.client is not None:
+                    await self.client.shutdown(remove_device=True)
+            with contextlib.suppress(Exception):
+                await self.process.stop()
+            self.process = None
+        with contextlib.suppress(Exception):
+            if self.client is not None:
+                await self.client.close()
+        self.client = None
+        self._release_port()
+
     async def refresh_stats(self) -> None:
         """The worker's counters; a worker that no longer answers (it died: its TUN and our
         routes through it stay, so its traffic would be dropped unseen) is started again and
@@ -616,7 +662,8 @@ class Tunnels:
         self.subnet: IPv4Network | IPv6Network | None = None  # the first of ``subnets``
         self.subnets: dict[int, IPv4Network | IPv6Network] = {}  # this node's pod subnets, by IP version
         self.active: dict[str, Any] = {}
-        self.failed: dict[str, str] = {}
+        self.failed: dict[str, str] = {}  # backend -> why it is not up (tried again with back-off)
+        self._retries = _Retries()  # of ``failed`` and ``helper_failed`` (as "helper:<backend>")
         self.fallbacks: dict[str, str] = {}  # backend -> why it does not run on its first data path
         self.unfiltered: dict[str, str] = {}  # backend -> why its member filter cannot run
         self.bpf = BpfPath(cfg, underlay)
@@ -672,10 +719,15 @@ class Tunnels:
         return (choice,) if choice != "auto" and choice in paths else paths
 
     async def _ensure(self, backend: str) -> None:
-        if backend in self.active or backend in self.failed or backend not in BACKENDS:
+        """Bring ``backend`` up on the first of its data paths that comes up; one that failed
+        (another VXLAN device holding the VNI during a migration, a worker that did not start)
+        is tried again with back-off (``_Retries``), its half-made parts taken away first."""
+        if backend in self.active or backend not in BACKENDS:
             return
         if not BACKENDS[backend].encapsulates:
             return  # host-gw: plain routes, nothing to bring up
+        if backend in self.failed and not self._retries.due(backend, time.monotonic()):
+            return
         assert self.subnet is not None
         reasons = []
         for datapath in self._candidates(backend):
@@ -684,13 +736,19 @@ class Tunnels:
                 await impl.up(self.subnet)
             except (OSError, DataplaneError, RuntimeError) as err:  # nl.NetlinkError is an OSError
                 reasons.append(f"{DATAPATHS[datapath].label}: {err}")
+                await _discard(impl)
                 continue
             self.active[backend] = impl
             break
         if backend not in self.active:
-            self.failed[backend] = f"cannot bring up {backend}: {'; '.join(reasons)}"
-            log.error("%s", for_log(self.failed[backend]))
+            failed = f"cannot bring up {backend}: {'; '.join(reasons)}"
+            delay = self._retries.failed(backend, time.monotonic())
+            (log.error if self.failed.get(backend) != failed else log.warning)(
+                "%s; trying again in %.0f s", for_log(failed), delay)
+            self.failed[backend] = failed
             return
+        recovered = self.failed.pop(backend, None) is not None
+        self._retries.succeeded(backend)
         impl = self.active[backend]
         if reasons:
             self.fallbacks[backend] = "; ".join(reasons)
@@ -708,6 +766,8 @@ class Tunnels:
                           for_log(str(err)))
         if self.on_node_data is not None:
             self.on_node_data()
+        if recovered and self.on_paths is not None:
+            self.on_paths()  # its peers were planned "none" while it was down: routes for them now
 
     def available(self, backend: str) -> str | None:
         return self.failed.get(backend)
@@ -747,15 +807,24 @@ class Tunnels:
         wanted = {plans[a].backend for a in userspace if in_bpf(plans[a].backend)}
         if userspace and in_bpf(self.own):
             wanted.add(self.own)
-        for backend in sorted(wanted - set(self.helpers) - set(self.helper_failed)):
+        now = time.monotonic()
+        for backend in sorted(wanted - set(self.helpers)):
+            if backend in self.helper_failed and not self._retries.due(f"helper:{backend}", now):
+                continue
             assert self.subnet is not None
             worker = _Worker(self, backend)
             try:
                 await worker.up(self.subnet)
             except (OSError, DataplaneError, RuntimeError) as err:  # nl.NetlinkError is an OSError
+                await _discard(worker)
+                delay = self._retries.failed(f"helper:{backend}", now)
+                (log.error if self.helper_failed.get(backend) != str(err) else log.warning)(
+                    "backend %s: no user-space worker for the peers that need one: %s; trying again in %.0f s",
+                    backend, err, delay)
                 self.helper_failed[backend] = str(err)
-                log.error("backend %s: no user-space worker for the peers that need one: %s", backend, err)
                 continue
+            self.helper_failed.pop(backend, None)
+            self._retries.succeeded(f"helper:{backend}")
             self.helpers[backend] = worker
             log.info("backend %s: user-space worker up for the peers that receive in user space", backend)
             if self.on_paths is not None:
@@ -811,7 +880,9 @@ class Tunnels:
             self._dirty.clear()
             plans, next_hops, prune = self._plans, self._next_hops, self._prune
             try:
-                for backend in {p.backend for p in [*plans.values(), *self.plans_v6.values()]} & set(BACKENDS):
+                # (a backend that failed is planned "none" for its peers: tried again all the same)
+                wanted = {p.backend for p in [*plans.values(), *self.plans_v6.values()]} | set(self.failed)
+                for backend in sorted(wanted & set(BACKENDS)):
                     await self._ensure(backend)
                 await self._ensure_helpers(plans)
                 await self._resolve_gateways(plans)
@@ -886,6 +957,8 @@ class Tunnels:
         now = time.monotonic()
         if self._plans and now - self._gateways_at >= GATEWAY_REFRESH:
             self._dirty.set()  # the sync loop re-reads the underlay next hops
+        if self._retries.any_due(now):
+            self._dirty.set()  # a backend or worker that failed is tried again
         for impl in list(self.active.values()):
             if isinstance(impl, _Vxlan) and not impl.reread and now - impl.read_at >= VXLAN_REREAD:
                 impl.reread = True  # the sync loop re-reads the VTEP's entries and puts back what went
@@ -943,6 +1016,17 @@ class Tunnels:
             await down("the VXLAN device", lambda: asyncio.to_thread(remove_vxlan_leftover))
         if errors and remove:
             raise RuntimeError("; ".join(errors))
+
+
+async def _discard(impl: Any) -> None:
+    """What a backend's ``up`` that failed made (a device, a worker started) goes."""
+    discard = getattr(impl, "discard", None)
+    if discard is None:
+        return  # InBpf: BpfPath.up(carry=...) changes nothing when it fails
+    try:
+        await discard()
+    except Exception as err:  # noqa: BLE001 -- the next try adopts or replaces what stays
+        log.warning("could not take away what the %s backend's failed start made: %s", impl.name, err)
 
 
 def _underlay_next_hops(peers: list[str], ifindex: int) -> tuple[dict[str, str], dict[str, str]]:
