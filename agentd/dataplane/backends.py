@@ -267,7 +267,9 @@ class _Vxlan:
         try:
             for peer, have in list(self.installed.items()):
                 if prune and wanted.get(peer) != have:
-                    for entry in vxlan_peer_entries(index, *have[:2], peer):
+                    # (an FDB entry's delete names its port and VNI: the kernel fills ours in
+                    # for those missing, and finds no such remote for a peer with its own)
+                    for entry in vxlan_peer_entries(index, *have[:2], peer, *have[2:]):
                         if entry.family != nl.AF_BRIDGE and entry.dst and socket.inet_ntop(entry.family, entry.dst) in in_use:
                             continue
                         seq += 1

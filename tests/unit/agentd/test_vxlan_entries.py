@@ -36,7 +36,11 @@ class FakeNeighbours:
         if code == "replace":
             self.entries[(entry.family, entry.dst)] = entry
         else:
-            self.entries.pop((entry.family, entry.dst), None)
+            have = self.entries.get((entry.family, entry.dst))
+            # vxlan_fdb_delete: a port and VNI not given are the device's own, and a remote
+            # with others is not found (ENOENT): the entry stays.
+            if have is not None and (have.port, have.vni) == (entry.port, entry.vni):
+                del self.entries[(entry.family, entry.dst)]
 
     def flush(self, family: int) -> None:
         """``ip neigh flush dev agentd.vxlan`` (AF_INET), ``bridge fdb del`` (AF_BRIDGE)."""
@@ -162,6 +166,10 @@ def test_a_peers_own_vni_and_port_go_on_its_fdb_entry(kernel):
         # The peer moves to our port and VNI: its entry is replaced without them.
         await vx.sync({PEER: _plan()}, {}, prune=True)
         assert (kernel.entries[(nl.AF_BRIDGE, socket.inet_aton(PEER))].port, vx.installed[PEER][2:]) == (None, (None, None))
+        # and back; then it leaves: its FDB entry's delete names its port and VNI, or it would stay.
+        await vx.sync({PEER: _plan(vni=2, vxlan_port=8472)}, {}, prune=True)
+        await vx.sync({}, {}, prune=True)
+        assert kernel.entries == {} and vx.installed == {}
 
     asyncio.run(main())
 
