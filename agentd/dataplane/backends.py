@@ -194,6 +194,7 @@ class _Vxlan:
         self.reread = False
         self.index: int | None = None
         self.made = False  # ``up`` made the device (rather than adopting a previous run's)
+
     def _up(self, subnet: IPv4Network | IPv6Network) -> None:
         cfg, ul = self.t.cfg.network, self.t.underlay
         mtu = ul.mtu - mtu_overhead("vxlan", ul.family)
