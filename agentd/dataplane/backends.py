@@ -10,7 +10,10 @@ data paths (agentd.backend_table) that comes up here, and says why it fell back:
 ============  ==========================================================================
 vxlan-device  kernel VTEP ``agentd.vxlan`` (VNI/port configurable, no learning); per peer a
               permanent neighbour entry (peer VTEP IP -> MAC) and an FDB entry (MAC -> peer
-              underlay IP), as flannel does; routes ``subnet via vtep_ip dev agentd.vxlan onlink``.
+              underlay IP, and the peer's VNI and port where they are not ours), as flannel
+              does; routes ``subnet via vtep_ip dev agentd.vxlan onlink``.  The entries are
+              re-read from the kernel every VXLAN_REREAD seconds and put back where they went
+              (the device set down and up, ``ip neigh flush``, ``bridge fdb del``).
               One VTEP carries both pod families: a dual-stack peer gets an IPv6 neighbour
               entry too (its IPv6 VTEP address, the network address of its IPv6 subnet, as
               flannel's second VTEP has it); the VTEP's outer family is the node's underlay's.
@@ -58,10 +61,36 @@ log = logging.getLogger("agentd.backends")
 
 DEVICES = {name: b.device for name, b in BACKENDS.items() if b.device}
 GATEWAY_REFRESH = 15.0  # seconds between re-resolving the underlay next hops of BPF routes
+VXLAN_REREAD = GATEWAY_REFRESH  # seconds between re-reading the VTEP's neighbour and FDB entries
 WORKER_EXIT_TIMEOUT = 5.0  # seconds a replaced worker has to exit before its successor starts
+RETRY_FIRST, RETRY_MAX = 5.0, 300.0  # a backend that failed to come up: tried again after 5 s, 10 s, ... 5 min
 
 
-VtepPeer = tuple[tuple[str, ...], str]  # (the peer's VTEP addresses, one per pod family; its VTEP MAC)
+class _Retries:
+    """When the parts that failed to come up (backends, workers) may be tried again: RETRY_FIRST
+    seconds after the first failure, twice as long after each next one, at most RETRY_MAX."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, tuple[float, float]] = {}  # name -> (when, the delay that led there)
+
+    def failed(self, name: str, now: float) -> float:
+        delay = min(self._at[name][1] * 2, RETRY_MAX) if name in self._at else RETRY_FIRST
+        self._at[name] = (now + delay, delay)
+        return delay
+
+    def due(self, name: str, now: float) -> bool:
+        return name not in self._at or now >= self._at[name][0]
+
+    def any_due(self, now: float) -> bool:
+        return any(now >= at for at, _delay in self._at.values())
+
+    def succeeded(self, name: str) -> None:
+        self._at.pop(name, None)
+
+
+# (the peer's VTEP addresses, one per pod family; its VTEP MAC; its UDP port and VNI where they
+# are not ours, else None)
+VtepPeer = tuple[tuple[str, ...], str, "int | None", "int | None"]
 
 
 def _packed(address: str) -> tuple[int, bytes]:
@@ -69,15 +98,18 @@ def _packed(address: str) -> tuple[int, bytes]:
     return family, socket.inet_pton(family, address)
 
 
-def vxlan_peer_entries(index: int, vtep_ips: tuple[str, ...], mac: str, peer: str) -> list[nl.NeighMessage]:
+def vxlan_peer_entries(index: int, vtep_ips: tuple[str, ...], mac: str, peer: str,
+                       port: int | None = None, vni: int | None = None) -> list[nl.NeighMessage]:
     """What a VXLAN peer needs on our VTEP (device ``index``), as flannel does it: a permanent
     neighbour entry per pod family (its VTEP IP -> its VTEP MAC: ARP for IPv4, NDP for IPv6)
     and an FDB entry on the device itself (NTF_SELF: the VXLAN driver's table, MAC -> its
-    underlay address, IPv4 or IPv6)."""
+    underlay address, IPv4 or IPv6).  ``port`` and ``vni``: the peer's UDP port and VNI where
+    they are not our device's (the kernel keeps them per remote, and sends to it with them)."""
     lladdr = bytes.fromhex(mac.replace(":", ""))
     entries = [nl.NeighMessage(family, index, nl.NUD_PERMANENT, 0, 0, raw, lladdr)
                for family, raw in map(_packed, vtep_ips)]
-    entries.append(nl.NeighMessage(nl.AF_BRIDGE, index, nl.NUD_PERMANENT, nl.NTF_SELF, 0, _packed(peer)[1], lladdr))
+    entries.append(nl.NeighMessage(nl.AF_BRIDGE, index, nl.NUD_PERMANENT, nl.NTF_SELF, 0, _packed(peer)[1], lladdr,
+                                   port=port, vni=vni))
     return entries
 
 
@@ -117,8 +149,13 @@ def vxlan_peers_installed(rt: Rtnl, index: int) -> dict[str, VtepPeer]:
             continue
         family = socket.AF_INET if len(e.dst) == 4 else socket.AF_INET6
         ips = tuple(ip for _f, ip in sorted(vteps.get(e.lladdr, []), key=lambda v: v[0] != nl.AF_INET))
-        peers[socket.inet_ntop(family, e.dst)] = (ips, _mac(e.lladdr) or "")
+        peers[socket.inet_ntop(family, e.dst)] = (ips, _mac(e.lladdr) or "", e.port, e.vni)
     return peers
+
+
+def _vxlan_peers_of(index: int) -> dict[str, VtepPeer]:
+    with Rtnl() as rt:
+        return vxlan_peers_installed(rt, index)
 
 
 def _set_address(rt: Rtnl, index: int, *addresses: str) -> None:
@@ -150,7 +187,13 @@ class _Vxlan:
         self.mac: str | None = None
         self.vtep_ip: str | None = None
         self.vtep_ip_v6: str | None = None
-        self.installed: dict[str, VtepPeer] = {}  # peer underlay -> (vtep ips, mac)
+        self.installed: dict[str, VtepPeer] = {}  # peer underlay -> (vtep ips, mac, port, vni)
+        # The kernel's entries are re-read when the readiness loop's refresh sets ``reread``
+        # (every VXLAN_REREAD seconds after ``read_at``) or the device has another index.
+        self.read_at = time.monotonic()
+        self.reread = False
+        self.index: int | None = None
+        self.made = False  # ``up`` made the device (rather than adopting a previous run's)
 
     def _up(self, subnet: IPv4Network | IPv6Network) -> None:
         cfg, ul = self.t.cfg.network, self.t.underlay
@@ -167,6 +210,7 @@ class _Vxlan:
                     link = None
             if link is None:
                 rt.create_vxlan(self.device, wanted)
+                self.made = True
                 link = rt.link(self.device)
                 if link is None:
                     raise OSError(errno.ENODEV, f"vxlan device {self.device} vanished after it was made")
@@ -174,6 +218,7 @@ class _Vxlan:
             # An adopted device keeps the previous run's entries: known, they are pruned once
             # the routes are re-learned (peers gone meanwhile), like the routes themselves.
             self.installed = vxlan_peers_installed(rt, link.index)
+            self.index, self.read_at, self.reread = link.index, time.monotonic(), False
             v4, v6 = self.t.subnets.get(4), self.t.subnets.get(6)
             self.vtep_ip = str(v4.network_address) if v4 else None
             self.vtep_ip_v6 = str(v6.network_address) if v6 else None
@@ -194,6 +239,18 @@ class _Vxlan:
             data["vtep_ip_v6"] = self.vtep_ip_v6
         return data
 
+    async def _reread(self, index: int) -> None:
+        """The entries the kernel holds now become ``installed``: what went since (the device
+        set down and up flushes even permanent neighbour entries; ``ip neigh flush``, ``bridge
+        fdb del``) is put back by the sync that follows."""
+        self.reread, self.index, self.read_at = False, index, time.monotonic()
+        kernel = await asyncio.to_thread(_vxlan_peers_of, index)
+        lost = sorted(p for p, v in self.installed.items() if kernel.get(p) != v)
+        if lost:
+            log.warning("%s lost the neighbour or FDB entries of %d peers (%s%s); putting them back", self.device,
+                        len(lost), ", ".join(lost[:3]), ", ..." if len(lost) > 3 else "")
+        self.installed = kernel
+
     async def _sync(self, wanted: dict[str, VtepPeer], prune: bool) -> None:
         """Neighbour and FDB entries through agentd.kernel.netlink, the route programmer's
         rtnetlink codec."""
@@ -201,33 +258,39 @@ class _Vxlan:
             index = socket.if_nametoindex(self.device)
         except OSError:
             return  # no device (yet): nothing to program
+        if self.reread or index != self.index:
+            await self._reread(index)
         sock = NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
         seq = 0
         # A neighbour entry is the kernel's by VTEP address alone: one a wanted peer uses now
         # (a peer re-addressed, its VTEP address kept) is not deleted with the old peer's.
-        in_use = {ip for ips, _mac in wanted.values() for ip in ips}
+        in_use = {ip for ips, *_rest in wanted.values() for ip in ips}
         try:
-            for peer, (vtep_ips, mac) in list(self.installed.items()):
-                if prune and wanted.get(peer) != (vtep_ips, mac):
-                    for entry in vxlan_peer_entries(index, vtep_ips, mac, peer):
+            for peer, have in list(self.installed.items()):
+                if prune and wanted.get(peer) != have:
+                    # (an FDB entry's delete names its port and VNI: the kernel fills ours in
+                    # for those missing, and finds no such remote for a peer with its own)
+                    for entry in vxlan_peer_entries(index, *have[:2], peer, *have[2:]):
                         if entry.family != nl.AF_BRIDGE and entry.dst and socket.inet_ntop(entry.family, entry.dst) in in_use:
                             continue
                         seq += 1
                         with contextlib.suppress(nl.NetlinkError):
                             await _neigh_request(sock, "del", entry, seq)
                     del self.installed[peer]
-            for peer, (vtep_ips, mac) in wanted.items():
-                if self.installed.get(peer) == (vtep_ips, mac):
+            for peer, want in wanted.items():
+                if self.installed.get(peer) == want:
                     continue
-                for entry in vxlan_peer_entries(index, vtep_ips, mac, peer):
+                vtep_ips, mac, port, vni = want
+                for entry in vxlan_peer_entries(index, vtep_ips, mac, peer, port, vni):
                     seq += 1
                     await _neigh_request(sock, "replace", entry, seq)
-                self.installed[peer] = (vtep_ips, mac)
+                self.installed[peer] = want
         finally:
             sock.close()
 
     async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], prune: bool) -> None:
         wanted: dict[str, VtepPeer] = {}
+        ours = self.t.cfg.network
         # A dual-stack peer may be reached over VXLAN for one family only (cross-subnet, on-link
         # for IPv4 but without an IPv6 next hop on the segment): its IPv6 plan needs it too.
         for addr, plan in [*plans.items(), *self.t.plans_v6.items()]:
@@ -235,16 +298,27 @@ class _Vxlan:
                 # The peer's VTEP address of each pod family this node has too.
                 keys = [k for k, mine in (("vtep_ip", self.vtep_ip), ("vtep_ip_v6", self.vtep_ip_v6)) if mine]
                 ips = tuple(str(plan.extra[k]) for k in keys if plan.extra.get(k))
+                # Its port and VNI (checked by plan_peer) where they are not ours.
+                port, vni = plan.extra.get("vxlan_port"), plan.extra.get("vni")
                 if ips:
-                    wanted[addr] = (ips, str(plan.extra["vtep_mac"]))
+                    wanted[addr] = (ips, str(plan.extra["vtep_mac"]), None if port in (None, ours.vxlan_port) else port,
+                                    None if vni in (None, ours.vxlan_vni) else vni)
         await self._sync(wanted, prune)
 
     def status(self) -> dict[str, Any]:
         return {"datapath": self.datapath, "device": self.device, **self.data(),
-                "peers": {p: {"vtep_ip": v[0], "vtep_ips": list(v), "mac": m} for p, (v, m) in self.installed.items()}}
+                "peers": {p: {"vtep_ip": v[0] if v else None, "vtep_ips": list(v), "mac": m,
+                              **({"vxlan_port": port} if port is not None else {}),
+                              **({"vni": vni} if vni is not None else {})}
+                          for p, (v, m, port, vni) in self.installed.items()}}
 
     async def down(self, remove: bool) -> None:
         if remove:
+            await asyncio.to_thread(_delete_link, self.device)
+
+    async def discard(self) -> None:
+        """After an ``up`` that failed: a device it made goes (a previous run's keeps forwarding)."""
+        if self.made:
             await asyncio.to_thread(_delete_link, self.device)
 
 
@@ -414,6 +488,22 @@ class _Worker:
         assert self.t.subnet is not None
         await self.up(self.t.subnet)
 
+    async def discard(self) -> None:
+        """After an ``up`` that failed: a worker it started goes (one of a previous run it
+        attached to keeps forwarding)."""
+        if self.process is not None:
+            with contextlib.suppress(DataplaneError, OSError):
+                if self.client is not None:
+                    await self.client.shutdown(remove_device=True)
+            with contextlib.suppress(Exception):
+                await self.process.stop()
+            self.process = None
+        with contextlib.suppress(Exception):
+            if self.client is not None:
+                await self.client.close()
+        self.client = None
+        self._release_port()
+
     async def refresh_stats(self) -> None:
         """The worker's counters; a worker that no longer answers (it died: its TUN and our
         routes through it stay, so its traffic would be dropped unseen) is started again and
@@ -575,7 +665,8 @@ class Tunnels:
         self.subnet: IPv4Network | IPv6Network | None = None  # the first of ``subnets``
         self.subnets: dict[int, IPv4Network | IPv6Network] = {}  # this node's pod subnets, by IP version
         self.active: dict[str, Any] = {}
-        self.failed: dict[str, str] = {}
+        self.failed: dict[str, str] = {}  # backend -> why it is not up (tried again with back-off)
+        self._retries = _Retries()  # of ``failed`` and ``helper_failed`` (as "helper:<backend>")
         self.fallbacks: dict[str, str] = {}  # backend -> why it does not run on its first data path
         self.unfiltered: dict[str, str] = {}  # backend -> why its member filter cannot run
         self.bpf = BpfPath(cfg, underlay)
@@ -631,10 +722,15 @@ class Tunnels:
         return (choice,) if choice != "auto" and choice in paths else paths
 
     async def _ensure(self, backend: str) -> None:
-        if backend in self.active or backend in self.failed or backend not in BACKENDS:
+        """Bring ``backend`` up on the first of its data paths that comes up; one that failed
+        (another VXLAN device holding the VNI during a migration, a worker that did not start)
+        is tried again with back-off (``_Retries``), its half-made parts taken away first."""
+        if backend in self.active or backend not in BACKENDS:
             return
         if not BACKENDS[backend].encapsulates:
             return  # host-gw: plain routes, nothing to bring up
+        if backend in self.failed and not self._retries.due(backend, time.monotonic()):
+            return
         assert self.subnet is not None
         reasons = []
         for datapath in self._candidates(backend):
@@ -643,13 +739,19 @@ class Tunnels:
                 await impl.up(self.subnet)
             except (OSError, DataplaneError, RuntimeError) as err:  # nl.NetlinkError is an OSError
                 reasons.append(f"{DATAPATHS[datapath].label}: {err}")
+                await _discard(impl)
                 continue
             self.active[backend] = impl
             break
         if backend not in self.active:
-            self.failed[backend] = f"cannot bring up {backend}: {'; '.join(reasons)}"
-            log.error("%s", for_log(self.failed[backend]))
+            failed = f"cannot bring up {backend}: {'; '.join(reasons)}"
+            delay = self._retries.failed(backend, time.monotonic())
+            (log.error if self.failed.get(backend) != failed else log.warning)(
+                "%s; trying again in %.0f s", for_log(failed), delay)
+            self.failed[backend] = failed
             return
+        recovered = self.failed.pop(backend, None) is not None
+        self._retries.succeeded(backend)
         impl = self.active[backend]
         if reasons:
             self.fallbacks[backend] = "; ".join(reasons)
@@ -667,6 +769,8 @@ class Tunnels:
                           for_log(str(err)))
         if self.on_node_data is not None:
             self.on_node_data()
+        if recovered and self.on_paths is not None:
+            self.on_paths()  # its peers were planned "none" while it was down: routes for them now
 
     def available(self, backend: str) -> str | None:
         return self.failed.get(backend)
@@ -706,15 +810,24 @@ class Tunnels:
         wanted = {plans[a].backend for a in userspace if in_bpf(plans[a].backend)}
         if userspace and in_bpf(self.own):
             wanted.add(self.own)
-        for backend in sorted(wanted - set(self.helpers) - set(self.helper_failed)):
+        now = time.monotonic()
+        for backend in sorted(wanted - set(self.helpers)):
+            if backend in self.helper_failed and not self._retries.due(f"helper:{backend}", now):
+                continue
             assert self.subnet is not None
             worker = _Worker(self, backend)
             try:
                 await worker.up(self.subnet)
             except (OSError, DataplaneError, RuntimeError) as err:  # nl.NetlinkError is an OSError
+                await _discard(worker)
+                delay = self._retries.failed(f"helper:{backend}", now)
+                (log.error if self.helper_failed.get(backend) != str(err) else log.warning)(
+                    "backend %s: no user-space worker for the peers that need one: %s; trying again in %.0f s",
+                    backend, err, delay)
                 self.helper_failed[backend] = str(err)
-                log.error("backend %s: no user-space worker for the peers that need one: %s", backend, err)
                 continue
+            self.helper_failed.pop(backend, None)
+            self._retries.succeeded(f"helper:{backend}")
             self.helpers[backend] = worker
             log.info("backend %s: user-space worker up for the peers that receive in user space", backend)
             if self.on_paths is not None:
@@ -770,7 +883,9 @@ class Tunnels:
             self._dirty.clear()
             plans, next_hops, prune = self._plans, self._next_hops, self._prune
             try:
-                for backend in {p.backend for p in [*plans.values(), *self.plans_v6.values()]} & set(BACKENDS):
+                # (a backend that failed is planned "none" for its peers: tried again all the same)
+                wanted = {p.backend for p in [*plans.values(), *self.plans_v6.values()]} | set(self.failed)
+                for backend in sorted(wanted & set(BACKENDS)):
                     await self._ensure(backend)
                 await self._ensure_helpers(plans)
                 await self._resolve_gateways(plans)
@@ -842,8 +957,15 @@ class Tunnels:
             else:
                 if self._refresh_failing.pop(name, None) is not None:
                     log.info("refreshing %s works again", name)
-        if self._plans and time.monotonic() - self._gateways_at >= GATEWAY_REFRESH:
+        now = time.monotonic()
+        if self._plans and now - self._gateways_at >= GATEWAY_REFRESH:
             self._dirty.set()  # the sync loop re-reads the underlay next hops
+        if self._retries.any_due(now):
+            self._dirty.set()  # a backend or worker that failed is tried again
+        for impl in list(self.active.values()):
+            if isinstance(impl, _Vxlan) and not impl.reread and now - impl.read_at >= VXLAN_REREAD:
+                impl.reread = True  # the sync loop re-reads the VTEP's entries and puts back what went
+                self._dirty.set()
 
     def status(self) -> dict[str, Any]:
         active = {}
@@ -897,6 +1019,17 @@ class Tunnels:
             await down("the VXLAN device", lambda: asyncio.to_thread(remove_vxlan_leftover))
         if errors and remove:
             raise RuntimeError("; ".join(errors))
+
+
+async def _discard(impl: Any) -> None:
+    """What a backend's ``up`` that failed made (a device, a worker started) goes."""
+    discard = getattr(impl, "discard", None)
+    if discard is None:
+        return  # InBpf: BpfPath.up(carry=...) changes nothing when it fails
+    try:
+        await discard()
+    except Exception as err:  # noqa: BLE001 -- the next try adopts or replaces what stays
+        log.warning("could not take away what the %s backend's failed start made: %s", impl.name, err)
 
 
 def _underlay_next_hops(peers: list[str], ifindex: int) -> tuple[dict[str, str], dict[str, str]]:

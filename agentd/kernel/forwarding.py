@@ -207,6 +207,11 @@ def _bad_vxlan_data(data: Mapping[str, Any]) -> str | None:
             ok = False
         if not ok:
             return f"backend field {key!r} = {value!r} is not an IPv{version} address"
+    # Our FDB entry for the peer carries its VNI and port where they are not ours.
+    for key, low, high in (("vni", 1, (1 << 24) - 1), ("vxlan_port", 1, 65535)):
+        value = data.get(key)
+        if value is not None and not (type(value) is int and low <= value <= high):
+            return f"backend field {key!r} = {value!r} is not an integer {low}..{high}"
     return None
 
 

@@ -153,6 +153,8 @@ IFF_UP = 0x1
 
 NDA_DST = 1
 NDA_LLADDR = 2
+NDA_PORT = 6  # FDB entries of a VXLAN device: the remote's UDP port (network byte order) ...
+NDA_VNI = 7  # ... and VNI, where they are not the device's own
 NDA_MASTER = 9
 NTF_SELF = 0x02
 NTF_MASTER = 0x04
@@ -644,6 +646,10 @@ class NeighMessage:
     dst: bytes | None = None
     lladdr: bytes | None = None
     master: int | None = None  # NDA_MASTER: the bridge of a learned FDB entry (in dumps)
+    # A VXLAN FDB entry's remote UDP port and VNI; None: the device's own (the kernel fills
+    # those in, and dumps the attributes only where they differ).
+    port: int | None = None
+    vni: int | None = None
 
 
 def encode_newneigh(seq: int, flags: int, msg: NeighMessage) -> bytes:
@@ -667,6 +673,10 @@ def _encode_neigh(mtype: int, seq: int, flags: int, msg: NeighMessage) -> bytes:
         body += attr(NDA_DST, msg.dst)
     if msg.lladdr is not None:
         body += attr(NDA_LLADDR, msg.lladdr)
+    if msg.port is not None:
+        body += attr(NDA_PORT, struct.pack("!H", msg.port))
+    if msg.vni is not None:
+        body += attr_u32(NDA_VNI, msg.vni)
     return _NLMSG_NDMSG.pack(
         NLMSG_HDRLEN + NDMSG_LEN + len(body), mtype, flags, seq, 0,
         msg.family, msg.ifindex, msg.state, msg.flags, msg.type,
@@ -679,7 +689,7 @@ def decode_neigh(buf: bytes, start: int = 0, end: int | None = None) -> NeighMes
     if end > len(buf) or end - start < NDMSG_LEN:
         raise NetlinkDecodeError(f"neighbour message body is {end - start} bytes, ndmsg needs {NDMSG_LEN}")
     family, ifindex, state, flags, ntype = _NDMSG.unpack_from(buf, start)
-    dst = lladdr = master = None
+    dst = lladdr = master = port = vni = None
     for atype, vs, ve in iter_attrs(buf, start + NDMSG_LEN, end):
         if atype == NDA_DST:
             # FDB entries (AF_BRIDGE) carry an IPv4 or IPv6 VTEP address here.
@@ -688,4 +698,10 @@ def decode_neigh(buf: bytes, start: int = 0, end: int | None = None) -> NeighMes
             lladdr = bytes(buf[vs:ve])
         elif atype == NDA_MASTER:
             master = read_u32(buf, vs, ve, "NDA_MASTER")
-    return NeighMessage(family, ifindex, state, flags, ntype, dst, lladdr, master)
+        elif atype == NDA_PORT:
+            if ve - vs != 2:
+                raise NetlinkDecodeError(f"NDA_PORT is {ve - vs} bytes, expected 2")
+            port = int.from_bytes(buf[vs:ve], "big")
+        elif atype == NDA_VNI:
+            vni = read_u32(buf, vs, ve, "NDA_VNI")
+    return NeighMessage(family, ifindex, state, flags, ntype, dst, lladdr, master, port, vni)

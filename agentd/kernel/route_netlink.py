@@ -146,6 +146,9 @@ class RouteNetlink:
         self.ifindex: dict[str, int] = {}
         self.ifname: dict[int, str] = {}
         self.ifup: dict[int, bool] = {}
+        # The links known may be incomplete (an interrupted dump, a route naming a device we do
+        # not know): the next full resync re-reads them.
+        self.links_stale = False
         self.req = None
         self._seq = 0
         self._templates: dict[tuple, nl.RouteTemplate] = {}
@@ -179,20 +182,31 @@ class RouteNetlink:
 
     # --- links -----------------------------------------------------------------------------
 
-    async def dump_links(self) -> None:
+    async def dump_links(self) -> bool:
+        """Re-read the links; False when every try was interrupted (NLM_F_DUMP_INTR: a link
+        came or went mid-dump, and the table read may lack some): ``links_stale`` then stays
+        set, so the next full resync reads them again."""
         def handle(mtype: int, buf: bytes, start: int, end: int) -> None:
             if mtype == nl.RTM_NEWLINK:
                 self.learn_link(nl.decode_link(buf, start, end))
 
         names = dict(self.ifname)
-        self.ifindex.clear()
-        self.ifname.clear()
-        self.ifup.clear()
-        self._templates.clear()
-        seq = self.next_seq()
-        await self.req.dump(nl.encode_getlink_dump(seq), seq, handle, what="link dump")
+        consistent = False
+        for _attempt in range(3):
+            self.ifindex.clear()
+            self.ifname.clear()
+            self.ifup.clear()
+            self._templates.clear()
+            seq = self.next_seq()
+            if await self.req.dump(nl.encode_getlink_dump(seq), seq, handle, what="link dump"):
+                consistent = True
+                break
+        if not consistent:
+            log.warning("the link dump was interrupted three times; reading the links again at the next full resync")
+        self.links_stale = not consistent
         if self.ifname != names:
             self._seen = {}  # its Routes hold interface names
+        return consistent
 
     def learn_link(self, link: nl.LinkMessage) -> None:
         old = self.ifname.get(link.index)
@@ -342,6 +356,9 @@ class RouteNetlink:
                 try:
                     message = encode(target, seq, flags)
                 except Unresolved as exc:
+                    # The device may exist and our link table lack it (its event lost while
+                    # the monitor was paused, say): the next full resync reads the links again.
+                    self.links_stale = True
                     failures.append((target, _errno.ENODEV, str(exc)))
                     continue
                 batch.append(target)

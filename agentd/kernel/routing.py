@@ -251,7 +251,7 @@ class RouteProgrammer:
             number = self.reconciles_begun
             full = state.needs_full(full)
             if full:
-                await self._dump_own(links=self._links_stale)
+                await self._dump_own(links=self._links_stale or self.netlink.links_stale)
                 self.counters.full_resyncs += 1
             work = state.take_work(full)
             plan = state.plan(work.dsts, work.full, work.retry)

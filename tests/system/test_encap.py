@@ -380,6 +380,38 @@ async def test_cross_subnet_encapsulates_only_across_segments(lab_factory, backe
     print(f"cross-subnet {backend}: iperf3 across segments {gbps:.2f} Gbit/s")
 
 
+async def test_vxlan_peers_with_their_own_vni_and_port_and_entries_the_kernel_lost_put_back(lab_factory):
+    """node2 runs VXLAN with another VNI and port ([network] vxlan_vni, vxlan_port): each side's
+    FDB entry toward the other carries the other's, so pods reach each other both ways.  Then
+    node1's VTEP is set down and up (the kernel flushes its permanent neighbour entries with
+    its routes): the routes come back at once, the entries at the next re-read (VXLAN_REREAD),
+    and traffic with them."""
+    from agentd.dataplane.backends import VXLAN_REREAD
+
+    lab = await lab_factory(nodes=2, pods=1, backend="vxlan",
+                            extra={"node2": {"network": {"vxlan_vni": 7, "vxlan_port": 8472}}})
+    node1, node2 = lab.nodes
+    await lab.ready.reachable(60)
+    assert re.search(rf"dst {node2.address} port 8472 vni 7 self permanent", _fdb(node1.ns, "agentd.vxlan"))
+    assert re.search(rf"dst {node1.address} port 4789 vni 1 self permanent", _fdb(node2.ns, "agentd.vxlan"))
+    vtep2 = lab.subnets()["node2"].split("/")[0]
+    assert vtep2 in _neighbours(node1.ns, "agentd.vxlan")
+    node1.ns.ip("link", "set", "agentd.vxlan", "down")
+    node1.ns.ip("link", "set", "agentd.vxlan", "up")
+    assert vtep2 not in _neighbours(node1.ns, "agentd.vxlan")  # flushed, permanent or not
+    await auntil(lambda: vtep2 in _neighbours(node1.ns, "agentd.vxlan"), in_thread=True,
+                 timeout=VXLAN_REREAD + 10, what="node1's neighbour entry for node2's VTEP put back")
+    await lab.ready.reachable(10)
+    assert "lost the neighbour or FDB entries of 1 peers" in node1.log_path.read_text()
+    # bridge fdb del: the FDB entry is put back too.
+    mac2 = json.loads(node2.ns.ip("-j", "link", "show", "agentd.vxlan").stdout)[0]["address"]
+    node1.ns.exec("bridge", "fdb", "del", mac2, "dev", "agentd.vxlan", "self")
+    assert node2.address not in _fdb(node1.ns, "agentd.vxlan")
+    await auntil(lambda: node2.address in _fdb(node1.ns, "agentd.vxlan"), in_thread=True,
+                 timeout=VXLAN_REREAD + 10, what="node1's FDB entry for node2 put back")
+    await lab.ready.reachable(10)
+
+
 async def test_node_changes_backend_by_config_and_restart(lab_factory):
     lab = await lab_factory(nodes=3, pods=1, backend="vxlan")
     node3 = lab.nodes[2]

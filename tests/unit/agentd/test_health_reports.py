@@ -107,6 +107,7 @@ async def test_one_failing_part_of_the_data_path_refresh_leaves_the_others_refre
     tunnels = backends.Tunnels.__new__(backends.Tunnels)
     tunnels.active, tunnels.helpers = {"udp": bad}, {"ipip": helper}
     tunnels.bpf, tunnels._plans, tunnels._refresh_failing = SimpleNamespace(refresh=bpf_refresh), {}, {}
+    tunnels._retries = backends._Retries()
     with caplog.at_level(logging.INFO, logger="agentd.backends"):
         for _ in range(3):
             await tunnels.refresh()

@@ -368,6 +368,7 @@ def test_a_dual_stack_peer_reached_over_vxlan_for_ipv6_only_gets_its_vtep_entrie
     """cross-subnet, on-link for IPv4 but without an IPv6 next hop on the segment: the IPv6 plan
     is VXLAN, so the peer's neighbour and FDB entries are wanted although its IPv4 plan is direct."""
     import asyncio
+    from types import SimpleNamespace
 
     from agentd.dataplane.backends import _Vxlan
 
@@ -379,6 +380,7 @@ def test_a_dual_stack_peer_reached_over_vxlan_for_ipv6_only_gets_its_vtep_entrie
 
     class Tunnels:
         plans_v6 = {"10.0.0.9": v6}
+        cfg = SimpleNamespace(network=SimpleNamespace(vxlan_vni=1, vxlan_port=4789))
 
     vtep = _Vxlan.__new__(_Vxlan)
     vtep.t, vtep.vtep_ip, vtep.vtep_ip_v6 = Tunnels(), "10.244.1.0", "fd00:10:244:1::"
@@ -389,7 +391,7 @@ def test_a_dual_stack_peer_reached_over_vxlan_for_ipv6_only_gets_its_vtep_entrie
 
     vtep._sync = _sync
     asyncio.run(vtep.sync({"10.0.0.9": v4}, {}, prune=True))
-    assert wanted == {"10.0.0.9": (("10.244.9.0", "fd00:10:244:9::"), "aa:bb:cc:dd:ee:ff")}
+    assert wanted == {"10.0.0.9": (("10.244.9.0", "fd00:10:244:9::"), "aa:bb:cc:dd:ee:ff", None, None)}
 
 
 # -- what a node may route: its pod subnets, never ours (security review) -----------------------

@@ -273,6 +273,8 @@ class FakeRequestSocket:
 
     def __init__(self, kernel: FakeKernel) -> None:
         self.kernel = kernel
+        self.interrupted_link_dumps = 0  # so many link dumps skip eth1 and say NLM_F_DUMP_INTR
+        self.link_dumps = 0
 
     async def send_batch(self, data: bytes, first_seq: int, last_seq: int, *, timeout: float = 10.0):
         errors = []
@@ -287,9 +289,14 @@ class FakeRequestSocket:
 
     async def dump(self, request: bytes, seq: int, handle, *, timeout: float = 30.0, what: str = "dump") -> bool:
         chunk = self.kernel.dump(request, seq)
+        links = next(nl.iter_messages(request))[0] == nl.RTM_GETLINK
+        interrupted = links and self.link_dumps < self.interrupted_link_dumps
+        self.link_dumps += links
         for mtype, _flags, _seq, _pid, start, end in nl.iter_messages(chunk):
+            if interrupted and nl.decode_link(chunk, start, end).name == "eth1":
+                continue  # a link created mid-dump moved the kernel's cursor past it
             handle(mtype, chunk, start, end)
-        return True
+        return not interrupted
 
     def close(self) -> None:
         pass
@@ -841,6 +848,76 @@ def test_overrun_re_reads_links_a_device_recreated_meanwhile(monkeypatch):
         m.sync(False)  # a) the desired route is in the kernel
         assert m.kernel.routes[key_of(want, nl.RT_TABLE_MAIN)].oif == 4
         assert m.p.failures == {}
+
+
+def _programmer_with_interrupted_link_dumps(interrupted: int):
+    kernel = FakeKernel(strict_dumps=True)
+    req = FakeRequestSocket(kernel)
+    req.interrupted_link_dumps = interrupted
+    return kernel, req, RouteProgrammer(sockets=lambda: (req, FakeMonitorSocket(kernel)))
+
+
+@pytest.mark.parametrize("interrupted", [1, 2])
+def test_an_interrupted_link_dump_is_read_again(interrupted):
+    """NLM_F_DUMP_INTR on the link dump (a veth created meanwhile): the dump is read again, or
+    the links it skipped stay unknown and a route through one fails ENODEV at every reconcile."""
+    kernel, req, p = _programmer_with_interrupted_link_dumps(interrupted)
+    want = Route("10.244.1.0/24", gateway="192.0.2.2", dev="eth1")
+
+    async def main():
+        await p.start()
+        try:
+            p.set_desired([want])
+            result = await p.reconcile(full=True)
+            assert (result.added, result.failed) == ((want.dst,), ())
+            assert p.failures == {} and p.netlink.ifindex["eth1"] == 3
+            assert req.link_dumps == interrupted + 1
+        finally:
+            await p.stop()
+    asyncio.run(main())
+    assert satisfies(kernel.routes[key_of(want, nl.RT_TABLE_MAIN)], want)
+
+
+def test_links_interrupted_at_every_try_are_read_again_at_the_next_full_resync():
+    kernel, req, p = _programmer_with_interrupted_link_dumps(3)
+    want = Route("10.244.1.0/24", gateway="192.0.2.2", dev="eth1")
+
+    async def main():
+        await p.start()
+        try:
+            p.set_desired([want])
+            result = await p.reconcile()
+            assert result.added == () and [dst for dst, _ in result.failed] == [want.dst]
+            assert req.link_dumps == 3
+            result = await p.reconcile(full=True)
+            assert (result.added, result.failed) == ((want.dst,), ())
+            assert p.failures == {} and req.link_dumps == 4
+            await p.reconcile(full=True)
+            assert req.link_dumps == 4, "links read again though nothing said they may be stale"
+        finally:
+            await p.stop()
+    asyncio.run(main())
+    assert satisfies(kernel.routes[key_of(want, nl.RT_TABLE_MAIN)], want)
+
+
+def test_a_route_through_a_device_we_do_not_know_re_reads_the_links_at_the_next_full_resync(monkeypatch):
+    """The device exists but its link event never reached us (our table lacks it): the route
+    fails ENODEV; the next full resync reads the links again and installs it."""
+    monkeypatch.delitem(LINKS, 3)
+    _kernel, _req, p = _programmer_with_interrupted_link_dumps(0)
+    want = Route("10.244.1.0/24", gateway="192.0.2.2", dev="eth1")
+
+    async def main():
+        await p.start()
+        try:
+            p.set_desired([want])
+            assert [dst for dst, _ in (await p.reconcile()).failed] == [want.dst]
+            monkeypatch.setitem(LINKS, 3, "eth1")  # created; its event lost
+            result = await p.reconcile(full=True)
+            assert (result.added, result.failed) == ((want.dst,), ()) and p.failures == {}
+        finally:
+            await p.stop()
+    asyncio.run(main())
 
 
 def test_a_link_none_of_our_routes_uses_does_not_re_read_the_kernel():

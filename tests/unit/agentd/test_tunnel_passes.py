@@ -4,6 +4,7 @@ again after a write that failed or was cancelled (no kernel: the data path's wri
 import asyncio
 from ipaddress import IPv4Interface, IPv4Network
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 
@@ -95,3 +96,77 @@ def test_a_hold_cancelled_while_waiting_for_the_lock_is_written_by_the_next_call
         assert writes == [True, False]
 
     asyncio.run(main())
+
+
+class _Flaky:
+    """A data path whose ``up`` fails the first ``fails`` times, half-making its device."""
+
+    datapath = "vxlan-device"
+    fails = 2
+    ups: ClassVar[list] = []
+    discarded: ClassVar[list] = []
+
+    def __init__(self, t, name):
+        self.name = name
+
+    async def up(self, subnet):
+        _Flaky.ups.append(self)
+        if len(_Flaky.ups) <= _Flaky.fails:
+            raise OSError(17, "creating vxlan device agentd.vxlan: File exists (another device holds VNI 1 on its port)")
+
+    async def discard(self):
+        _Flaky.discarded.append(self)
+
+    def data(self):
+        return {}
+
+
+def test_a_backend_that_failed_to_come_up_is_tried_again_with_back_off_and_then_runs(monkeypatch):
+    """flannel.1 holds VNI 1 during a migration: agentd.vxlan cannot be made (EEXIST).  Once it
+    is gone the backend comes up -- it used to stay failed (its peers unroutable) until a restart;
+    what each failed try made is taken away."""
+    clock = [1000.0]
+    monkeypatch.setattr(backends_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setitem(backends_mod.IMPLEMENTATIONS, "vxlan-device", _Flaky)
+    monkeypatch.setattr(_Flaky, "ups", [])
+    monkeypatch.setattr(_Flaky, "discarded", [])
+    paths = []
+
+    async def main():
+        t = Tunnels(CFG, UNDERLAY, "n3", on_paths=lambda: paths.append(1))
+        t.subnet = IPv4Network("10.244.3.0/24")
+
+        async def bpf_up(**kw):
+            pass
+
+        t.bpf.up = bpf_up
+        await t._ensure("vxlan")
+        assert "File exists" in t.available("vxlan") and _Flaky.discarded == _Flaky.ups
+        await t._ensure("vxlan")  # the sync loop's next pass, at once: not tried again yet
+        assert len(_Flaky.ups) == 1
+        clock[0] += backends_mod.RETRY_FIRST
+        t._dirty.clear()
+        await t.refresh()
+        assert t._dirty.is_set(), "a retry due does not wake the sync loop"
+        await t._ensure("vxlan")
+        assert len(_Flaky.ups) == 2 and t.available("vxlan") is not None
+        clock[0] += backends_mod.RETRY_FIRST  # the delay doubled: not yet
+        await t._ensure("vxlan")
+        assert len(_Flaky.ups) == 2
+        clock[0] += backends_mod.RETRY_FIRST
+        await t._ensure("vxlan")
+        assert len(_Flaky.ups) == 3 and t.available("vxlan") is None and t.failed == {}
+        assert t.active["vxlan"] is _Flaky.ups[-1] and len(_Flaky.discarded) == 2
+        assert paths == [1], "the routes of its peers are not recomputed"
+
+    asyncio.run(main())
+
+
+def test_the_retry_delay_doubles_up_to_its_limit_and_a_success_resets_it():
+    r = backends_mod._Retries()
+    delays = [r.failed("vxlan", 0.0) for _ in range(9)]
+    assert delays[:3] == [backends_mod.RETRY_FIRST, 2 * backends_mod.RETRY_FIRST, 4 * backends_mod.RETRY_FIRST]
+    assert max(delays) == delays[-1] == backends_mod.RETRY_MAX
+    assert not r.due("vxlan", 1.0) and r.due("vxlan", backends_mod.RETRY_MAX)
+    r.succeeded("vxlan")
+    assert r.due("vxlan", 0.0) and r.failed("vxlan", 0.0) == backends_mod.RETRY_FIRST
