@@ -473,26 +473,32 @@ def test_a_node_record_naming_another_nodes_subnet_does_not_steal_it():
     assert sorted(u["node"] for u in plan.untrusted) == ["c", "w"]
 
 
-def test_a_record_subnet_not_held_is_logged_once_while_it_stays():
+@pytest.mark.parametrize(("log", "bad", "first"), [
+    ("_log_untrusted", {"node": "b", "subnet": "10.0.0.0/8", "reason": "outside the cluster's pod network 10.244.0.0/16"},
+     "node b's record names subnet 10.0.0.0/8, outside the cluster's"),
+    ("_log_untrusted_hops", {"node": "m", "next_hop": "::ffff:10.0.0.9",
+                             "reason": "IPv4-mapped: the next hop of the node at 10.0.0.9, not of this one"},
+     "node m's record gives next hop ::ffff:10.0.0.9, IPv4-mapped"),
+])  # fmt: skip
+def test_a_record_subnet_or_next_hop_not_taken_is_logged_once_while_it_stays(log, bad, first):
     import logging
 
     from agentd.daemon.routes import KernelRoutes
 
     routes = KernelRoutes(None)
-    bad = [{"node": "b", "subnet": "10.0.0.0/8", "reason": "outside the cluster's pod network 10.244.0.0/16"}]
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("agentd").addHandler(handler)
     try:
         for _ in range(3):
-            routes._log_untrusted(bad)
-        routes._log_untrusted([])
-        routes._log_untrusted(bad)  # back: logged again
+            getattr(routes, log)([bad])
+        getattr(routes, log)([])
+        getattr(routes, log)([bad])  # back: logged again
     finally:
         logging.getLogger("agentd").removeHandler(handler)
     lines = [r.getMessage() for r in records if r.levelno == logging.ERROR]
-    assert len(lines) == 2 and lines[0].startswith("node b's record names subnet 10.0.0.0/8, outside the cluster's")
+    assert len(lines) == 2 and lines[0].startswith(first)
 
 
 def test_without_the_pod_network_a_node_still_cannot_take_ours_or_anothers():
@@ -730,26 +736,3 @@ def test_the_held_subnets_index_finds_what_a_scan_of_every_subnet_finds():
         assert dict(index) == held
 
     check()
-
-
-def test_a_next_hop_not_taken_as_a_nodes_is_logged_once_while_it_stays():
-    import logging
-
-    from agentd.daemon.routes import KernelRoutes
-
-    routes = KernelRoutes(None)
-    bad = [{"node": "m", "next_hop": "::ffff:10.0.0.9",
-            "reason": "IPv4-mapped: the next hop of the node at 10.0.0.9, not of this one"}]  # fmt: skip
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("agentd").addHandler(handler)
-    try:
-        for _ in range(3):
-            routes._log_untrusted_hops(bad)
-        routes._log_untrusted_hops([])
-        routes._log_untrusted_hops(bad)  # back: logged again
-    finally:
-        logging.getLogger("agentd").removeHandler(handler)
-    lines = [r.getMessage() for r in records if r.levelno == logging.ERROR]
-    assert len(lines) == 2 and lines[0].startswith("node m's record gives next hop ::ffff:10.0.0.9, IPv4-mapped")
