@@ -637,13 +637,6 @@ static __always_inline int judge(struct __sk_buff *skb, struct config *cfg, stru
 	return fib_forwards(skb, &fib) ? PASS : drop(reason, skb);
 }
 
-#define NEXTHDR_HOP 0
-#define NEXTHDR_ROUTING 43
-#define NEXTHDR_FRAGMENT 44
-#define NEXTHDR_DEST 60
-#define IPV6_EXT_MAX 6      /* extension headers walked before the UDP header */
-#define IPV6_FRAG_OFFSET 0xfff8
-
 static __always_inline int ipv6_ext(__u8 nexthdr)
 {
 	return nexthdr == NEXTHDR_HOP || nexthdr == NEXTHDR_ROUTING || nexthdr == NEXTHDR_DEST ||
