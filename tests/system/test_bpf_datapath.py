@@ -176,8 +176,9 @@ def _read_pcap(path: str) -> list[Packet]:
             break
         frame = data[off + 16 : off + 16 + incl]
         off += 16 + incl
-        if len(frame) > skip + 20 and frame[skip] >> 4 == 4:
-            out.append(Packet(orig - skip, frame[skip:]))
+        tag = 4 if linktype == 1 and frame[12:14] == b"\x81\x00" else 0  # an 802.1Q tag: skipped
+        if len(frame) > skip + tag + 20 and frame[skip + tag] >> 4 == 4:
+            out.append(Packet(orig - skip - tag, frame[skip + tag :]))
     return out
 
 
@@ -345,6 +346,134 @@ def test_non_members_are_dropped_and_counted(pair_factory, kind, reason):
     assert sum(d["packets"] for d in pair.counters(2)["drops"].values()) == 5
 
 
+SOL_PACKET, PACKET_QDISC_BYPASS = 263, 20
+STRANGER = "192.168.50.66"  # on the underlay link, not a member
+
+
+def _l2_send(t, frames: list[bytes]) -> None:
+    """Send whole Ethernet frames out of host 1's underlay device as someone on the link would:
+    past host 1's own programs (PACKET_QDISC_BYPASS skips the device's tc hooks)."""
+    with t.h1.entered():
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    with s:
+        s.setsockopt(SOL_PACKET, PACKET_QDISC_BYPASS, 1)
+        s.bind(("u1", 0))
+        for frame in frames:
+            s.send(frame)
+
+
+def _mac(ns, dev: str) -> bytes:
+    return bytes.fromhex(ns.exec("cat", f"/sys/class/net/{dev}/address").strip().replace(":", ""))
+
+
+def _rx(ns, dev: str) -> int:
+    return int(ns.exec("cat", f"/sys/class/net/{dev}/statistics/rx_packets"))
+
+
+def test_vxlan_from_non_members_is_dropped_at_every_address_of_the_node(pair_factory):
+    """A kernel VXLAN device on host 2 (its socket bound to the wildcard address, as the agent's
+    is): VXLAN from someone on the underlay link who is no member reaches it through none of
+    the addresses host 2 takes as its own -- a second underlay address, the pods' gateway, the
+    link's broadcast address, the all-hosts group -- all dropped and counted; a member's does,
+    and so does what host 2 only forwards (to pod 2, whose socket gets it)."""
+    pair = pair_factory("udp")
+    t = pair.t
+    t.h2.ip("addr", "add", "192.168.50.12/24", "dev", "u2")
+    t.h2.ip("link", "add", "vx0", "type", "vxlan", "id", "1", "dstport", "4789", "nolearning")
+    t.h2.ip("link", "set", "vx0", "up")
+    u1, u2 = _mac(t.h1, "u1"), _mac(t.h2, "u2")
+    targets = [(u2, "192.168.50.12"), (u2, "10.244.2.1"), (b"\xff" * 6, "192.168.50.255"),
+               (bytes.fromhex("01005e000001"), "224.0.0.1")]
+
+    def frames(src: str, count: int = 3) -> list[bytes]:
+        return [dst_mac + u1 + b"\x08\x00" + _vxlan(src, dst) for dst_mac, dst in targets for _ in range(count)]
+
+    before = _rx(t.h2, "vx0")
+    _l2_send(t, frames(STRANGER))
+    assert wait_for(lambda: _drops(pair.dp[2]).get("non_member_vxlan", 0) >= 12, 5), _drops(pair.dp[2])
+    _l2_send(t, frames(H1_UNDERLAY))  # a member's, the same way: through to the VXLAN device
+    assert wait_for(lambda: _rx(t.h2, "vx0") >= before + 12, 5), _rx(t.h2, "vx0") - before
+    assert _rx(t.h2, "vx0") == before + 12 and _drops(pair.dp[2]) == {"non_member_vxlan": 12}
+    # Forwarded, not taken: VXLAN through host 2 to pod 2 is none of the filter's business.
+    with t.p2.entered():
+        sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with sink:
+        sink.bind(("", 4789))
+        sink.settimeout(5)
+        _l2_send(t, [u2 + u1 + b"\x08\x00" + _vxlan(STRANGER, P2) for _ in range(3)])
+        got = [sink.recvfrom(2048)[1][0] for _ in range(3)]
+    assert got == [STRANGER] * 3 and _drops(pair.dp[2]) == {"non_member_vxlan": 12}
+
+
+def _tagged(frame: bytes, vid: int) -> bytes:
+    """``frame`` with an 802.1Q tag (VLAN ``vid``) behind its MACs."""
+    return frame[:12] + struct.pack("!HH", 0x8100, vid) + frame[12:]
+
+
+# Tags what host 1 sends with mark 100 (VLAN 100, in skb->vlan_tci as a VLAN device on a
+# device with VLAN offload would), before the data path's program: a cls_bpf filter in front
+# of it (this kernel may have no VLAN devices, CONFIG_VLAN_8021Q).
+PUSH_VLAN = """
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/pkt_cls.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_helpers.h>
+char _license[] SEC("license") = "GPL";
+SEC("tc") int push_vlan(struct __sk_buff *skb)
+{
+	if (skb->mark == 100)
+		bpf_skb_vlan_push(skb, bpf_htons(ETH_P_8021Q), 100);
+	return TC_ACT_UNSPEC;
+}
+"""
+
+
+def _push_vlan_before_ours(ns, dev: str, tmp_path) -> None:
+    src, obj = tmp_path / "push_vlan.c", tmp_path / "push_vlan.bpf.o"
+    src.write_text(PUSH_VLAN)
+    arch = subprocess.run(["gcc", "-print-multiarch"], capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run(["clang-16", "-O2", "-g", "-target", "bpf", "-mcpu=v3", f"-I/usr/include/{arch}", "-c", str(src),
+                    "-o", str(obj)], check=True, capture_output=True)
+    ns.exec("tc", "filter", "add", "dev", dev, "egress", "prio", "1", "handle", "1", "bpf", "da", "obj", str(obj),
+            "sec", "tc")
+
+
+def test_tagged_frames_are_neither_encapsulated_nor_decapsulated(pair_factory, tmp_path):
+    """A frame of another VLAN on the underlay device (its 802.1Q tag in skb->vlan_tci by the
+    time tc sees it) is the stack's: a member's flannel UDP in one is not decapsulated, a
+    packet to pod 2's subnet leaving in one is not encapsulated -- and the member filter still
+    judges a tagged frame (VLAN 0, a priority tag, the stack takes as untagged)."""
+    pair = pair_factory("udp", hook="clsact")  # cls_bpf: a filter of the test's can go first
+    t = pair.t
+    u1, u2 = _mac(t.h1, "u1"), _mac(t.h2, "u2")
+    rx = lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"]
+    frame = u2 + u1 + b"\x08\x00" + P.flannel_udp_encapsulate(_ping_packet(src=P1, dst=P2), H1_UNDERLAY, H2_UNDERLAY)
+    before = rx()
+    _l2_send(t, [_tagged(frame, 5), _tagged(frame, 0), frame])  # the untagged one last: once it is counted ...
+    assert wait_for(lambda: rx() > before, 5)
+    assert rx() == before + 1  # ... the tagged ones were not decapsulated
+    _l2_send(t, [_tagged(u2 + u1 + b"\x08\x00" + _vxlan(STRANGER, H2_UNDERLAY), 0)])
+    assert wait_for(lambda: _drops(pair.dp[2]) == {"non_member_vxlan": 1}, 5), _drops(pair.dp[2])
+    # Host 1 sends to an address in pod 2's subnet in VLAN 100.
+    _push_vlan_before_ours(t.h1, "u1", tmp_path)
+    tx = lambda: pair.counters(1)["peers"][H2_UNDERLAY]["tx_packets"]
+    before = tx()
+    seen = capture(t.h2, "u2", "vlan 100 and udp port 9", lambda: _send_udp(t.h1, "10.244.2.99", 3, mark=100),
+                   lambda seen: len(seen) >= 3)
+    assert [(p.dst, p.proto) for p in seen] == [("10.244.2.99", 17)] * 3  # bare, tagged
+    assert tx() == before
+
+
+def _send_udp(ns, dst: str, count: int, mark: int = 0) -> None:
+    with ns.entered():
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+        for _ in range(count):
+            s.sendto(b"x" * 32, (dst, 9))
+
+
 def _filters(ns, dev):
     with ns.entered():
         return [f for f in tc.filters(int(ns.exec("cat", f"/sys/class/net/{dev}/ifindex")))]
@@ -416,13 +545,22 @@ MEMBER, LOCAL, PEER = "192.168.50.1", "192.168.50.2", "192.168.50.2"
 
 @pytest.fixture
 def programs(netns_factory, bpffs):
+    """The data path on u0 of a node that forwards (as every node with pods does), its
+    underlay address on u0: the member filter asks the node's routing (bpf_fib_lookup) what
+    it takes as its own, and the packets run as on u0 (see run)."""
     ns = netns_factory("h")
     ns.ip("link", "add", "u0", "type", "veth", "peer", "name", "u9")
+    ns.ip("addr", "add", f"{LOCAL}/24", "dev", "u0")
+    for dev in ("u0", "u9"):
+        ns.ip("link", "set", dev, "up")
+    ns.ip("neigh", "replace", MEMBER, "lladdr", "02:00:00:00:00:aa", "dev", "u0", "nud", "permanent")
+    ns.sysctl("net.ipv4.ip_forward", 1)
     with ns.entered():
         dp = BpfDatapath(int(ns.exec("cat", "/sys/class/net/u0/ifindex")), bpffs)
         dp.open(Config(LOCAL, 8285, 4789, FLAGS, 1500))
         dp.set_members({MEMBER})
         dp.set_routes({IPv4Network(SUBNET1): (MEMBER, "udp"), IPv4Network("10.244.9.0/24"): (MEMBER, "ipip")})
+    dp.ns = ns
     try:
         yield dp
     finally:
@@ -460,7 +598,10 @@ def test_one_pod_flooding_its_bridge_leaves_room_for_the_other_pods_macs(program
 
 
 def run(dp, program: str, packet: bytes) -> tuple[int, bytes]:
-    ret, out = libbpf.prog_test_run(dp.progs[program], ETH + packet)
+    """The program on ``packet``, as on u0 of the fixture's namespace (its addresses and
+    routes are what bpf_fib_lookup sees)."""
+    with dp.ns.entered():
+        ret, out = libbpf.prog_test_run(dp.progs[program], ETH + packet, ifindex=dp.ifindex)
     return (ret - (1 << 32) if ret >= 1 << 31 else ret), out[14:]
 
 
@@ -528,6 +669,45 @@ def test_ingress_leaves_everything_else_alone(programs):
     for pkt in others:
         assert run(programs, layout.INGRESS, pkt) == (TC_ACT_UNSPEC, pkt)
     assert _drops(programs) == {}
+
+
+def _vxlan(src: str, dst: str) -> bytes:
+    """VXLAN (RFC 7348: flags I, VNI 1) carrying an Ethernet frame with a TCP SYN to pod 2."""
+    inner = P.tcp_packet(P1, P2, P.TcpHeader(40000, 9, 1, 0, P.TCP_SYN, 1000))
+    frame = b"\xff" * 6 + b"\x02" * 6 + b"\x08\x00" + inner
+    return P.udp_datagram(src, dst, 40000, 4789, struct.pack("!II", 0x08000000, 1 << 8) + frame)
+
+
+def test_non_members_are_judged_at_every_address_the_node_takes_as_its_own(programs):
+    """The kernel's VXLAN socket is bound to the wildcard address and UDP hands it whatever the
+    node takes as its own: the member filter judges VXLAN, flannel UDP and IPIP to any local
+    address (a second one, a pod gateway on a bridge), a broadcast address and a multicast
+    group alike -- and leaves what the node forwards alone, from anyone."""
+    ns, stranger = programs.ns, X_UNDERLAY
+    ns.ip("addr", "add", "192.168.77.2/32", "dev", "u0")  # a secondary address (a VIP)
+    ns.ip("link", "add", "br0", "type", "bridge")
+    ns.ip("addr", "add", "10.244.2.1/24", "dev", "br0")  # the pods' gateway
+    ns.ip("link", "set", "br0", "up")
+    ns.ip("route", "add", "198.51.100.0/24", "via", MEMBER, "dev", "u0")
+    inner = _ping_packet()
+    kinds = {"non_member_vxlan": lambda src, dst: _vxlan(src, dst),
+             "non_member_udp": lambda src, dst: P.flannel_udp_encapsulate(inner, src, dst),
+             "non_member_ipip": lambda src, dst: P.ipip_encapsulate(inner, src, dst)}
+    taken = ("192.168.77.2", "10.244.2.1", "192.168.50.255", "255.255.255.255", "224.0.0.1", LOCAL)
+    forwarded = ("10.244.2.7", "192.168.50.77", "198.51.100.9")  # a pod; on the link; routed on
+    for reason, make in kinds.items():
+        for dst in taken:
+            assert run(programs, layout.INGRESS, make(stranger, dst))[0] == TC_ACT_SHOT, (reason, dst)
+        for dst in forwarded:
+            pkt = make(stranger, dst)
+            assert run(programs, layout.INGRESS, pkt) == (TC_ACT_UNSPEC, pkt), (reason, dst)
+        # A member's: to the underlay address decapsulated (not VXLAN: the device's), to
+        # another address left to the stack as it is.
+        for dst in taken[:-1] + forwarded:
+            pkt = make(MEMBER, dst)
+            assert run(programs, layout.INGRESS, pkt) == (TC_ACT_UNSPEC, pkt), (reason, dst)
+    assert _drops(programs) == {reason: len(taken) for reason in kinds}
+    assert programs.counters()["peers"][MEMBER]["rx_packets"] == 0
 
 
 def test_egress_encapsulates_by_route_and_refuses_oversized(programs):

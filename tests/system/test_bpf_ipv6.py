@@ -324,13 +324,20 @@ def test_ipv6_routes_only_by_udp(programs6):
 # ---------------------------------------------------------------- the member filter on an IPv6 underlay
 
 LOCAL6, MEMBER6, STRANGER6 = "fd00:172:30::2", "fd00:172:30::1", "fd00:172:30::66"
+SECOND6 = "fd00:172:30::12"  # another address of the node's
 
 
 @pytest.fixture
 def filter6(netns_factory, bpffs):
-    """The data path of a node on an IPv6 underlay: no IPv4 address, VXLAN filtered."""
+    """The data path of a node on an IPv6 underlay: no IPv4 address, VXLAN filtered.  The node
+    forwards; its underlay address and a second one are on u0."""
     ns = netns_factory("h6")
     ns.ip("link", "add", "u0", "type", "veth", "peer", "name", "u9")
+    for addr in (LOCAL6, SECOND6):
+        ns.ip("-6", "addr", "add", f"{addr}/64", "dev", "u0", "nodad")
+    for dev in ("u0", "u9"):
+        ns.ip("link", "set", dev, "up")
+    ns.sysctl("net.ipv6.conf.all.forwarding", 1)
     with ns.entered():
         dp = BpfDatapath(int(ns.exec("cat", "/sys/class/net/u0/ifindex")), bpffs)
         dp.open(Config("0.0.0.0", 8285, 4789, layout.CFG_FILTER_VXLAN, 1500, local6=LOCAL6))
@@ -365,7 +372,26 @@ def test_vxlan_over_ipv6_from_non_members_is_dropped_and_counted(filter6):
     chain = bytes([60]) + dest_opts[1:]  # a destination options header followed by another
     assert verdict(vxlan6(STRANGER6, ext=chain * 6 + dest_opts, first=60)) == TC_ACT_SHOT  # more than any node sends
     for other in (vxlan6(STRANGER6, dport=4790), vxlan6(STRANGER6, dst="fd00:172:30::9"), echo6(src=STRANGER6, dst=LOCAL6)):
-        assert verdict(other) == TC_ACT_UNSPEC  # another port, another address, not UDP
+        assert verdict(other) == TC_ACT_UNSPEC  # another port, an address the node forwards to, not UDP
     assert _drops(filter6) == {"non_member_vxlan": 3, "malformed": 1}
+    # Whatever the node takes as its own is judged alike: its other address, a multicast group
+    # (the VXLAN socket is bound to the wildcard address) -- a member's still passes.
+    for dst in (SECOND6, "ff02::1"):
+        assert verdict(vxlan6(STRANGER6, dst=dst)) == TC_ACT_SHOT
+        assert verdict(vxlan6(MEMBER6, dst=dst)) == TC_ACT_UNSPEC
+    assert verdict(vxlan6(STRANGER6, ext=chain * 6 + dest_opts, first=60, dst="fd00:172:30::9")) == TC_ACT_UNSPEC
+    assert _drops(filter6) == {"non_member_vxlan": 5, "malformed": 1}
+
+
+def test_only_udp_behind_the_most_extension_headers_walked_is_malformed(filter6):
+    """Six extension headers are walked: a packet whose seventh header is UDP's could be VXLAN,
+    unseen, and is dropped as malformed; one that is known not to be UDP by then (TCP behind
+    six) is no business of the filter's."""
+    dest_opts = bytes([60, 0]) + bytes([1, 4, 0, 0, 0, 0])  # next another destination options header
+    last = bytes([6]) + dest_opts[1:]  # ... next TCP
+    tcp = P.TcpHeader(40000, 4789, 1, 0, P.TCP_ACK, 1000).encode()  # (its checksum not checked here)
+    six_then_tcp = ipv6_packet(STRANGER6, LOCAL6, dest_opts * 5 + last + tcp, nh=60)
+    assert run(filter6, layout.INGRESS, six_then_tcp, ETH6) == (TC_ACT_UNSPEC, ETH6 + six_then_tcp)
+    assert _drops(filter6) == {}
     assert filter6.members == {MEMBER6} and filter6.status()["members"] == 1
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 from ipaddress import IPv4Network
 
@@ -156,3 +157,47 @@ def test_what_the_kernel_cannot_run_is_refused_with_the_reason(case, tmp_path):
     with libbpf.BpfObject(obj) as o, pytest.raises(libbpf.BpfError) as err:
         o.load()
     assert reason in str(err.value) and f"loading {obj.name}" in str(err.value), str(err.value)
+
+
+def _elf_section(path, name: str) -> bytes:
+    """The bytes of section ``name`` of a little-endian ELF64 object (a BPF object)."""
+    data = path.read_bytes()
+    assert data[:6] == b"\x7fELF\x02\x01", f"{path}: not a little-endian ELF64 object"
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+
+    def header(i: int) -> tuple:  # name, type, flags, addr, offset, size, link, info, align, entsize
+        return struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+
+    names = header(shstrndx)[4]
+    for i in range(shnum):
+        h = header(i)
+        if data[names + h[0] : data.index(b"\0", names + h[0])].decode() == name:
+            return data[h[4] : h[4] + h[5]]
+    raise AssertionError(f"{path}: no section {name}")
+
+
+BPF_STX_MEM_W, BPF_STX_ATOMIC_W, BPF_AND, BPF_FETCH, FRAME_POINTER = 0x63, 0xC3, 0x50, 0x01, 10
+
+
+def test_the_data_path_clears_config_flags_atomically():
+    """shrink() notes a decapsulation flag this kernel refuses by clearing its bit in the
+    config, which the agent writes whole (e.g. CFG_POD_REDIRECT off before a pod is isolated):
+    a plain load, AND and store racing that write could put back the bit the agent cleared,
+    and decapsulated packets would skip netfilter on their way to an isolated pod.  Every
+    32-bit store the programs make at the flags' offset goes through an atomic AND (BPF_STX |
+    BPF_ATOMIC, imm BPF_AND); no plain store there, but to the stack (r10)."""
+    flags_offset = struct.calcsize("<4s2s2s")  # struct config: local, udp_port, vxlan_port, then flags
+    assert layout.CONFIG_VALUE.format == "<4s2s2sII"
+    code = _elf_section(OBJECT, "tc")
+    atomic_ands, plain = 0, []
+    for at in range(0, len(code), 8):
+        op, regs, off, imm = struct.unpack_from("<BBhi", code, at)
+        if off != flags_offset:
+            continue
+        if op == BPF_STX_ATOMIC_W and imm & ~BPF_FETCH == BPF_AND:
+            atomic_ands += 1
+        elif op == BPF_STX_MEM_W and regs & 0xF != FRAME_POINTER:
+            plain.append(at // 8)
+    # Two per decapsulation (the L4 flags, the L3 flag); shrink() is inlined into each.
+    assert atomic_ands >= 2 and plain == [], (atomic_ands, plain)

@@ -13,10 +13,13 @@
  *                   to the stack (TC_ACT_OK), which forwards the inner packet to the pod, or
  *                   straight to the pod (deliver_local) or to the pod fast path's wire program
  *                   after this one (deliver_gated); from anyone else they are dropped and
- *                   counted, and so is UDP to the VXLAN port
- *                   (the kernel VXLAN device takes it from anyone).  On an IPv6 underlay it
- *                   does the same for VXLAN in IPv6 (peers6, config6): the member filter of an
- *                   IPv6-only cluster.
+ *                   counted, and so is UDP to the VXLAN port (the kernel VXLAN device takes it
+ *                   from anyone) -- to whichever address this node takes as its own, not only
+ *                   the underlay one (judge).  On an IPv6 underlay it does the same for VXLAN
+ *                   in IPv6 (peers6, config6): the member filter of an IPv6-only cluster.
+ *
+ * A frame with an 802.1Q tag (at tc already in skb->vlan_tci) belongs to another VLAN on the
+ * device: neither encapsulated nor decapsulated, only judged by the member filter.
  *
  * Wire formats are the ones the user-space worker and flannel use: flannel UDP is outer IPv4 +
  * UDP whose payload is exactly the inner packet (its version nibble says its family); IPIP is
@@ -314,6 +317,8 @@ int agentd_egress(struct __sk_buff *skb)
 	__be32 peer;
 	__u8 kind, tos;
 
+	if (skb->vlan_present)
+		return PASS; /* an 802.1Q-tagged frame (another VLAN on this device): the stack's */
 	if (skb->protocol != bpf_htons(ETH_P_IP))
 		return skb->protocol == bpf_htons(ETH_P_IPV6) ? egress6(skb) : PASS;
 	if (pull(skb, ETH_HLEN + sizeof(*ip)))
@@ -474,12 +479,14 @@ static __always_inline long shrink(struct __sk_buff *skb, struct config *cfg, __
 	extra = (cfg->flags & CFG_DECAP_L4_FLAGS) ? l4 : 0;
 	ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, flags | extra);
 	if (ret == -EINVAL && extra) {
-		/* This kernel predates the flags that clear the tunnel GSO type: note it once. */
-		cfg->flags &= ~CFG_DECAP_L4_FLAGS; /* a lost race only costs one more try */
+		/* This kernel predates the flags that clear the tunnel GSO type: note it once.  Atomic:
+		 * a plain read-modify-write could put back a bit the agent cleared meanwhile
+		 * (CFG_POD_REDIRECT, before it isolates a pod).  A lost race only costs one more try. */
+		__sync_fetch_and_and(&cfg->flags, ~CFG_DECAP_L4_FLAGS);
 		ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, flags);
 	}
 	if (ret == -EINVAL && (flags & l3)) {
-		cfg->flags &= ~CFG_DECAP_L3_FLAG; /* before Linux 6.3 */
+		__sync_fetch_and_and(&cfg->flags, ~CFG_DECAP_L3_FLAG); /* before Linux 6.3; atomic, as above */
 		flags = BPF_F_ADJ_ROOM_FIXED_GSO;
 		ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, flags);
 	}
@@ -587,11 +594,83 @@ static __always_inline int decap(struct __sk_buff *skb, struct config *cfg, stru
 #define IPV6_EXT_MAX 6      /* extension headers walked before the UDP header */
 #define IPV6_FRAG_OFFSET 0xfff8
 
-/* The member filter on an IPv6 underlay: VXLAN to this node's IPv6 address from anyone but a
- * member is dropped and counted.  The UDP header is looked for behind the extension headers a
- * sender may put first (the stack walks them and delivers to the VXLAN socket all the same);
- * a later fragment has no port to check -- reassembly needs the first one, which is checked --
- * and more extension headers than any agentd node sends is dropped as malformed. */
+/* Whether the stack takes an IPv4 packet to ``daddr`` (with ``fib``'s other fields filled) for
+ * this node rather than forwarding it.  The kernel's VXLAN socket is bound to the wildcard
+ * address and finds its device by the VNI alone, and UDP delivers to it whatever this node
+ * takes as its own: any of its addresses on any device (the underlay's, a secondary one, a
+ * pod gateway's, docker0's), a broadcast address, a multicast group it is in.  So the member
+ * filter judges all of that, and leaves alone only what the stack would forward (a pod's
+ * packet, someone else's tunnel through this node): bpf_fib_lookup answers as the stack's
+ * routing does (a local or broadcast route: NOT_FWDED).  Forwarding off, or a route that
+ * drops the packet: the stack forwards nothing of it, so judging it costs nothing. */
+static __always_inline int fib_forwards(struct __sk_buff *skb, struct bpf_fib_lookup *fib)
+{
+	long ret;
+
+	fib->ifindex = skb->ingress_ifindex;
+	ret = bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
+	return ret == BPF_FIB_LKUP_RET_SUCCESS || ret == BPF_FIB_LKUP_RET_NO_NEIGH || ret == BPF_FIB_LKUP_RET_FRAG_NEEDED ||
+	       ret == BPF_FIB_LKUP_RET_UNSUPP_LWT;
+}
+
+/* Drop (and count under ``reason``) a non-member's packet to a port or protocol the member
+ * filter protects, unless the stack would forward it (see fib_forwards). */
+static __always_inline int judge(struct __sk_buff *skb, struct config *cfg, struct iphdr *ip, struct udphdr *udp,
+				 __u32 reason)
+{
+	struct bpf_fib_lookup fib = {};
+
+	if (ip->daddr == cfg->local)
+		return drop(reason, skb);
+	/* Multicast and the limited broadcast are taken (or not) before any route is looked up. */
+	if ((ip->daddr & bpf_htonl(0xf0000000)) == bpf_htonl(0xe0000000) || ip->daddr == 0xffffffff)
+		return drop(reason, skb);
+	fib.family = AF_INET_;
+	fib.tos = ip->tos;
+	fib.l4_protocol = ip->protocol;
+	if (udp) {
+		fib.sport = udp->source;
+		fib.dport = udp->dest;
+	}
+	fib.ipv4_src = ip->saddr;
+	fib.ipv4_dst = ip->daddr;
+	return fib_forwards(skb, &fib) ? PASS : drop(reason, skb);
+}
+
+static __always_inline int ipv6_ext(__u8 nexthdr)
+{
+	return nexthdr == NEXTHDR_HOP || nexthdr == NEXTHDR_ROUTING || nexthdr == NEXTHDR_DEST ||
+	       nexthdr == NEXTHDR_FRAGMENT;
+}
+
+/* judge for IPv6: this node's underlay address (``local``), a multicast group, or whatever
+ * else the stack would not forward (any local address, an anycast one). */
+static __always_inline int judge6(struct __sk_buff *skb, struct ipv6hdr *ip, __u64 *dst, __u64 *local, __u8 l4,
+				  struct udphdr *udp, __u32 reason)
+{
+	struct bpf_fib_lookup fib = {};
+
+	if ((dst[0] == local[0] && dst[1] == local[1]) || ip->daddr.in6_u.u6_addr8[0] == 0xff)
+		return drop(reason, skb);
+	fib.family = AF_INET6_;
+	fib.flowinfo = *(__be32 *)ip & bpf_htonl(IPV6_FLOWINFO_MASK);
+	fib.l4_protocol = l4;
+	if (udp) {
+		fib.sport = udp->source;
+		fib.dport = udp->dest;
+	}
+	__builtin_memcpy(fib.ipv6_src, &ip->saddr, sizeof(fib.ipv6_src));
+	__builtin_memcpy(fib.ipv6_dst, &ip->daddr, sizeof(fib.ipv6_dst));
+	return fib_forwards(skb, &fib) ? PASS : drop(reason, skb);
+}
+
+/* The member filter on an IPv6 underlay: VXLAN that this node takes (see judge) from anyone
+ * but a member is dropped and counted.  The UDP header is looked for behind the extension
+ * headers a sender may put first (the stack walks them and delivers to the VXLAN socket all
+ * the same); a later fragment has no port to check -- reassembly needs the first one, which is
+ * checked -- and more extension headers than any agentd node sends, which hide whether it is
+ * UDP, is dropped as malformed.  An 802.1Q-tagged frame is judged as well: the stack takes
+ * one with VLAN id 0 (a priority tag) as untagged. */
 static __always_inline int ingress6(struct __sk_buff *skb)
 {
 	struct {
@@ -615,12 +694,11 @@ static __always_inline int ingress6(struct __sk_buff *skb)
 		return PASS;
 	__builtin_memcpy(dst, &ip.daddr, sizeof(dst));
 	__builtin_memcpy(local, cfg6->addr, sizeof(local));
-	if (dst[0] != local[0] || dst[1] != local[1] || !(local[0] | local[1]))
-		return PASS; /* not addressed to this node: forwarded or someone else's */
+	if (!(local[0] | local[1]))
+		return PASS; /* not on an IPv6 underlay */
 	nexthdr = ip.nexthdr;
 	for (int i = 0; i < IPV6_EXT_MAX && nexthdr != IPPROTO_UDP; i++) {
-		if (nexthdr != NEXTHDR_HOP && nexthdr != NEXTHDR_ROUTING && nexthdr != NEXTHDR_DEST &&
-		    nexthdr != NEXTHDR_FRAGMENT)
+		if (!ipv6_ext(nexthdr))
 			return PASS; /* not UDP */
 		if (bpf_skb_load_bytes(skb, off, &ext, sizeof(ext)))
 			return PASS;
@@ -633,13 +711,16 @@ static __always_inline int ingress6(struct __sk_buff *skb)
 		}
 		nexthdr = ext.nexthdr;
 	}
-	if (nexthdr != IPPROTO_UDP)
-		return drop(DROP_MALFORMED, skb);
+	if (nexthdr != IPPROTO_UDP) {
+		if (!ipv6_ext(nexthdr))
+			return PASS; /* not UDP, behind the most extension headers walked */
+		return judge6(skb, &ip, dst, local, nexthdr, NULL, DROP_MALFORMED);
+	}
 	if (bpf_skb_load_bytes(skb, off, &udp, sizeof(udp)) || udp.dest != cfg->vxlan_port)
 		return PASS;
-	if (!bpf_map_lookup_elem(&agentd_peers6, &ip.saddr))
-		return drop(DROP_NON_MEMBER_VXLAN, skb);
-	return PASS;
+	if (bpf_map_lookup_elem(&agentd_peers6, &ip.saddr))
+		return PASS;
+	return judge6(skb, &ip, dst, local, IPPROTO_UDP, &udp, DROP_NON_MEMBER_VXLAN);
 }
 
 SEC("tc")
@@ -650,7 +731,7 @@ int agentd_ingress(struct __sk_buff *skb)
 	struct udphdr udp;
 	struct iphdr ip;
 	__u32 zero = 0, hlen;
-	int first_fragment, fragment;
+	int first_fragment, fragment, ours;
 
 	if (skb->protocol != bpf_htons(ETH_P_IP))
 		return skb->protocol == bpf_htons(ETH_P_IPV6) ? ingress6(skb) : PASS;
@@ -659,11 +740,17 @@ int agentd_ingress(struct __sk_buff *skb)
 	if (ip.protocol != IPPROTO_UDP && ip.protocol != IPPROTO_IPIP_)
 		return PASS;
 	cfg = bpf_map_lookup_elem(&agentd_config, &zero);
-	if (!cfg || ip.daddr != cfg->local)
-		return PASS; /* not addressed to this node: forwarded or someone else's */
+	if (!cfg || !cfg->local)
+		return PASS;
 	hlen = ip.ihl * 4;
 	if (hlen < sizeof(ip))
 		return PASS; /* the stack drops it */
+	/* Decapsulated here: what members send, untagged to the underlay address.  A non-member's
+	 * packet is judged wherever it goes (judge: to any address this node takes as its own),
+	 * and tagged (802.1Q) as well: the stack takes a frame with VLAN id 0 (a priority tag) as
+	 * untagged.  A member's tagged one, or one to another of this node's addresses, goes the
+	 * stack's way. */
+	ours = ip.daddr == cfg->local && !skb->vlan_present;
 	fragment = ip.frag_off & bpf_htons(IP_MF | IP_OFFSET);
 	first_fragment = !(ip.frag_off & bpf_htons(IP_OFFSET));
 	stats = bpf_map_lookup_elem(&agentd_peers, &ip.saddr);
@@ -672,9 +759,9 @@ int agentd_ingress(struct __sk_buff *skb)
 		if (!(cfg->flags & CFG_DECAP_IPIP))
 			return PASS; /* not ours: ipip is not carried here, or by the user-space worker */
 		if (!stats)
-			return drop(DROP_NON_MEMBER_IPIP, skb);
-		if (stats->flags & PEER_F_IPIP_TO_WORKER)
-			return PASS; /* for this node's worker, which speaks to that peer */
+			return judge(skb, cfg, &ip, NULL, DROP_NON_MEMBER_IPIP);
+		if (!ours || (stats->flags & PEER_F_IPIP_TO_WORKER))
+			return PASS; /* (for this node's worker, which speaks to that peer) */
 		if (fragment) /* our peers set DF: a fragment is not theirs to send */
 			return drop(DROP_MALFORMED, skb);
 		return decap(skb, cfg, stats, hlen, ip.tos, 0);
@@ -687,14 +774,14 @@ int agentd_ingress(struct __sk_buff *skb)
 		return PASS;
 	if (udp.dest == cfg->udp_port && (cfg->flags & CFG_DECAP_UDP)) {
 		if (!stats)
-			return drop(DROP_NON_MEMBER_UDP, skb);
-		if (stats->flags & PEER_F_UDP_TO_WORKER)
-			return PASS; /* for this node's worker, which speaks to that peer */
+			return judge(skb, cfg, &ip, &udp, DROP_NON_MEMBER_UDP);
+		if (!ours || (stats->flags & PEER_F_UDP_TO_WORKER))
+			return PASS; /* (for this node's worker, which speaks to that peer) */
 		if (fragment)
 			return drop(DROP_MALFORMED, skb);
 		return decap(skb, cfg, stats, hlen + sizeof(udp), ip.tos, 1);
 	}
 	if (udp.dest == cfg->vxlan_port && (cfg->flags & CFG_FILTER_VXLAN) && !stats)
-		return drop(DROP_NON_MEMBER_VXLAN, skb);
+		return judge(skb, cfg, &ip, &udp, DROP_NON_MEMBER_VXLAN);
 	return PASS;
 }

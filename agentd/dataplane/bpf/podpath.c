@@ -24,7 +24,8 @@
  * kfunc: a packet is carried only when
  *   - it is TCP without SYN, FIN or RST (those go the normal way, so conntrack sees every
  *     state change of the connection): IPv4 not a fragment and without options, IPv6 with TCP
- *     as its first next header (no extension header: a fragment header among them);
+ *     as its first next header (no extension header: a fragment header among them), in a
+ *     frame without an 802.1Q tag;
  *   - from a pod's veth, its source address is that pod's (the anti-spoofing check of the
  *     normal path); between nodes both ends are in the cluster's pod network;
  *   - conntrack has a confirmed entry for it -- confirmed means the normal path, policy
@@ -725,7 +726,9 @@ static __always_inline struct pod_config *candidate(struct __sk_buff *skb, __u32
 	struct pod_config *cfg;
 	__u32 zero = 0;
 
-	if ((void *)(tcp + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
+	/* An 802.1Q-tagged frame (the tag already in skb->vlan_tci at tc ingress) is the stack's,
+	 * which drops it or hands it to its VLAN's device: carried, it would leave still tagged. */
+	if (skb->vlan_present || (void *)(tcp + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
 		return NULL;
 	if (ip->version != 4 || ip->ihl != 5 || ip->protocol != IPPROTO_TCP || (ip->frag_off & bpf_htons(IP_MF_OFFSET)))
 		return NULL;
@@ -801,6 +804,8 @@ static __always_inline struct pod_config *candidate6(struct __sk_buff *skb, __u3
 	struct pod_config *cfg;
 	__u32 zero = 0;
 
+	if (skb->vlan_present) /* tagged: the stack's, as in candidate() */
+		return NULL;
 	if ((void *)(tcp + 1) > end || eth->h_proto != bpf_htons(ETH_P_IPV6) || ip->version != 6 || ip->nexthdr != IPPROTO_TCP)
 		return NULL;
 	if (tcp->fin || tcp->rst)
