@@ -20,7 +20,8 @@ The wire format is dnspython's.
   Service's ready endpoint's its own name; other addresses of the Service ranges: NXDOMAIN;
   other addresses' reverse names are forwarded.
 * Opcodes other than QUERY (UPDATE, NOTIFY, ...): NOTIMP, never forwarded (as CoreDNS).  A
-  message with QR set (a response) is dropped unanswered.
+  message with QR set (a response) is dropped unanswered.  More than one question: FORMERR;
+  an EDNS version above 0: BADVERS (RFC 6891 §6.1.3); neither forwarded.
 * Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
   /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  At most
   :data:`MAX_FORWARDED` forwarded queries wait at once; more are SERVFAIL at once.  At most
@@ -285,9 +286,15 @@ def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[A
         response = dns.message.make_response(query)
         response.set_rcode(dns.rcode.NOTIMP)
         return response
-    if not query.question:
+    if len(query.question) != 1:  # none, or more than one (RFC 9619): no question to answer
         response = dns.message.make_response(query)
         response.set_rcode(dns.rcode.FORMERR)
+        return response
+    if query.edns > 0:
+        # RFC 6891 §6.1.3: an EDNS version this server does not speak gets BADVERS, with the
+        # version it does (0; make_response answers with it), whatever the name (CoreDNS alike).
+        response = dns.message.make_response(query)
+        response.set_rcode(dns.rcode.BADVERS)
         return response
     q = query.question[0]
     qname = q.name.to_text().lower()

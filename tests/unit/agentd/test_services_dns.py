@@ -843,3 +843,22 @@ async def test_a_cut_keeps_every_record_that_fits_with_names_compressed_and_edns
             assert cut.flags & dns.flags.TC and 0 < kept, (name, rdtype, payload)
             assert payload - biggest < len(wire) <= payload, (name, rdtype, payload, len(wire))
     assert not [r for r in caplog.records if "measured" in r.getMessage()]
+
+
+async def test_an_edns_version_above_0_is_badvers_and_more_than_one_question_formerr(monkeypatch):
+    """RFC 6891 §6.1.3: a query of an EDNS version the server does not speak gets BADVERS (with
+    its own version, 0); a query of more than one question FORMERR (RFC 9619) -- whatever the
+    name, before any is forwarded, as CoreDNS answers (it took the first question only, and an
+    EDNS version 1 got NOERROR)."""
+    asked = fake_upstream(monkeypatch)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53)])
+    for name in ("web.shop.svc.cluster.local.", "www.example.org."):
+        q = dns.message.make_query(name, "A", use_edns=1)
+        r = dns.message.from_wire(await server.answer(q.to_wire()))
+        assert r.rcode() == dns.rcode.BADVERS and r.edns == 0 and not r.answer, r
+        q = dns.message.make_query(name, "A")
+        q.question.append(dns.rrset.RRset(dns.name.from_text("bar.shop.svc.cluster.local."), dns.rdataclass.IN,
+                                          dns.rdatatype.A))
+        r = dns.message.from_wire(await server.answer(q.to_wire()), question_only=True)
+        assert r.rcode() == dns.rcode.FORMERR and not r.answer, r
+    assert asked == [] and server.forwarded == 0
