@@ -862,3 +862,35 @@ async def test_an_edns_version_above_0_is_badvers_and_more_than_one_question_for
         r = dns.message.from_wire(await server.answer(q.to_wire()), question_only=True)
         assert r.rcode() == dns.rcode.FORMERR and not r.answer, r
     assert asked == [] and server.forwarded == 0
+
+
+async def test_a_class_other_than_in_is_refused_for_names_of_ours_and_forwarded_for_others(monkeypatch):
+    """The cluster domain's records are IN's: a question of class CH, HS or ANY of one of its
+    names (or of a reverse name answered here) is REFUSED, without records and not
+    authoritative, never forwarded (CoreDNS's server refuses a class it does not serve).  It got
+    the IN records, an answer of another class than asked.  ``version.bind CH TXT`` and any
+    other name not ours is forwarded, as every other question is."""
+    asked = fake_upstream(monkeypatch)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53)], service_ranges=["10.96.0.0/12"])
+    ours = [("web.shop.svc.cluster.local.", "A"), ("DB.shop.svc.cluster.local.", "A"),
+            ("_http._tcp.web.shop.svc.cluster.local.", "SRV"), ("nope.shop.svc.cluster.local.", "A"),
+            ("svc.cluster.local.", "A"), ("cluster.local.", "SOA"), (f"{reverse('10.96.0.10')}.", "PTR"),
+            (f"{reverse('10.96.0.99')}.", "PTR")]  # fmt: skip
+    for rdclass in ("CH", "HS", "ANY"):
+        for name, rdtype in ours:
+            q = dns.message.make_query(name, rdtype, rdclass=rdclass)
+            assert sdns.resolve(TABLE, q, [IPv4Network("10.96.0.0/12")]) is not None, (name, rdclass)
+            r = dns.message.from_wire(await server.answer(q.to_wire()))
+            assert r.rcode() == dns.rcode.REFUSED and not r.flags & dns.flags.AA, (name, rdclass, r)
+            assert not r.answer and not r.authority and not r.additional, (name, rdclass, r)
+    assert asked == [] and server.forwarded == 0
+    for name, rdtype in (("version.bind.", "TXT"), ("www.example.org.", "A"), (f"{reverse('192.0.2.7')}.", "PTR")):
+        q = dns.message.make_query(name, rdtype, rdclass="CH")
+        assert sdns.resolve(TABLE, q, [IPv4Network("10.96.0.0/12")]) is None, name
+        r = dns.message.from_wire(await server.answer(q.to_wire()))
+        assert r.rcode() == dns.rcode.NOERROR and r.question[0].rdclass == dns.rdataclass.CH, name
+    assert [(q.question[0].name.to_text(), q.question[0].rdclass) for q in asked] == [
+        ("version.bind.", dns.rdataclass.CH), ("www.example.org.", dns.rdataclass.CH),
+        (f"{reverse('192.0.2.7')}.", dns.rdataclass.CH)]
+    r = sdns.resolve(TABLE, dns.message.make_query("web.shop.svc.cluster.local.", "A"))  # IN as before
+    assert lines(r.answer) == ["web.shop.svc.cluster.local. 5 IN A 10.96.0.10"]
