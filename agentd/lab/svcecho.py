@@ -14,7 +14,7 @@ answered with ``NAME`` - and takes requests, one JSON line each, on stdin:
   (null: the connection is broken or silent);
 * ``{"crr": [ip, port], "seconds": S, "parallel": P}``: TCP_CRR-style: P loops of connect, ask,
   close for S seconds; ``{"connections": n, "failed": k, "seconds": s}`` (bench/services.py);
-* ``{"dns": [server, name, type], "tcp": bool}``: one DNS query (dnspython);
+* ``{"dns": [server, name, type, class], "tcp": bool}``: one DNS query (dnspython; class: IN unless given);
   ``{"rcode": "NOERROR", "answer": ["name ttl IN A 10.96.0.1", ...], "additional": [...], "aa": bool}``.
 
 A ``dns:PORT`` server is a stand-in upstream resolver: it answers every A query with 192.0.2.99.
@@ -150,14 +150,14 @@ def _udp(ip: str, port: int, count: int, sport: int, timeout: float) -> dict[str
     return {"names": out}
 
 
-async def _dns_query(server: str, name: str, rdtype: str, *, tcp: bool, timeout: float) -> dict[str, Any]:
+async def _dns_query(server: str, name: str, rdtype: str, rdclass: str = "IN", *, tcp: bool, timeout: float) -> dict[str, Any]:
     import dns.asyncquery
     import dns.exception
     import dns.flags
     import dns.message
     import dns.rcode
 
-    query = dns.message.make_query(name, rdtype)
+    query = dns.message.make_query(name, rdtype, rdclass=rdclass)
     try:
         send = dns.asyncquery.tcp if tcp else dns.asyncquery.udp
         reply = await send(query, server, timeout=timeout)
@@ -280,8 +280,8 @@ class Echo:
     async def crr(self, ip: str, port: int, seconds: float, parallel: int = 4) -> dict[str, Any]:
         return await self.call({"crr": [ip, port], "seconds": seconds, "parallel": parallel}, timeout=seconds + 60)
 
-    async def dns(self, server: str, name: str, rdtype: str = "A", *, tcp: bool = False) -> dict[str, Any]:
-        return await self.call({"dns": [server, name, rdtype], "tcp": tcp})
+    async def dns(self, server: str, name: str, rdtype: str = "A", *, tcp: bool = False, rdclass: str = "IN") -> dict[str, Any]:
+        return await self.call({"dns": [server, name, rdtype, rdclass], "tcp": tcp})
 
     async def close(self) -> None:
         if self.proc.returncode is None:

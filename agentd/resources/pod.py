@@ -15,12 +15,21 @@ subset of a Kubernetes Pod::
         agentd.io/interface: veth1a2b3c  # the host side of the pod's veth
     spec:
       nodeName: node1
+      hostname: db-0                     # optional: with subdomain, a DNS name of its own
+      subdomain: db                      # optional: (below)
       containers:
       - name: pod
         ports: [{name: http, containerPort: 8080, protocol: TCP}]   # named ports, if given
     status:
       podIP: 10.244.1.5
       podIPs: [{ip: 10.244.1.5}]
+
+``spec.hostname`` and ``spec.subdomain`` (optional, DNS labels, as in a Kubernetes Pod): a pod
+with both is, as an endpoint of the headless Service of its namespace named ``subdomain``,
+``<hostname>.<subdomain>.<namespace>.svc.<domain>`` in DNS (the hostname the EndpointSlice
+controller gives its endpoint; agentd.services.model).  Nothing agentd-cni is given says them
+(kubelet's runtimes pass neither to CNI), so the records agents write carry none; a record
+written otherwise (``put_owned``: the lab's records of simulated nodes) may.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from typing import Any
 from .validation import (
     Invalid,
     array,
+    dns1123_label,
     dns1123_subdomain,
     iana_svc_name,
     obj,
@@ -46,10 +56,14 @@ CONTAINER_NAME = "pod"
 
 
 def validate_spec(raw: Any) -> dict[str, Any]:
-    spec = obj(raw, "spec", ("nodeName", "containers"))
+    spec = obj(raw, "spec", ("nodeName", "hostname", "subdomain", "containers"))
     if "nodeName" not in spec:
         raise required("spec.nodeName")
-    out: dict[str, Any] = {"nodeName": dns1123_subdomain(spec["nodeName"], "spec.nodeName"), "containers": []}
+    out: dict[str, Any] = {"nodeName": dns1123_subdomain(spec["nodeName"], "spec.nodeName")}
+    for key in ("hostname", "subdomain"):  # optional DNS labels ("": none), as the API server checks them
+        if spec.get(key) not in (None, ""):
+            out[key] = dns1123_label(spec[key], f"spec.{key}")
+    out["containers"] = []
     seen: set[str] = set()
     for i, raw_c in enumerate(array(spec.get("containers"), "spec.containers")):
         where = f"spec.containers[{i}]"

@@ -19,6 +19,9 @@ The wire format is dnspython's.
 * PTR (spec 2.3.3/2.4.3): the reverse name of a cluster IP gives its Service's name, a headless
   Service's ready endpoint's its own name; other addresses of the Service ranges: NXDOMAIN;
   other addresses' reverse names are forwarded.
+* A question of another class than IN (CH, HS, ANY) of a name of ours (under the cluster
+  domain, a reverse name answered here): REFUSED, without records (they are IN's only); one
+  of any other name (``version.bind CH TXT``) is forwarded, as everything else is.
 * Opcodes other than QUERY (UPDATE, NOTIFY, ...): NOTIMP, never forwarded (as CoreDNS).  A
   message with QR set (a response) is dropped unanswered.  More than one question: FORMERR;
   an EDNS version above 0: BADVERS (RFC 6891 §6.1.3); neither forwarded.
@@ -228,6 +231,18 @@ def _ours(table: Names, query: dns.message.Message) -> dns.message.Message:
     return response
 
 
+def _refused(query: dns.message.Message) -> dns.message.Message:
+    """REFUSED, not authoritative: a question of a class other than IN (CH, HS, ANY, ...) of a
+    name of ours.  The records are IN's only (the Kubernetes DNS specification), and an IN
+    record in the answer to a CH question would be one of another class than asked.  CoreDNS's
+    server answers a class it does not serve REFUSED (core/dnsserver, coredns#973), and lets CH
+    through only to a server block with chaos or forward, where the kubernetes plugin, which
+    checks no class, gave the IN records."""
+    response = dns.message.make_response(query)
+    response.set_rcode(dns.rcode.REFUSED)
+    return response
+
+
 def _reverse(table: Names, query: dns.message.Message, qname: str, service_ranges: Sequence[Any]) -> dns.message.Message | None:
     """PTR (the Kubernetes DNS specification 2.3.3, 2.4.3): a cluster IP's reverse name gives
     its Service's name, a headless Service's ready endpoint's its own name; another address of
@@ -237,6 +252,8 @@ def _reverse(table: Names, query: dns.message.Message, qname: str, service_range
         address = _reverse_address(qname)
         if address is None or not any(address in r for r in service_ranges):
             return None
+    if query.question[0].rdclass != dns.rdataclass.IN:
+        return _refused(query)
     response = _ours(table, query)
     if not table.ready:
         return response
@@ -302,6 +319,8 @@ def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[A
         return _reverse(table, query, qname, service_ranges)
     if not (qname == f"{table.domain}." or qname.endswith(f".{table.domain}.")):
         return None
+    if q.rdclass != dns.rdataclass.IN:
+        return _refused(query)
     response = _ours(table, query)
     if not table.ready:
         return response

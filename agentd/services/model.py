@@ -4,7 +4,8 @@ A Service with a selector takes its endpoints from the pod records (the NetworkP
 issue's workload endpoints, every node's): every pod of its namespace whose labels match,
 each a ready endpoint, its port the service port's ``targetPort`` (a number, or the name of
 one of the pod's container ports with the same protocol; a pod without that name is not an
-endpoint of that port, as in Kubernetes).  A Service without a selector takes them from the
+endpoint of that port, as in Kubernetes), its ``hostname`` the pod's ``spec.hostname`` when the
+pod's ``spec.subdomain`` is the Service's name (as Kubernetes' EndpointSlice controller gives it).  A Service without a selector takes them from the
 EndpointSlices labelled ``kubernetes.io/service-name: <service>`` in its namespace (each
 slice port by name, ``""`` for an unnamed service port), with their conditions and ``hostname``.
 
@@ -41,8 +42,9 @@ class Endpoint:
     serving: bool = True
     terminating: bool = False
     pod: str | None = None  # "namespace/name" of a pod record
-    # An EndpointSlice endpoint's ``hostname`` ("": none): a headless Service gives it the DNS
-    # name ``<hostname>.<service>.<namespace>.svc.<domain>`` (a StatefulSet's pods have theirs).
+    # An EndpointSlice endpoint's ``hostname`` ("": none), or a selected pod's ``spec.hostname``
+    # when its ``spec.subdomain`` is the Service: a headless Service gives it the DNS name
+    # ``<hostname>.<service>.<namespace>.svc.<domain>`` (a StatefulSet's pods have theirs).
     hostname: str = ""
 
 
@@ -132,7 +134,7 @@ def build(services: Iterable[Obj], slices: Iterable[Obj], pods: Iterable[Obj]) -
                 cluster_ip = vips[index]
             for port in spec.get("ports") or ([NO_PORTS] if ipfamilies.headless(spec) else []):
                 if selector:
-                    endpoints = _from_pods(port, selector, pods_by_ns.get(ns, []), version)
+                    endpoints = _from_pods(port, selector, pods_by_ns.get(ns, []), version, meta["name"])
                 else:
                     endpoints = _from_slices(port, by_service.get((ns, meta["name"]), []), family)
                 out.append(
@@ -160,7 +162,8 @@ def matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def _from_pods(port: Obj, selector: Mapping[str, str], pods: list[Obj], version: int) -> list[Endpoint]:
+def _from_pods(port: Obj, selector: Mapping[str, str], pods: list[Obj], version: int, service: str) -> list[Endpoint]:
+    """The pods of ``selector`` as endpoints of ``port`` of Service ``service`` (of their namespace)."""
     out = []
     target = port["targetPort"]
     for pod in pods:
@@ -171,8 +174,17 @@ def _from_pods(port: Obj, selector: Mapping[str, str], pods: list[Obj], version:
         if number is None:
             continue
         name = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
-        out.append(Endpoint(ip, number, pod["spec"].get("nodeName"), pod=name))
+        out.append(Endpoint(ip, number, pod["spec"].get("nodeName"), pod=name, hostname=_hostname(pod, service)))
     return out
+
+
+def _hostname(pod: Obj, service: str) -> str:
+    """The pod's endpoint's ``hostname`` for Service ``service``: its ``spec.hostname`` when its
+    ``spec.subdomain`` names that Service, else none -- as Kubernetes' EndpointSlice controller
+    sets it (ShouldSetHostname), which gives the pod ``<hostname>.<service>.<ns>.svc.<domain>``."""
+    spec = pod["spec"]
+    hostname = spec.get("hostname") or ""
+    return hostname if hostname and spec.get("subdomain") == service else ""
 
 
 def _pod_address(pod: Obj, version: int) -> str | None:

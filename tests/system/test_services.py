@@ -614,6 +614,44 @@ async def test_service_dns_answers_a_srv_headless_forwards_and_follows_changes(w
             await world.res.delete("Service", "svc", "web")
 
 
+async def test_service_dns_a_pods_hostname_and_subdomain_and_classes_other_than_in(world: World):
+    """A pod record with ``spec.hostname`` and ``spec.subdomain`` (one of a node that runs no
+    agent here, written as the lab writes such records) selected by the headless Service named
+    ``subdomain`` is ``<hostname>.<subdomain>.<ns>.svc.<domain>``, the SRV target too.  A CH
+    question of a cluster name is REFUSED, one of another name (version.bind) forwarded."""
+    client = world.echo["client-1"]
+    record = {"apiVersion": "v1", "kind": "Pod",
+              "metadata": {"name": "peer-0", "namespace": "svc", "labels": {"sim": "peers"}},
+              "spec": {"nodeName": "ghost", "hostname": "peer-0", "subdomain": "peers",
+                       "containers": [{"name": "pod", "ports": PORTS}]},
+              "status": {"podIPs": [{"ip": "10.244.250.9"}]}}  # fmt: skip
+    await world.apply(service("peers", {"clusterIP": "None", "selector": {"sim": "peers"}, "ports": WEB_PORTS}))
+    try:
+        await world.res.put_records([record])
+        own = "peer-0.peers.svc.svc.cluster.local."
+
+        async def answered() -> dict[str, Any] | None:
+            r = await client.dns(DNS, own, "A")
+            return r if r["rcode"] == "NOERROR" and r["answer"] else None
+
+        r = await auntil(answered, 20, what="the pod's own name answered")
+        assert r["aa"] and r["answer"] == [f"{own} 5 IN A 10.244.250.9"], r
+        r = await client.dns(DNS, "_http._tcp.peers.svc.svc.cluster.local", "SRV")
+        assert r["answer"] == [f"_http._tcp.peers.svc.svc.cluster.local. 5 IN SRV 0 100 8080 {own}"], r
+        assert r["additional"] == [f"{own} 5 IN A 10.244.250.9"], r
+        r = await client.dns(DNS, "10-244-250-9.peers.svc.svc.cluster.local", "A")  # not its name any more
+        assert r["rcode"] == "NXDOMAIN", r
+        for name in (own, "peers.svc.svc.cluster.local", "nope.svc.svc.cluster.local"):
+            r = await client.dns(DNS, name, "A", rdclass="CH")
+            assert r["rcode"] == "REFUSED" and not r["aa"] and r["answer"] == [], (name, r)
+        r = await client.dns(DNS, "version.bind", "TXT", rdclass="CH")  # forwarded: the stand-in answers
+        assert r["rcode"] == "NOERROR" and r["answer"] == ["version.bind. 30 IN A 192.0.2.99"], r
+    finally:
+        with contextlib.suppress(Exception):
+            await world.res.delete("Pod", "svc", "peer-0")
+        await world.delete("Service", "peers")
+
+
 def _table_handle(node: Any) -> int | None:
     listing = json.loads(node.ns.exec("nft", "-j", "list", "tables"))["nftables"]
     return next((i["table"]["handle"] for i in listing if i.get("table", {}).get("name") == "agentd-services"), None)

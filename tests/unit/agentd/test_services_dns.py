@@ -862,3 +862,96 @@ async def test_an_edns_version_above_0_is_badvers_and_more_than_one_question_for
         r = dns.message.from_wire(await server.answer(q.to_wire()), question_only=True)
         assert r.rcode() == dns.rcode.FORMERR and not r.answer, r
     assert asked == [] and server.forwarded == 0
+
+
+async def test_a_class_other_than_in_is_refused_for_names_of_ours_and_forwarded_for_others(monkeypatch):
+    """The cluster domain's records are IN's: a question of class CH, HS or ANY of one of its
+    names (or of a reverse name answered here) is REFUSED, without records and not
+    authoritative, never forwarded (CoreDNS's server refuses a class it does not serve).  It got
+    the IN records, an answer of another class than asked.  ``version.bind CH TXT`` and any
+    other name not ours is forwarded, as every other question is."""
+    asked = fake_upstream(monkeypatch)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53)], service_ranges=["10.96.0.0/12"])
+    ours = [("web.shop.svc.cluster.local.", "A"), ("DB.shop.svc.cluster.local.", "A"),
+            ("_http._tcp.web.shop.svc.cluster.local.", "SRV"), ("nope.shop.svc.cluster.local.", "A"),
+            ("svc.cluster.local.", "A"), ("cluster.local.", "SOA"), (f"{reverse('10.96.0.10')}.", "PTR"),
+            (f"{reverse('10.96.0.99')}.", "PTR")]  # fmt: skip
+    for rdclass in ("CH", "HS", "ANY"):
+        for name, rdtype in ours:
+            q = dns.message.make_query(name, rdtype, rdclass=rdclass)
+            assert sdns.resolve(TABLE, q, [IPv4Network("10.96.0.0/12")]) is not None, (name, rdclass)
+            r = dns.message.from_wire(await server.answer(q.to_wire()))
+            assert r.rcode() == dns.rcode.REFUSED and not r.flags & dns.flags.AA, (name, rdclass, r)
+            assert not r.answer and not r.authority and not r.additional, (name, rdclass, r)
+    assert asked == [] and server.forwarded == 0
+    for name, rdtype in (("version.bind.", "TXT"), ("www.example.org.", "A"), (f"{reverse('192.0.2.7')}.", "PTR")):
+        q = dns.message.make_query(name, rdtype, rdclass="CH")
+        assert sdns.resolve(TABLE, q, [IPv4Network("10.96.0.0/12")]) is None, name
+        r = dns.message.from_wire(await server.answer(q.to_wire()))
+        assert r.rcode() == dns.rcode.NOERROR and r.question[0].rdclass == dns.rdataclass.CH, name
+    assert [(q.question[0].name.to_text(), q.question[0].rdclass) for q in asked] == [
+        ("version.bind.", dns.rdataclass.CH), ("www.example.org.", dns.rdataclass.CH),
+        (f"{reverse('192.0.2.7')}.", dns.rdataclass.CH)]
+    r = sdns.resolve(TABLE, dns.message.make_query("web.shop.svc.cluster.local.", "A"))  # IN as before
+    assert lines(r.answer) == ["web.shop.svc.cluster.local. 5 IN A 10.96.0.10"]
+
+
+def test_a_pod_with_hostname_and_subdomain_of_a_headless_service_has_its_own_name():
+    """Kubernetes: a pod with ``spec.hostname`` and ``spec.subdomain`` naming a headless Service
+    of its namespace is ``<hostname>.<subdomain>.<ns>.svc.<domain>`` (A, AAAA, the SRV target,
+    PTR): the EndpointSlice controller gives its endpoint that hostname.  A Service with a
+    selector takes its endpoints from the pod records, whose hostname was never looked at: such
+    a pod had its address with dashes only.  Without a hostname, or of another subdomain (or
+    for another Service selecting it), the dashes as before.  The records as read from etcd
+    (validated again: the optional fields must pass)."""
+    from agentd.resources import kinds, manifests
+    from agentd.resources.validation import Invalid
+    from agentd.services import model
+
+    def pod(name: str, ips: list[str], **spec: str) -> dict:
+        return kinds.validate({"apiVersion": "v1", "kind": "Pod",
+                               "metadata": {"name": name, "namespace": "shop", "labels": {"app": "db"}},
+                               "spec": {"nodeName": "node1", **spec,
+                                        "containers": [{"ports": [{"name": "pg", "containerPort": 5432}]}]},
+                               "status": {"podIPs": [{"ip": ip} for ip in ips]}})  # fmt: skip
+
+    pods = [pod("db-0", ["10.244.1.5", "fd00:10:244:1::5"], hostname="db-0", subdomain="db"),
+            pod("db-1", ["10.244.1.6"], hostname="db-1", subdomain="other"),
+            pod("db-2", ["10.244.1.7"], subdomain="db")]  # fmt: skip
+    assert pods[0]["spec"]["hostname"] == "db-0" and pods[0]["spec"]["subdomain"] == "db"
+    assert "hostname" not in pods[2]["spec"]
+    text = """\
+apiVersion: v1
+kind: Service
+metadata: {name: db, namespace: shop}
+spec: {clusterIP: None, ipFamilyPolicy: PreferDualStack, ipFamilies: [IPv4, IPv6], selector: {app: db},
+       ports: [{name: pg, port: 5432, targetPort: pg}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: db-alt, namespace: shop}
+spec: {clusterIP: None, selector: {app: db}, ports: [{name: pg, port: 5432, targetPort: pg}]}
+"""
+    services = manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml")
+    table = sdns.names(model.build(services, [], pods), "cluster.local")
+
+    def answer(name: str, rdtype: str) -> list[str]:
+        r = sdns.resolve(table, dns.message.make_query(name, rdtype), [IPv4Network("10.96.0.0/12")])
+        assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA, (name, r)
+        return sorted(rr.split(" ", 4)[-1] for rr in lines(r.answer))
+
+    assert answer("db-0.db.shop.svc.cluster.local", "A") == ["10.244.1.5"]
+    assert answer("db-0.db.shop.svc.cluster.local", "AAAA") == ["fd00:10:244:1::5"]
+    assert answer("_pg._tcp.db.shop.svc.cluster.local", "SRV") == [
+        "0 100 5432 10-244-1-6.db.shop.svc.cluster.local.", "0 100 5432 10-244-1-7.db.shop.svc.cluster.local.",
+        "0 100 5432 db-0.db.shop.svc.cluster.local."]  # fmt: skip
+    assert answer("_pg._tcp.db-alt.shop.svc.cluster.local", "SRV") == [  # not its subdomain: dashes
+        f"0 100 5432 10-244-1-{i}.db-alt.shop.svc.cluster.local." for i in (5, 6, 7)]
+    assert answer(f"{reverse('10.244.1.5')}.", "PTR") == [  # an endpoint of both
+        "10-244-1-5.db-alt.shop.svc.cluster.local.", "db-0.db.shop.svc.cluster.local."]
+    for gone in ("10-244-1-5.db.shop.svc.cluster.local", "db-1.db.shop.svc.cluster.local",
+                 "db-1.other.shop.svc.cluster.local", "db-0.db-alt.shop.svc.cluster.local"):  # fmt: skip
+        assert sdns.resolve(table, dns.message.make_query(gone, "A")).rcode() == dns.rcode.NXDOMAIN, gone
+    for bad in ({"hostname": "DB_0"}, {"subdomain": "a.b"}, {"hostname": 7}):
+        with pytest.raises(Invalid):
+            pod("db-9", ["10.244.1.9"], **bad)
