@@ -458,13 +458,16 @@ def encode_newroute(
 
 
 def delroute_template(family: int, *, table: int = RT_TABLE_MAIN, protocol: int = RTPROT_UNSPEC,
-                      tos: int = 0, priority: int | None = None, src: bytes | None = None) -> RouteTemplate:
+                      tos: int = 0, priority: int | None = None, src: bytes | None = None,
+                      gateway: bytes | None = None, oif: int = 0) -> RouteTemplate:
     """What an RTM_DELROUTE names besides the destination.  A non-zero ``protocol`` makes the
     kernel delete only a route of that protocol (fib_table_delete / ip6_route_del compare
     it), which keeps a route programmer's deletes off everybody else's routes.  Type UNSPEC
-    and scope NOWHERE mean "any type", "any scope"."""
+    and scope NOWHERE mean "any type", "any scope".  An IPv6 delete naming a ``gateway``
+    (and ``oif``) takes that one next hop of a multipath route (ip6_route_del); without
+    one it takes every next hop of the route, whoever's."""
     return route_template(family, table=table, protocol=protocol, scope=RT_SCOPE_NOWHERE, rtype=RTN_UNSPEC,
-                          tos=tos, priority=priority, src=src)
+                          tos=tos, priority=priority, src=src, gateway=gateway, oif=oif)
 
 
 def encode_delroute(
@@ -569,6 +572,48 @@ def decode_route(buf: bytes, start: int = 0, end: int | None = None) -> RouteMes
         None if multipath is None else bytes(multipath), None if via is None else bytes(via), nh_id,
         None if src is None else bytes(src),
     )
+
+
+class NextHop(NamedTuple):
+    """One ``struct rtnexthop`` of an RTA_MULTIPATH.  ``plain``: it carries no attribute but
+    RTA_GATEWAY (no RTA_VIA, encapsulation, realm...)."""
+
+    flags: int
+    ifindex: int
+    gateway: bytes | None
+    plain: bool
+
+
+_RTNEXTHOP = struct.Struct("=HBBi")
+
+
+def decode_nexthops(family: int, multipath: bytes) -> list[NextHop]:
+    """The next hops of a raw RTA_MULTIPATH value, in the kernel's order."""
+    hops = []
+    pos, end = 0, len(multipath)
+    while end - pos >= _RTNEXTHOP.size:
+        length, flags, _hops, ifindex = _RTNEXTHOP.unpack_from(multipath, pos)
+        if length < _RTNEXTHOP.size or pos + length > end:
+            raise NetlinkDecodeError(f"rtnexthop length {length} at offset {pos} does not fit")
+        gateway = None
+        plain = True
+        for atype, vs, ve in iter_attrs(multipath, pos + _RTNEXTHOP.size, pos + length):
+            if atype == RTA_GATEWAY:
+                gateway = read_address(multipath, vs, ve, family, "RTA_GATEWAY")
+            else:
+                plain = False
+        hops.append(NextHop(flags, ifindex, gateway, plain))
+        pos += (length + 3) & ~3
+    return hops
+
+
+def encode_nexthops(hops: list[tuple[int, int, bytes | None]]) -> bytes:
+    """An RTA_MULTIPATH value from ``(flags, ifindex, gateway)`` per next hop."""
+    parts = []
+    for flags, ifindex, gateway in hops:
+        body = b"" if gateway is None else attr(RTA_GATEWAY, gateway)
+        parts.append(_RTNEXTHOP.pack(_RTNEXTHOP.size + len(body), flags, 0, ifindex) + body)
+    return b"".join(parts)
 
 
 # --- links ----------------------------------------------------------------------------------

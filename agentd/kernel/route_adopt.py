@@ -21,11 +21,13 @@ from agentd.kernel.route_model import (
     PROTOCOL_NAMES,
     RTM_F_CLONED,
     ZERO_ADDRESS,
+    Group,
     Route,
     Stray,
     kernel_metric,
     same_route,
     stray_of,
+    takes,
 )
 
 
@@ -44,13 +46,41 @@ def file_route(route: Route, kernel: dict[str, Route], strays: set[Stray], desir
     strays.add(stray_of(route))
 
 
-def adopt(found: Iterable[Route | Stray], desired: dict[str, Route]) -> tuple[dict[str, Route], set[Stray]]:
+def file_group(group: Group, kernel: dict[str, Route], strays: set[Stray], desired: dict[str, Route]) -> None:
+    """File an IPv6 multipath route of ours, next hop by next hop: one becomes the route for
+    its dst (the desired one if it is there, else the one already filed, else the first, the
+    one the message's protocol is certainly of); every other one is a stray deleted by its
+    gateway and device, which the kernel does only if that next hop is ours: another
+    daemon's appended to our route stays (Felix/BIRD coexistence)."""
+    routes = [route for route, _hop in group.hops if route is not None]
+    chosen = None
+    if routes:
+        dst = routes[0].dst
+        want, have = desired.get(dst), kernel.get(dst)
+        if want is not None:
+            chosen = next((r for r in routes if same_route(want, r)), None)
+        if chosen is None and have is not None:
+            chosen = next((r for r in routes if kernel_metric(r) == kernel_metric(have) and takes(have, r)), None)
+        if chosen is None:
+            chosen = group.hops[0][0]
+    for route, hop in group.hops:
+        if route is not None and route is chosen:
+            strays.discard(hop)  # filed as a stray by an earlier report of the group
+            file_route(route, kernel, strays, desired)
+        else:
+            strays.add(hop)
+
+
+def adopt(found: Iterable[Route | Stray | Group],
+          desired: dict[str, Route]) -> tuple[dict[str, Route], set[Stray]]:
     """Our routes as a dump of the kernel found them -> (route per dst, strays)."""
     kernel: dict[str, Route] = {}
     strays: set[Stray] = set()
     for item in found:
         if type(item) is Route:
             file_route(item, kernel, strays, desired)
+        elif type(item) is Group:
+            file_group(item, kernel, strays, desired)
         else:
             strays.add(item)
     return kernel, strays

@@ -202,7 +202,12 @@ def same_route(want: Route, have: Route) -> bool:
 class Stray(NamedTuple):
     """A route of ours the Route model does not hold as the one route for its destination
     (a second metric, multipath, TOS, an IPv6 source prefix...): always deleted, by exactly
-    these fields.  ``text`` is its destination."""
+    these fields.  ``text`` is its destination.
+
+    With a ``gateway`` it is one next hop of an IPv6 multipath route (``dev`` its device, if
+    any): IPv6 keeps each next hop as a route of its own, with its own protocol, and deletes
+    just the one named by gateway and device, and only if it is ours; without one, a delete
+    would take the whole multipath route, other daemons' next hops too."""
 
     family: int
     dst: bytes
@@ -212,6 +217,32 @@ class Stray(NamedTuple):
     text: str
     src_len: int = 0  # IPv6 source-specific ("from") routes: a key of their own beside (dst, metric)
     src: bytes | None = None
+    gateway: str | None = None
+    dev: str | None = None
+
+
+class Group(NamedTuple):
+    """An IPv6 multipath route whose first next hop is ours, as the kernel reports it: one
+    message for routes sharing (dst, metric), with the first one's protocol and attributes.
+    The others may be ours or another daemon's (BIRD's, an operator's ``ip -6 route append``):
+    nobody can tell.  ``hops``: per next hop, the Route it is (None if the Route model cannot
+    say it) and the Stray that deletes just it; the first is certainly ours."""
+
+    hops: tuple[tuple[Route | None, Stray], ...]
+
+
+def hop_of(route: Route) -> Stray:
+    """The Stray that deletes just this next hop of ours (an IPv6 gateway route)."""
+    return stray_of(route)._replace(gateway=route.gateway, dev=route.dev)
+
+
+def takes(gone: Route, current: Route) -> bool:
+    """Did our route ``gone`` going (deleted by us, or reported deleted) take ``current``, our
+    route filed under the same (dst, metric)?  IPv4 holds one route per key; IPv6 one per next
+    hop, and a delete naming a gateway takes just that one."""
+    if gone.gateway is None or ":" not in gone.dst:
+        return True
+    return current.gateway == gone.gateway and (gone.dev is None or current.dev is None or gone.dev == current.dev)
 
 
 def stray_of(route: Route) -> Stray:

@@ -28,11 +28,13 @@ from agentd.kernel.route_model import (
     ROUTE_KINDS,
     RTM_F_CLONED,
     ZERO_ADDRESS,
+    Group,
     Route,
     RouteCounters,
     Stray,
     Unresolved,
     gateway_text,
+    hop_of,
     kernel_route,
     stray_of,
     stray_of_message,
@@ -261,12 +263,47 @@ class RouteNetlink:
             msg.mtu or None, None if msg.prefsrc is None else ntop(family, msg.prefsrc),
         )
 
-    def found_of(self, msg: nl.RouteMessage) -> Route | Stray:
-        """A route of ours as a Route, or as a Stray when Route cannot say it."""
+    def found_of(self, msg: nl.RouteMessage) -> Route | Stray | Group:
+        """A route of ours as a Route, or as a Stray when Route cannot say it; an IPv6
+        multipath route as a Group of its next hops (each may be another daemon's)."""
         route = self.route_of(msg)
-        return stray_of_message(msg) if route is None else route
+        if route is not None:
+            return route
+        if msg.family == AF_INET6 and msg.multipath is not None and msg.nh_id is None and not msg.tos:
+            group = self.group_of(msg)
+            if group is not None:
+                return group
+        return stray_of_message(msg)
 
-    async def dump_own(self) -> list[Route | Stray]:
+    def group_of(self, msg: nl.RouteMessage) -> Group | None:
+        """An IPv6 multipath message's next hops (None if one has no gateway: then it is no
+        group of sibling routes, and only a delete of the whole can name it)."""
+        try:
+            hops = nl.decode_nexthops(msg.family, msg.multipath)
+        except nl.NetlinkDecodeError as exc:
+            log.error("undecodable RTA_MULTIPATH: %s", exc)
+            return None
+        if not hops or any(hop.gateway is None for hop in hops):
+            return None
+        whole = stray_of_message(msg)
+        dst, family, ntop = whole.text, msg.family, socket.inet_ntop
+        kind = KIND_OF_RTN.get(msg.type)
+        metric = None if msg.priority == DEFAULT_METRIC[family] else msg.priority
+        prefsrc = None if msg.prefsrc is None else ntop(family, msg.prefsrc)
+        group = []
+        for hop in hops:
+            gateway = ntop(family, hop.gateway)
+            dev = (self.ifname.get(hop.ifindex) or f"if#{hop.ifindex}") if hop.ifindex else None
+            route = None
+            if hop.plain and kind == "unicast" and not msg.src_len and msg.via is None:
+                # The message's attributes (metrics, source) are the first next hop's: the
+                # others' may differ, and then they are merely not filed as the desired route.
+                route = kernel_route(dst, gateway, dev, bool(hop.flags & nl.RTNH_F_ONLINK), kind, metric,
+                                     msg.mtu or None, prefsrc)
+            group.append((route, whole._replace(gateway=gateway, dev=dev)))
+        return Group(tuple(group))
+
+    async def dump_own(self) -> list[Route | Stray | Group]:
         """Every route of ours (our protocol, our table) in the kernel.
 
         A route whose message bytes are exactly those of the last dump is the same Route
@@ -304,14 +341,12 @@ class RouteNetlink:
                 break
         if any(msg.oif and msg.oif not in self.ifname for _body, msg in fresh):
             await self.dump_links()
-        found: list[Route | Stray] = list(known)
+        found: list[Route | Stray | Group] = list(known)
         for count, (body, msg) in enumerate(fresh, 1):
-            route = self.route_of(msg)
-            if route is None:
-                found.append(stray_of_message(msg))
-            else:
-                seen[body] = route
-                found.append(route)
+            item = self.found_of(msg)
+            if type(item) is Route:
+                seen[body] = item
+            found.append(item)
             if count % 8192 == 0:
                 await asyncio.sleep(0)  # parsing 100k routes takes a while: let the loop run
         self._seen = seen
@@ -432,13 +467,25 @@ class RouteNetlink:
 
     def encode_delete(self, target: Route | Stray, seq: int, flags: int) -> bytes:
         if type(target) is Route:
-            target = stray_of(target)
-        family, raw, plen, tos, priority, _text, src_len, src = target
-        key = (family, tos, priority, src_len, src)
+            # An IPv6 gateway route may share its (dst, metric) with other daemons' next hops
+            # (a multipath route is one route per next hop there): naming ours by its gateway
+            # and device deletes just it.  An IPv4 multipath route is one route: by its key.
+            target = hop_of(target) if target.gateway is not None and ":" in target.dst else stray_of(target)
+        family, raw, plen, tos, priority, _text, src_len, src, gateway, dev = target
+        key = ("delete", family, tos, priority, src_len, src, gateway, dev)
         template = self._templates.get(key)
         if template is None:
+            oif = 0
+            if dev is not None:
+                oif = self.ifindex.get(dev, 0)
+                if not oif and dev.startswith("if#") and dev[3:].isdigit():
+                    oif = int(dev[3:])
             # A source-specific route is deleted by its source prefix too: without it the
-            # kernel would delete our route for (dst, metric) with no source prefix.
+            # kernel would delete our route for (dst, metric) with no source prefix.  Without
+            # the device's index the gateway alone names the next hop (unless link-local).
+            if len(self._templates) > 8192:
+                self._templates.clear()
             template = self._templates[key] = nl.delroute_template(
-                family, table=self.table, protocol=self.protocol, tos=tos, priority=priority, src=src)
+                family, table=self.table, protocol=self.protocol, tos=tos, priority=priority, src=src,
+                gateway=None if gateway is None else socket.inet_pton(family, gateway), oif=oif)
         return nl.encode_route(nl.RTM_DELROUTE, seq, flags, raw, plen, template, src_len)

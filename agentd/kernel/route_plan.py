@@ -18,16 +18,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Set
 from typing import NamedTuple
 
-from agentd.kernel.route_adopt import file_route
+from agentd.kernel.route_adopt import file_group, file_route
 from agentd.kernel.route_model import (
+    Group,
     InvalidRoute,
     Route,
     RouteCounters,
     Stray,
     canonical_dst,
+    hop_of,
     kernel_metric,
     same_route,
     stray_of,
+    takes,
 )
 
 
@@ -206,39 +209,56 @@ class RouteState:
             # or discarded is complete already: our other routes for it go, as change() and
             # the discard above delete the one filed as its route.
             deletes.extend(s for s in self.strays if s.text in desired or s.text in discarded)
-        if adds and self.strays:
+        if (adds or replaces) and self.strays:
             self._replace_keyed_strays(adds, replaces, deletes)
         return RoutePlan(adds, replaces, deletes, stale)
+
+    def _keyed_strays(self) -> dict[tuple[str, int], list[Stray]]:
+        """Our strays by the key (dst, metric) they hold (tos 0, no source prefix): one, or
+        the next hops of an IPv6 multipath route."""
+        keyed: dict[tuple[str, int], list[Stray]] = {}
+        for stray in self.strays:
+            if not stray.tos and not stray.src_len:
+                keyed.setdefault((stray.text, stray.priority or 0), []).append(stray)
+        return keyed
 
     def _replace_keyed_strays(self, adds: list[Route], replaces: list[Route], deletes: list[Route | Stray]) -> None:
         """A stray of ours holding the very key (dst, tos 0, no source prefix, metric) of a route
         being added (one the Route model cannot say: multipath, a nexthop object, RTA_VIA) would
         make the add meet EEXIST and then be deleted, leaving the destination without a route:
         the desired route replaces it in place instead, and the stray's delete is dropped
-        (``installed`` forgets the stray once the replace is acknowledged)."""
-        keyed = {(s.text, s.priority or 0): s for s in self.strays if not s.tos and not s.src_len}
+        (``installed`` forgets the stray once the replace is acknowledged).
+
+        A replace takes the whole IPv6 multipath route holding its key, every next hop: the
+        deletes of those next hops are dropped too (one naming the gateway of the route put
+        in their place would delete it)."""
+        keyed = self._keyed_strays()
         if not keyed:
             return
-        taken: set[Stray] = set()
+        taken: set[tuple[str, int]] = set()
         kept: list[Route] = []
         for want in adds:
-            stray = keyed.get((want.dst, kernel_metric(want)))
-            if stray is None or stray in taken:
+            key = (want.dst, kernel_metric(want))
+            if key not in keyed or key in taken:
                 kept.append(want)
             else:
-                taken.add(stray)
+                taken.add(key)
                 replaces.append(want)
+        for want in replaces:
+            key = (want.dst, kernel_metric(want))
+            if key in keyed and any(stray.gateway is not None for stray in keyed[key]):
+                taken.add(key)
         if taken:
             adds[:] = kept
-            deletes[:] = [d for d in deletes if d not in taken]
+            gone = {stray for key in taken for stray in keyed[key]}
+            deletes[:] = [d for d in deletes if d not in gone]
 
     def _forget_replaced_strays(self, routes: list[Route]) -> None:
         """Strays holding the key of routes just installed are gone: a replace took their place."""
-        keyed = {(s.text, s.priority or 0): s for s in self.strays if not s.tos and not s.src_len}
+        keyed = self._keyed_strays()
         if keyed:
             for route in routes:
-                stray = keyed.get((route.dst, kernel_metric(route)))
-                if stray is not None:
+                for stray in keyed.get((route.dst, kernel_metric(route)), ()):
                     self.strays.discard(stray)
 
     def forget(self, stale: Iterable[str]) -> None:
@@ -284,11 +304,14 @@ class RouteState:
             if type(target) is Route:
                 dst = target.dst
                 current = kernel.get(dst)
-                # The kernel deleted whatever route of ours held this dst and metric.
-                if current is target or (current is not None and kernel_metric(current) == kernel_metric(target)):
+                # The kernel deleted whatever route of ours held this dst and metric (for an
+                # IPv6 gateway route: its next hop, named by gateway and device).
+                if current is target or (current is not None and kernel_metric(current) == kernel_metric(target)
+                                         and takes(target, current)):
                     del kernel[dst]
                 elif strays:
                     strays.discard(stray_of(target))
+                    strays.discard(hop_of(target))
             else:
                 dst = target.text
                 strays.discard(target)
@@ -296,8 +319,16 @@ class RouteState:
 
     # --- what the monitor saw others do ------------------------------------------------------
 
-    def own_route_added(self, found: Route | Stray) -> None:
+    def own_route_added(self, found: Route | Stray | Group) -> None:
         """Someone else (or the kernel) added a route with our protocol."""
+        if type(found) is Group:  # an IPv6 multipath route, maybe with others' next hops
+            file_group(found, self.kernel, self.strays, self.desired)
+            dst = found.hops[0][1].text
+            self.dirty.add(dst)
+            want, have = self.desired.get(dst), self.kernel.get(dst)
+            if dst in self.conflicts and want is not None and have is not None and same_route(want, have):
+                del self.conflicts[dst]
+            return
         if type(found) is Route:
             dst = found.dst
             file_route(found, self.kernel, self.strays, self.desired)
@@ -309,19 +340,26 @@ class RouteState:
             self.strays.add(found)
             self.dirty.add(found.text)
 
-    def own_route_removed(self, found: Route | Stray) -> None:
+    def own_route_removed(self, found: Route | Stray | Group) -> None:
         """Someone else (or the kernel) removed a route with our protocol."""
+        if type(found) is Group:  # every next hop of an IPv6 multipath route went
+            for route, hop in found.hops:
+                self.strays.discard(hop)
+                if route is not None:
+                    self.own_route_removed(route)
+            return
         if type(found) is not Route:
             self.strays.discard(found)
             return
         dst = found.dst
         have = self.kernel.get(dst)
-        if have is not None and kernel_metric(have) == kernel_metric(found):
+        if have is not None and kernel_metric(have) == kernel_metric(found) and takes(found, have):
             del self.kernel[dst]
             if dst in self.desired:
                 self.restoring.add(dst)
         else:
             self.strays.discard(stray_of(found))
+            self.strays.discard(hop_of(found))
         self.dirty.add(dst)
 
     def other_route_replaced(self, dst: str, metric: int) -> None:

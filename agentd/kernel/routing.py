@@ -7,7 +7,10 @@ What it owns: exactly the routes in its table that carry its route protocol numb
   the table and either finds its own route there (then replaces it) or reports a conflict
   for that destination and does not touch it;
 * NLM_F_REPLACE is used only where the kernel state says our own route holds that key;
-* deletes name our protocol, and the kernel then deletes only a route of that protocol.
+* deletes name our protocol, and the kernel then deletes only a route of that protocol;
+  an IPv6 multipath route is one route per next hop, each with its protocol (another daemon
+  may append its next hop to ours): an IPv6 gateway route of ours is deleted by its gateway
+  and device, so only our next hop goes (agentd.kernel.route_adopt.file_group).
 
 Desired state, not events (MetalLB ``Session.Set``, Felix's route table): callers give the set
 of routes they want (``set_desired``) or edit it (``upsert``/``discard``); a reconcile task

@@ -531,13 +531,13 @@ async def test_addresses_are_compared_canonically(lab, start):
 
 @pytest.mark.parametrize("family, dst, nexthops, want", [
     ("-4", "10.55.0.0/24", ["192.0.2.2", "192.0.2.3"], "10.55.0.0/24 via 192.0.2.2 dev v0"),
-    ("-6", "2001:db8:55::/64", ["2001:db8::2", "2001:db8::3"], "2001:db8:55::/64 via 2001:db8::2 dev v0 metric 1024 pref medium"),
 ])
 async def test_an_own_multipath_route_holding_the_desired_key_is_replaced(lab, start, family, dst, nexthops, want):
     # A multipath route of ours (the Route model cannot say it: adopted as a stray) for a
     # destination also desired: the desired route replaces it.  The add used to meet EEXIST,
     # the stray's delete then took the multipath route, and the destination stayed without a
-    # route until the next resync.
+    # route until the next resync.  IPv4 only: an IPv4 multipath route is one route; IPv6's
+    # is one route per next hop (the next test).
     hops = [arg for gw in nexthops for arg in ("nexthop", "via", gw, "dev", "v0")]
     await lab.ip(family, "route", "add", dst, "proto", str(RTPROT_AGENTD), *hops)
     programmer = await start(resync_interval=3600)
@@ -549,6 +549,39 @@ async def test_an_own_multipath_route_holding_the_desired_key_is_replaced(lab, s
     result = await programmer.reconcile(full=True)
     assert (result.added, result.replaced, result.removed, result.failed) == ((), (), (), ())
     assert await lab.own(family) == [want]
+
+
+V6_55 = "2001:db8:55::/64"
+
+
+@pytest.mark.parametrize("desired, want, removed, replaced", [
+    # The desired route is one of the next hops: it stays untouched, our other one goes.
+    (Route(V6_55, gateway=GW6, dev="v0"), f"{V6_55} via {GW6} dev v0 metric 1024 pref medium", (V6_55,), ()),
+    (Route(V6_55, gateway="2001:db8::3", dev="v0"), f"{V6_55} via 2001:db8::3 dev v0 metric 1024 pref medium",
+     (V6_55,), ()),
+    # It is none of them: it replaces our first next hop (the kernel takes the others along);
+    # the delete of the next hop via its gateway, dropped, would have taken it.
+    (Route(V6_55, gateway="2001:db8::3", dev="v0", mtu=1400),
+     f"{V6_55} via 2001:db8::3 dev v0 metric 1024 mtu 1400 pref medium", (), (V6_55,)),
+])
+async def test_an_own_ipv6_multipath_route_holding_the_desired_key(lab, start, desired, want, removed, replaced):
+    # IPv6 keeps a multipath route as one route per next hop (each with its protocol) and
+    # reports them as one: our first next hop is adopted as the route for its destination
+    # (the desired one if it is there), each other one is deleted by its gateway and device.
+    # This used to be adopted whole as a stray and replaced whole by the desired route.
+    hops = [arg for gw in (GW6, "2001:db8::3") for arg in ("nexthop", "via", gw, "dev", "v0")]
+    await lab.ip("-6", "route", "add", V6_55, "proto", str(RTPROT_AGENTD), *hops)
+    programmer = await start(resync_interval=3600)
+    assert programmer.programmed() == [Route(V6_55, gateway=GW6, dev="v0")] and len(programmer.state.strays) == 1
+    programmer.set_desired([desired])
+    result = await programmer.reconcile()
+    assert (result.added, result.replaced, result.removed, result.failed, result.conflicts) == (
+        (), replaced, removed, (), ())
+    assert await lab.own("-6") == [want]
+    assert programmer.programmed() == [desired] and programmer.state.strays == set()
+    result = await programmer.reconcile(full=True)
+    assert (result.added, result.replaced, result.removed, result.failed) == ((), (), (), ())
+    assert await lab.own("-6") == [want]
 
 
 async def test_a_pods_veth_going_away_does_not_re_read_our_routes(lab, start):
@@ -626,3 +659,53 @@ async def test_without_the_protocol_file_a_changed_protocol_removes_the_defaults
     programmer.set_desired([Route("10.244.1.0/24", gateway=GW4, dev="v0"), Route("fd00:10:244:1::/64", gateway=GW6, dev="v0")])
     result = await programmer.reconcile()
     assert sorted(result.added) == ["10.244.1.0/24", "fd00:10:244:1::/64"] and result.conflicts == ()
+
+
+# --- IPv6 next hops of other daemons in a route of ours ---------------------------------------------
+
+
+async def _hops(lab: Lab, dst: str) -> list[str]:
+    """The next hops of ``dst`` in the main table, whoever's: ``["via 2001:db8::2 dev v0", ...]``."""
+    out = await lab.ip("-6", "route", "show", "table", "main", "exact", dst)
+    lines = [line.split() for line in out.splitlines() if line.strip()]
+    hops = [" ".join(words[1:5]) for words in lines if words[0] == "nexthop"]
+    if not hops:
+        hops = [" ".join(words[words.index("via"):words.index("via") + 4]) for words in lines if "via" in words]
+    return sorted(hops)
+
+
+async def test_a_foreign_ipv6_next_hop_appended_to_ours_survives_a_full_resync(lab, start):
+    # IPv6 keeps a multipath route as one route per next hop sharing (dst, metric), each with
+    # its own protocol, and dumps them as one message with the first one's protocol.  Another
+    # daemon (BIRD, an operator) appends its next hop to our route: a full resync re-reads the
+    # group as ours and used to delete it (or replace it) whole, taking the other's next hop.
+    # Only our next hops may go: the kernel deletes a next hop named by gateway and device only
+    # when its protocol is ours, so the other's survives.  Our extra next hop goes, the desired
+    # one is never touched.
+    dst, foreign, extra = "2001:db8:57::/64", "2001:db8::3", "2001:db8::4"
+    programmer = await start(resync_interval=3600)
+    programmer.set_desired([Route(dst, gateway=GW6, dev="v0")])
+    assert (await programmer.reconcile()).added == (dst,)
+    await lab.ip("-6", "route", "append", dst, "via", foreign, "dev", "v0", "proto", "bird")
+    await lab.ip("-6", "route", "append", dst, "via", extra, "dev", "v0", "proto", str(RTPROT_AGENTD))
+    assert await _hops(lab, dst) == [f"via {gw} dev v0" for gw in (GW6, foreign, extra)]
+    result = await programmer.reconcile(full=True)
+    assert (result.added, result.replaced, result.failed, result.conflicts) == ((), (), (), ())
+    assert result.removed == (dst,)  # our extra next hop
+    assert await _hops(lab, dst) == [f"via {gw} dev v0" for gw in (GW6, foreign)]
+    assert programmer.programmed() == [Route(dst, gateway=GW6, dev="v0")]
+    # Nothing left to do: another full resync sends nothing that changes the table.
+    again = await programmer.reconcile(full=True)
+    assert (again.added, again.replaced, again.removed, again.failed) == ((), (), (), ())
+    assert await _hops(lab, dst) == [f"via {gw} dev v0" for gw in (GW6, foreign)]
+    # Each next hop still has its owner's protocol (a delete naming a protocol takes only its routes).
+    await lab.ip("-6", "route", "del", dst, "via", foreign, "dev", "v0", "proto", "bird")
+    assert await _hops(lab, dst) == [f"via {GW6} dev v0"]
+    assert await lab.own("-6") == [f"{dst} via {GW6} dev v0 metric 1024 pref medium"]
+    # Not desired any more: our next hop goes, another's appended meanwhile stays.
+    await lab.ip("-6", "route", "append", dst, "via", foreign, "dev", "v0", "proto", "bird")
+    programmer.set_desired([])
+    result = await programmer.reconcile(full=True)
+    assert (result.removed, result.failed) == ((dst,), ())
+    assert await _hops(lab, dst) == [f"via {foreign} dev v0"]
+    assert await lab.own("-6") == []

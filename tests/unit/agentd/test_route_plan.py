@@ -241,6 +241,89 @@ def test_a_source_specific_route_of_ours_is_deleted_by_its_source_prefix_too():
     assert (plain.src_len, plain.src) == (0, None)
 
 
+V6 = "2001:db8:57::/64"
+HOP2, HOP3, HOP4 = "2001:db8::2", "2001:db8::3", "2001:db8::4"
+
+
+def multipath_message(dst: str, protocol: int, gateways: list[str], oif: int = 2) -> nl.RouteMessage:
+    """An IPv6 multipath route as the kernel reports it: one message with RTA_MULTIPATH and
+    the first next hop's protocol (each next hop is a route of its own, its own protocol)."""
+    addr, _, plen = dst.partition("/")
+    hops = nl.encode_nexthops([(0, oif, socket.inet_pton(socket.AF_INET6, gw)) for gw in gateways])
+    return nl.RouteMessage(socket.AF_INET6, int(plen), nl.RT_TABLE_MAIN, protocol, 0, nl.RTN_UNICAST,
+                           dst=socket.inet_pton(socket.AF_INET6, addr), priority=1024, multipath=hops)
+
+
+def deletes_sent(netlink: RouteNetlink, targets: list) -> list[tuple]:
+    """What each delete request names: (gateway text or None, oif, protocol, metric)."""
+    out = []
+    for target in targets:
+        msg = nl.decode_route(netlink.encode_delete(target, 1, REQUEST_FLAGS[DELETE]), nl.NLMSG_HDRLEN)
+        gateway = None if msg.gateway is None else socket.inet_ntop(msg.family, msg.gateway)
+        out.append((gateway, msg.oif, msg.protocol, msg.priority))
+    return sorted(out, key=str)
+
+
+def test_an_ipv6_multipath_route_of_ours_loses_only_our_next_hops():
+    # Another daemon appended its next hop (HOP3) to our IPv6 route (HOP2), and so did an
+    # operator with our protocol (HOP4): the kernel reports one route with our protocol and
+    # three next hops.  A full resync used to adopt it whole as a stray and replace it (or
+    # delete it) whole, the other daemon's next hop with it.  Now our next hop is the route,
+    # and each other next hop is deleted by its gateway and device with our protocol, which
+    # the kernel does only for a next hop of ours: HOP3 stays (ESRCH), HOP4 goes.
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+    want = Route(V6, gateway=HOP2, dev="eth0")
+    state = RouteState()
+    state.set_desired([want])
+    state.kernel, state.strays = adopt([netlink.found_of(multipath_message(V6, RTPROT_AGENTD, [HOP2, HOP3, HOP4]))],
+                                       state.desired)
+    plan = full_plan(state)
+    assert (plan.adds, plan.replaces) == ([], [])
+    assert deletes_sent(netlink, plan.deletes) == [(HOP3, 2, RTPROT_AGENTD, 1024), (HOP4, 2, RTPROT_AGENTD, 1024)]
+    removed: list[str] = []
+    state.deleted([t for t in plan.deletes if t.gateway == HOP4], removed)
+    state.deleted([t for t in plan.deletes if t.gateway == HOP3], [])  # ESRCH: not ours
+    assert removed == [V6] and state.kernel == {V6: want} and state.strays == set()
+    # Not desired any more: our next hop goes by its gateway and device, HOP3 stays.
+    state.set_desired([])
+    plan = full_plan(state)
+    assert plan.deletes == [want]
+    assert deletes_sent(netlink, plan.deletes) == [(HOP2, 2, RTPROT_AGENTD, 1024)]
+    state.deleted(plan.deletes, [])
+    assert state.kernel == {}
+    # An IPv4 multipath route is one route: deleted by its key, as before.
+    assert deletes_sent(netlink, [A]) == [(None, 0, RTPROT_AGENTD, None)]
+
+
+def test_an_ipv6_multipath_route_of_ours_files_the_desired_next_hop_as_the_route():
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+    group = netlink.found_of(multipath_message(V6, RTPROT_AGENTD, [HOP2, HOP3]))
+    # The desired route is the second next hop: it is the route, the first goes by its gateway.
+    want = Route(V6, gateway=HOP3, dev="eth0")
+    kernel, strays = adopt([group], {V6: want})
+    assert kernel == {V6: want} and [s.gateway for s in strays] == [HOP2]
+    # None is the desired one: the first (certainly ours) is the route, replaced by the desired
+    # one in place -- which takes every next hop of the key, so no delete follows: the one via
+    # HOP3 would take the route just put there.
+    state = RouteState()
+    want = Route(V6, gateway=HOP3, dev="eth0", mtu=1400)
+    state.set_desired([want])
+    state.kernel, state.strays = adopt([group], state.desired)
+    assert state.kernel == {V6: Route(V6, gateway=HOP2, dev="eth0")}
+    plan = full_plan(state)
+    assert (plan.adds, plan.replaces, plan.deletes) == ([], [want], [])
+    state.installed([want], [])
+    assert state.kernel == {V6: want} and state.strays == set()
+    # Someone deleting one next hop of ours that is not the route: the route stays ours.
+    state = RouteState()
+    state.set_desired([Route(V6, gateway=HOP2, dev="eth0")])
+    state.kernel, state.strays = adopt([group], state.desired)
+    state.own_route_removed(netlink.found_of(route_message(Route(V6, gateway=HOP3), RTPROT_AGENTD)._replace(priority=1024)))
+    assert state.kernel == {V6: Route(V6, gateway=HOP2, dev="eth0")} and state.strays == set()
+
+
 def test_only_a_link_our_routes_use_makes_the_kernel_be_re_read():
     # IPv4 flushes a dead link's routes silently: a link one of ours goes out of must re-read
     # the kernel; a pod's veth going away (pod churn) must not re-read every route.
