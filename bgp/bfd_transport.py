@@ -114,6 +114,9 @@ class _Neighbour:
     # None: no route (every packet is refused); ANY_INTERFACE: unknown, not checked.
     ifindex: int | None = ANY_INTERFACE
     ifindex_at: float = float("-inf")  # when it was looked up
+    # The neighbour as the caller wrote it: with its scope (``fe80::1%eth0``) the interface is
+    # that one, looked up again by its name, never by the bare address's route.
+    written: str = ""
     # From this neighbour's address: wrong TTL, refused by the codec, or arrived on another
     # interface / sent to another address of ours.
     bad_packets: int = 0
@@ -487,7 +490,7 @@ class BfdService:
         if ifindex is None:
             return "no interface in its ancillary data"
         if ifindex != nb.ifindex and self.clock() - nb.ifindex_at >= ROUTE_RECHECK:
-            self._bind_interface(nb, nb.address)  # the route may have moved (at most once a second)
+            self._bind_interface(nb, nb.written or nb.address)  # the route may have moved (at most once a second)
         if ifindex == nb.ifindex or nb.ifindex == ANY_INTERFACE:
             return None
         return f"arrived on interface {ifindex}, the session's is {nb.ifindex}"
@@ -496,6 +499,7 @@ class BfdService:
         """Bind ``nb`` to the interface of the route to ``peer`` (its scope, for a link-local
         address written with one: ``fe80::1%eth0``)."""
         nb.ifindex_at = self.clock()
+        nb.written = peer
         try:
             scope = peer.split("%", 1)[1] if "%" in peer else ""
             if scope:

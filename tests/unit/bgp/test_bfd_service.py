@@ -349,3 +349,30 @@ def test_the_arrival_interface_and_destination_are_read_from_ipv4_and_ipv6_pktin
     v6 = socket.inet_pton(socket.AF_INET6, "fd00::1") + struct.pack("=i", 5)
     assert _received_pktinfo([(socket.IPPROTO_IPV6, IPV6_PKTINFO, v6)]) == (5, "fd00::1")
     assert _received_pktinfo([(socket.IPPROTO_IP, IP_PKTINFO, v4[:8])]) == (None, None)  # truncated
+
+
+def test_a_link_local_neighbour_written_with_its_scope_keeps_that_interface_when_looked_up_again():
+    # fe80::2%7: the operator named the link.  Looked up again (a packet on another interface,
+    # a second later), the route to the bare fe80::2 -- which any link may answer, here the
+    # bridge -- must not take the session off its link.
+    async def run() -> None:
+        clock, changes = Clock(), []
+        lookups: list[str] = []
+
+        def route(peer: str) -> int | None:
+            lookups.append(peer)
+            return BRIDGE
+
+        bfd = crafted(clock, changes, route=route)
+        try:
+            bfd.add(f"fe80::2%{ETH0}", settings=FAST)
+            nb = bfd._by_address["fe80::2"]
+            assert nb.ifindex == ETH0 and lookups == []
+            clock.t += 1.0
+            assert bfd._misdelivered(nb, BRIDGE, None) is not None  # a forgery on the bridge: refused
+            assert nb.ifindex == ETH0 and lookups == []
+            assert bfd._misdelivered(nb, ETH0, None) is None
+        finally:
+            await bfd.stop()
+
+    asyncio.run(run())
