@@ -10,7 +10,10 @@ environment, and passes its result through.
   delegate, so the runtime's clean-up DEL after a failed ADD still knows what to undo, with the
   ``CNI_IFNAME`` it was for (key ``agentdIfname``, never passed on).  A container has one
   agentd interface: an ADD for a second ``CNI_IFNAME`` (Multus attaching agentd twice) is
-  refused, and its clean-up DEL leaves the first attachment alone.
+  refused, and its clean-up DEL leaves the first attachment alone.  A state file that does not
+  name its interface (an older agentd-cni's, or a damaged one) is the interface's its endpoint
+  file names; with no endpoint file either, ADD is refused for any interface and DEL takes the
+  file as its own (see :func:`attached_ifname`).
 * DEL runs the delegate with exactly the stored config (the subnet file may have changed since),
   then removes it.  DEL is idempotent: with no stored config it falls back to a config built from
   the current subnet file (so host-local still releases the address), and with no subnet file
@@ -379,13 +382,18 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
     conf = delegate_config(netconf, sf)
     pod = _pod_identity(args, env, netconf)  # checked before anything is set up
     data_dir = _data_dir(netconf)
-    attached = stored_ifname(data_dir, args.container_id)
-    if attached is not None and attached != args.ifname:
-        raise CniError(
-            INVALID_NETWORK_CONFIG,
-            f"container {args.container_id} already has an agentd interface ({attached}); "
-            f"agentd attaches a container once, not again as {args.ifname}",
-        )
+    if _state_file_exists(data_dir, args.container_id):
+        attached = attached_ifname(data_dir, args.container_id)
+        if attached != args.ifname:
+            # A state file whose interface nothing names (an older agentd-cni's, without the
+            # name, and no endpoint file; or a damaged one) may be any interface's: overwriting
+            # it would take the attachment's config (and its endpoint file) from its own DEL.
+            raise CniError(
+                INVALID_NETWORK_CONFIG,
+                f"container {args.container_id} already has an agentd interface "
+                f"({attached or 'its name not stored'}); agentd attaches a container once, not again as {args.ifname}",
+                "" if attached else "the state file is an older agentd-cni's or damaged; DEL the container first",
+            )
     # Looked for before anything is stored: an ADD that cannot run its delegate has set up
     # nothing, so its clean-up DEL finds nothing stored and has nothing to undo.
     find_plugin(conf["type"], args.path)
@@ -442,7 +450,7 @@ def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any
 def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> None:
     data_dir = _data_dir(netconf)
     timeout = netconf.get("delegateTimeout", DELEGATE_TIMEOUT)
-    attached = stored_ifname(data_dir, args.container_id)
+    attached = attached_ifname(data_dir, args.container_id)
     if attached is not None and attached != args.ifname:
         # The clean-up DEL of a refused second attachment: the first one is not this DEL's.
         print(f"agentd-cni: container {args.container_id} has its agentd interface as {attached}, "
@@ -517,7 +525,7 @@ def cmd_check(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) ->
         raise CniError(INVALID_NETWORK_CONFIG, "CHECK needs 'prevResult' (the result of ADD) in the config")
     data_dir = _data_dir(netconf)
     stored = load_state(data_dir, args.container_id)
-    attached = stored_ifname(data_dir, args.container_id)
+    attached = attached_ifname(data_dir, args.container_id)
     if stored is None or (attached is not None and attached != args.ifname):
         raise CniError(
             UNKNOWN_CONTAINER,
@@ -674,6 +682,25 @@ def stored_ifname(data_dir: str, container_id: str) -> str | None:
         return None
     ifname = conf.get(IFNAME_KEY) if isinstance(conf, dict) else None
     return ifname if isinstance(ifname, str) else None
+
+
+def attached_ifname(data_dir: str, container_id: str) -> str | None:
+    """The ``CNI_IFNAME`` of the container's agentd attachment: the one its state file keeps,
+    else (a state file of an older agentd-cni, without it, or a damaged one) the one its
+    endpoint file names -- endpoint files have named it from the first; None if neither does
+    (a container without pod identity, or an ADD stopped before it wrote the endpoint file).
+
+    With None, DEL takes the state file as this interface's: only its DEL would ever remove
+    it.  The delegate's DEL touches only what it keyed by ``CNI_IFNAME`` (host-local's lease,
+    the link in the sandbox), so it undoes nothing of another interface; what such a DEL can
+    take from the attachment is its stored config, and then the attachment's own DEL undoes
+    with the current config, as for any container with nothing stored."""
+    ifname = stored_ifname(data_dir, container_id)
+    if ifname is None and _state_file_exists(data_dir, container_id):
+        ep = pod_endpoints.read(data_dir, container_id)
+        if ep is not None and ep.container_id == container_id and isinstance(ep.ifname, str) and ep.ifname:
+            ifname = ep.ifname
+    return ifname
 
 
 def _state_file_exists(data_dir: str, container_id: str) -> bool:

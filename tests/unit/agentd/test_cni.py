@@ -279,13 +279,94 @@ def test_a_second_agentd_interface_is_refused_and_its_del_leaves_the_first(tmp_p
     _assert_error(_run(_env("CHECK", CNI_IFNAME="net1"), _conf(tmp_path, prevResult=prev)), 3, "net1")
 
 
-def test_a_config_stored_before_the_ifname_was_kept_still_serves(tmp_path):
+def _recording_delegate(monkeypatch, calls):
+    """A fake delegate recording (command, CNI_IFNAME, the config it was given)."""
+    def invoke(conf, args, env, timeout):
+        calls.append((args.command, args.ifname, conf))
+
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
+
+
+def _old_endpoint_file(tmp_path, ifname="eth0"):
+    from agentd.cni import endpoints as eps
+
+    eps.write(str(tmp_path / "state"), eps.Endpoint(
+        container_id="c0ffee01", namespace="ns", name="web", labels={}, ports=[], ips=["10.244.3.7"],
+        interface="veth1", mac="aa:bb:cc:dd:ee:ff", bridge="cni0", ifname=ifname))  # fmt: skip
+
+
+SF_NOW = dataclasses.replace(SF, subnet=IPv4Network("10.244.4.0/24"))  # the node's subnet since
+
+
+@pytest.mark.parametrize("endpoint_file", [False, True])
+def test_a_config_stored_before_the_ifname_was_kept_still_serves(tmp_path, monkeypatch, endpoint_file):
+    """An older agentd-cni stored eth0's config without its CNI_IFNAME.  An ADD for another
+    interface (Multus attaching agentd twice) is refused as for a known eth0 -- overwriting the
+    state would leave eth0's DEL with nothing to undo (its host-local lease leaked) -- and eth0's
+    DEL still undoes with the stored config.  With the older plugin's endpoint file (which names
+    the interface) the refused ADD's clean-up DEL leaves eth0's state alone, too."""
+    calls = []
+    _recording_delegate(monkeypatch, calls)
     cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
-    conf = _conf(tmp_path)
+    conf = _conf(tmp_path, policyTimeout=0)
+    stored = cni_config.delegate_config(conf, SF)
+    state = tmp_path / "state" / "c0ffee01"
     (tmp_path / "state").mkdir()
-    (tmp_path / "state" / "c0ffee01").write_text(json.dumps(cni_config.delegate_config(conf, SF)))
+    state.write_text(json.dumps(stored))
+    if endpoint_file:
+        _old_endpoint_file(tmp_path)
     assert cni.stored_ifname(str(tmp_path / "state"), "c0ffee01") is None
-    assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == cni_config.delegate_config(conf, SF)
+    assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == stored
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF_NOW)  # the current config differs
+    assert cni_config.delegate_config(conf, SF_NOW) != stored
+    before = state.read_text()
+
+    out = _assert_error(_run(_env(CNI_IFNAME="eth1"), conf), 7, "already has an agentd interface", "eth1")
+    assert ("(eth0)" in out["msg"]) == endpoint_file
+    assert state.read_text() == before and calls == []
+    if endpoint_file:
+        assert _run(_env("DEL", CNI_IFNAME="eth1"), conf) == (0, None)  # the refused ADD's clean-up
+        assert state.read_text() == before and calls == []
+        assert (tmp_path / "state" / "endpoints" / "c0ffee01.json").exists()
+    assert _run(_env("DEL", CNI_IFNAME="eth0"), conf) == (0, None)
+    assert calls == [("DEL", "eth0", stored)]
+    assert not state.exists() and not (tmp_path / "state" / "endpoints" / "c0ffee01.json").exists()
+
+
+@pytest.mark.parametrize("text", ["", "{"])
+@pytest.mark.parametrize("endpoint_file", [False, True])
+def test_a_damaged_state_file_refuses_another_interface_and_its_del_still_releases(
+        tmp_path, monkeypatch, text, endpoint_file):
+    """A damaged state file names no interface and no config.  An ADD for another interface is
+    refused (the file may be eth0's).  DEL keeps the power to release eth0's lease: eth0's DEL
+    runs the delegate with the current config (host-local's lease is keyed by container and
+    interface, not by the config) and then removes the file.  With the endpoint file naming
+    eth0, the refused ADD's clean-up DEL leaves the file to eth0's DEL; without one it cannot tell,
+    takes the file as its own (running the delegate for eth1, which undoes nothing of eth0's),
+    and eth0's DEL, finding nothing stored, still runs the delegate with the current config."""
+    calls = []
+    _recording_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    current = cni_config.delegate_config(conf, SF)
+    state = tmp_path / "state" / "c0ffee01"
+    (tmp_path / "state").mkdir()
+    state.write_text(text)
+    if endpoint_file:
+        _old_endpoint_file(tmp_path)
+
+    _assert_error(_run(_env(CNI_IFNAME="eth1"), conf), 7, "already has an agentd interface", "eth1")
+    assert state.read_text() == text and calls == []
+    assert _run(_env("DEL", CNI_IFNAME="eth1"), conf) == (0, None)
+    if endpoint_file:
+        assert state.read_text() == text and calls == []
+    else:
+        assert not state.exists() and calls == [("DEL", "eth1", current)]
+        calls.clear()
+    assert _run(_env("DEL", CNI_IFNAME="eth0"), conf) == (0, None)
+    assert calls == [("DEL", "eth0", current)]
+    assert not state.exists() and not (tmp_path / "state" / "endpoints" / "c0ffee01.json").exists()
 
 
 @pytest.mark.parametrize(
