@@ -1124,3 +1124,33 @@ def test_the_state_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatc
     cni.save_state(str(tmp_path / "state"), "c0ffee01", {"type": "bridge"}, "eth0")
     assert events == [("fsync", False), ("replace", "c0ffee01"), ("fsync", True)]
     assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == {"type": "bridge"}
+
+
+def test_an_endpoint_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatch):
+    """endpoints.write (ADD) and relabel (the agent) fsync the temporary file before the rename
+    (else a crash can leave the name with no content: an endpoint file never readable), and
+    the directory after it."""
+    from agentd.cni import endpoints as eps
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    ep = eps.Endpoint(container_id="c0ffee01", namespace="ns", name="web", labels={}, ports=[],
+                      ips=["10.244.3.7"], interface="veth1", mac="aa:bb:cc:dd:ee:ff", bridge="cni0")
+    eps.write(str(tmp_path), ep)
+    assert events == [("fsync", False), ("replace", "c0ffee01.json"), ("fsync", True)]
+    events.clear()
+    read = eps.read_all(str(tmp_path))["c0ffee01"]
+    assert eps.relabel(str(tmp_path), read, {"app": "web"}) is not None
+    assert events == [("fsync", False), ("replace", "c0ffee01.json"), ("fsync", True)]
+    assert eps.read(str(tmp_path), "c0ffee01").labels == {"app": "web"}
