@@ -1154,3 +1154,54 @@ def test_an_endpoint_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypa
     assert eps.relabel(str(tmp_path), read, {"app": "web"}) is not None
     assert events == [("fsync", False), ("replace", "c0ffee01.json"), ("fsync", True)]
     assert eps.read(str(tmp_path), "c0ffee01").labels == {"app": "web"}
+
+
+
+def _file(path: pathlib.Path, mtime: float | None = None) -> pathlib.Path:
+    """A file at ``path``, last changed at ``mtime`` (None: now)."""
+    path.write_text("{")
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_del_sweeps_the_temporary_files_a_crash_left_and_nothing_else(tmp_path, monkeypatch):
+    """A crash between mkstemp and the rename (save_state, endpoints.write, the agent's relabel)
+    leaves ".<container ID>.<8 characters>": any DEL removes such regular files once they are
+    TEMP_MAX_AGE old.  Fresh ones (a write going on), other dot files, state and endpoint files
+    (of containers whose DEL never came: nothing tells a container gone from one not) stay."""
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    state = tmp_path / "state"
+    assert _run(_env(CNI_CONTAINERID="other", CNI_ARGS="K8S_POD_NAMESPACE=default;K8S_POD_NAME=web"), conf)[0] == 0
+    epdir = state / "endpoints"
+    old = 1000.0  # long before now
+    doomed = [_file(state / ".c0ffee01.ab_d12z4", old), _file(state / ".a.b-c.x9999999", old),
+              _file(epdir / ".c0ffee01.abcd1234", old)]
+    kept = [_file(state / ".c0ffee01.fresh123"),  # a write going on
+            _file(state / ".c0ffee01.abc", old), _file(state / ".c0ffee01.ABCD1234", old),
+            _file(state / "c0ffee01.abcd1234", old), _file(epdir / ".lock.abcd1234x", old),
+            _file(state / "gone00", old), _file(epdir / "gone00.json", old)]  # a DEL that never came
+    (state / ".dir.abcd1234").mkdir()
+    os.utime(state / ".dir.abcd1234", (old, old))
+    (state / ".link.abcd1234").symlink_to(state / "gone00")
+    before = sorted(p.name for p in epdir.iterdir())
+
+    assert _run(_env("DEL", CNI_CONTAINERID="c0ffee01"), conf) == (0, None)
+    assert [p for p in doomed if p.exists()] == []
+    assert [p for p in kept if not p.exists()] == []
+    assert (state / ".dir.abcd1234").is_dir() and (state / ".link.abcd1234").is_symlink()
+    assert sorted(p.name for p in epdir.iterdir()) == sorted(set(before) - {".c0ffee01.abcd1234"})
+    assert cni.load_state(str(state), "other") is not None and (epdir / "other.json").exists()
+
+
+def test_the_temporary_file_sweep_goes_by_the_time_passed_in(tmp_path):
+    (tmp_path / "endpoints").mkdir()
+    tmp = _file(tmp_path / "endpoints" / ".c0ffee01.abcd1234", 1000.0)
+    assert cni.sweep_temp_files(str(tmp_path), 1000.0 + cni.TEMP_MAX_AGE - 1) == []
+    assert tmp.exists()
+    assert cni.sweep_temp_files(str(tmp_path), 1000.0 + cni.TEMP_MAX_AGE) == [str(tmp)]
+    assert not tmp.exists()
+    assert cni.sweep_temp_files(str(tmp_path / "none"), 1e12) == []  # no directory: nothing to do
