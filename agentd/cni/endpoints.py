@@ -376,11 +376,30 @@ def _replace(directory: str, ep: Endpoint) -> None:
         os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(ep.to_json())
+            f.flush()
+            # On disk before it takes the name (as the plugin's state file): else a crash can
+            # leave the name with no content, an endpoint file never readable (its pod unknown
+            # to policy).
+            os.fsync(f.fileno())
         os.replace(tmp, os.path.join(directory, ep.container_id + SUFFIX))
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    _fsync_directory(directory)  # the rename itself
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the file itself is on disk
+    finally:
+        os.close(fd)
 
 
 def write(data_dir: str | os.PathLike[str], ep: Endpoint) -> None:

@@ -10,7 +10,10 @@ environment, and passes its result through.
   delegate, so the runtime's clean-up DEL after a failed ADD still knows what to undo, with the
   ``CNI_IFNAME`` it was for (key ``agentdIfname``, never passed on).  A container has one
   agentd interface: an ADD for a second ``CNI_IFNAME`` (Multus attaching agentd twice) is
-  refused, and its clean-up DEL leaves the first attachment alone.
+  refused, and its clean-up DEL leaves the first attachment alone.  A state file that does not
+  name its interface (an older agentd-cni's, or a damaged one) belongs to the interface its
+  endpoint file names; with no endpoint file either, ADD is refused for any interface and DEL
+  takes the file as its own (see :func:`attached_ifname`).
 * DEL runs the delegate with exactly the stored config (the subnet file may have changed since),
   then removes it.  DEL is idempotent: with no stored config it falls back to a config built from
   the current subnet file (so host-local still releases the address), and with no subnet file
@@ -19,10 +22,11 @@ environment, and passes its result through.
   for the missing delegate).  With a state file a missing delegate fails DEL: something may be
   left to undo.  A stored config that is empty or damaged is used as none (the current
   config), and DEL removes it once it has done its work (ADD writes it whole: a temporary
-  file, fsynced, renamed).  A missing netns is handled by
-  the bridge plugin (it releases the address and succeeds).  If the delegate rejects the
-  stored config (an ADD with a broken config), DEL retries with the current config, so fixing
-  the config ends the runtime's DEL retries.
+  file, fsynced, renamed).  A missing netns is handled by the bridge plugin (it releases the
+  address and succeeds).  If the delegate rejects the stored config (an ADD with a broken
+  config), DEL retries with the current config, so fixing the config ends the runtime's DEL
+  retries.  DEL also removes the temporary files a crash left in dataDir
+  (:func:`sweep_temp_files`); a state file whose DEL never comes stays.
 * CHECK runs the delegate with the stored config plus the runtime's ``prevResult``, then checks
   what the delegate cannot know: the pod's addresses are inside the node's subnets as the
   subnet file gives them now (a node that lost its lease has another), and the pod's endpoint
@@ -52,6 +56,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_interface
@@ -160,6 +165,7 @@ def handle(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | 
             return 0, cmd_add(args, netconf, env)
         if command == "DEL":
             cmd_del(args, netconf, env)
+            sweep_temp_files(_data_dir(netconf), time.time())
         else:
             cmd_check(args, netconf, env)
         return 0, None
@@ -379,13 +385,18 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
     conf = delegate_config(netconf, sf)
     pod = _pod_identity(args, env, netconf)  # checked before anything is set up
     data_dir = _data_dir(netconf)
-    attached = stored_ifname(data_dir, args.container_id)
-    if attached is not None and attached != args.ifname:
-        raise CniError(
-            INVALID_NETWORK_CONFIG,
-            f"container {args.container_id} already has an agentd interface ({attached}); "
-            f"agentd attaches a container once, not again as {args.ifname}",
-        )
+    if _state_file_exists(data_dir, args.container_id):
+        attached = attached_ifname(data_dir, args.container_id)
+        if attached != args.ifname:
+            # A state file whose interface nothing names (an older agentd-cni's, without the
+            # name, and no endpoint file; or a damaged one) may be any interface's: overwriting
+            # it would take the attachment's config (and its endpoint file) from its own DEL.
+            raise CniError(
+                INVALID_NETWORK_CONFIG,
+                f"container {args.container_id} already has an agentd interface "
+                f"({attached or 'its name not stored'}); agentd attaches a container once, not again as {args.ifname}",
+                "" if attached else "the state file is an older agentd-cni's or damaged; DEL the container first",
+            )
     # Looked for before anything is stored: an ADD that cannot run its delegate has set up
     # nothing, so its clean-up DEL finds nothing stored and has nothing to undo.
     find_plugin(conf["type"], args.path)
@@ -442,7 +453,7 @@ def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any
 def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> None:
     data_dir = _data_dir(netconf)
     timeout = netconf.get("delegateTimeout", DELEGATE_TIMEOUT)
-    attached = stored_ifname(data_dir, args.container_id)
+    attached = attached_ifname(data_dir, args.container_id)
     if attached is not None and attached != args.ifname:
         # The clean-up DEL of a refused second attachment: the first one is not this DEL's.
         print(f"agentd-cni: container {args.container_id} has its agentd interface as {attached}, "
@@ -517,7 +528,7 @@ def cmd_check(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) ->
         raise CniError(INVALID_NETWORK_CONFIG, "CHECK needs 'prevResult' (the result of ADD) in the config")
     data_dir = _data_dir(netconf)
     stored = load_state(data_dir, args.container_id)
-    attached = stored_ifname(data_dir, args.container_id)
+    attached = attached_ifname(data_dir, args.container_id)
     if stored is None or (attached is not None and attached != args.ifname):
         raise CniError(
             UNKNOWN_CONTAINER,
@@ -674,6 +685,65 @@ def stored_ifname(data_dir: str, container_id: str) -> str | None:
         return None
     ifname = conf.get(IFNAME_KEY) if isinstance(conf, dict) else None
     return ifname if isinstance(ifname, str) else None
+
+
+def attached_ifname(data_dir: str, container_id: str) -> str | None:
+    """The ``CNI_IFNAME`` of the container's agentd attachment: the one its state file keeps,
+    else (a state file of an older agentd-cni, without it, or a damaged one) the one its
+    endpoint file names -- endpoint files have named it from the first; None if neither does
+    (a container without pod identity, or an ADD stopped before it wrote the endpoint file).
+
+    With None, DEL takes the state file as this interface's: only its DEL would ever remove
+    it.  The delegate's DEL touches only what it keyed by ``CNI_IFNAME`` (host-local's lease,
+    the link in the sandbox), so it undoes nothing of another interface; what such a DEL can
+    take from the attachment is its stored config, and then the attachment's own DEL undoes
+    with the current config, as for any container with nothing stored."""
+    ifname = stored_ifname(data_dir, container_id)
+    if ifname is None and _state_file_exists(data_dir, container_id):
+        ep = pod_endpoints.read(data_dir, container_id)
+        if ep is not None and ep.container_id == container_id and isinstance(ep.ifname, str) and ep.ifname:
+            ifname = ep.ifname
+    return ifname
+
+
+# The temporary files save_state and endpoints.write (and the agent's relabel) make: mkstemp's
+# names, ".<container ID>." and 8 of tempfile's name characters.  A crash between mkstemp and
+# the rename leaves one, which no one else would ever remove.
+_TEMP_RE = re.compile(r"\.[a-zA-Z0-9][a-zA-Z0-9_.\-]*\.[a-z0-9_]{8}")
+TEMP_MAX_AGE = 600.0  # seconds: a temporary file this old is no write still going on
+
+
+def sweep_temp_files(data_dir: str, now: float, max_age: float = TEMP_MAX_AGE) -> list[str]:
+    """Remove the temporary files a crash left in ``data_dir`` and its endpoint directory:
+    regular files named as this plugin's temporary files, not changed for ``max_age``
+    seconds before ``now``.  DEL runs it (any container's DEL: the one whose ADD crashed may
+    never come).  Never fails: what it cannot list or remove stays.  Returns the paths removed.
+
+    Only temporary files: a state or endpoint file whose DEL never came (a node rebooted with
+    its sandboxes gone, a runtime that lost its DEL) stays, as does its host-local lease --
+    nothing here can tell a container that is gone from one that is not."""
+    removed = []
+    for directory in (data_dir, pod_endpoints.endpoints_dir(data_dir)):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            if not _TEMP_RE.fullmatch(name):
+                continue
+            path = os.path.join(directory, name)
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < max_age:
+                    continue
+                os.unlink(path)
+            except OSError:
+                continue
+            removed.append(path)
+    if removed:
+        print(f"agentd-cni: removed {len(removed)} temporary file(s) left by a crash: {', '.join(removed)}",
+              file=sys.stderr)
+    return removed
 
 
 def _state_file_exists(data_dir: str, container_id: str) -> bool:

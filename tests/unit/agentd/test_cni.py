@@ -279,13 +279,94 @@ def test_a_second_agentd_interface_is_refused_and_its_del_leaves_the_first(tmp_p
     _assert_error(_run(_env("CHECK", CNI_IFNAME="net1"), _conf(tmp_path, prevResult=prev)), 3, "net1")
 
 
-def test_a_config_stored_before_the_ifname_was_kept_still_serves(tmp_path):
+def _recording_delegate(monkeypatch, calls):
+    """A fake delegate recording (command, CNI_IFNAME, the config it was given)."""
+    def invoke(conf, args, env, timeout):
+        calls.append((args.command, args.ifname, conf))
+
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
+
+
+def _old_endpoint_file(tmp_path, ifname="eth0"):
+    from agentd.cni import endpoints as eps
+
+    eps.write(str(tmp_path / "state"), eps.Endpoint(
+        container_id="c0ffee01", namespace="ns", name="web", labels={}, ports=[], ips=["10.244.3.7"],
+        interface="veth1", mac="aa:bb:cc:dd:ee:ff", bridge="cni0", ifname=ifname))  # fmt: skip
+
+
+SF_NOW = dataclasses.replace(SF, subnet=IPv4Network("10.244.4.0/24"))  # the node's subnet since
+
+
+@pytest.mark.parametrize("endpoint_file", [False, True])
+def test_a_config_stored_before_the_ifname_was_kept_still_serves(tmp_path, monkeypatch, endpoint_file):
+    """An older agentd-cni stored eth0's config without its CNI_IFNAME.  An ADD for another
+    interface (Multus attaching agentd twice) is refused as for a known eth0 -- overwriting the
+    state would leave eth0's DEL with nothing to undo (its host-local lease leaked) -- and eth0's
+    DEL still undoes with the stored config.  With the older plugin's endpoint file (which names
+    the interface) the refused ADD's clean-up DEL leaves eth0's state alone, too."""
+    calls = []
+    _recording_delegate(monkeypatch, calls)
     cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
-    conf = _conf(tmp_path)
+    conf = _conf(tmp_path, policyTimeout=0)
+    stored = cni_config.delegate_config(conf, SF)
+    state = tmp_path / "state" / "c0ffee01"
     (tmp_path / "state").mkdir()
-    (tmp_path / "state" / "c0ffee01").write_text(json.dumps(cni_config.delegate_config(conf, SF)))
+    state.write_text(json.dumps(stored))
+    if endpoint_file:
+        _old_endpoint_file(tmp_path)
     assert cni.stored_ifname(str(tmp_path / "state"), "c0ffee01") is None
-    assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == cni_config.delegate_config(conf, SF)
+    assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == stored
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF_NOW)  # the current config differs
+    assert cni_config.delegate_config(conf, SF_NOW) != stored
+    before = state.read_text()
+
+    out = _assert_error(_run(_env(CNI_IFNAME="eth1"), conf), 7, "already has an agentd interface", "eth1")
+    assert ("(eth0)" in out["msg"]) == endpoint_file
+    assert state.read_text() == before and calls == []
+    if endpoint_file:
+        assert _run(_env("DEL", CNI_IFNAME="eth1"), conf) == (0, None)  # the refused ADD's clean-up
+        assert state.read_text() == before and calls == []
+        assert (tmp_path / "state" / "endpoints" / "c0ffee01.json").exists()
+    assert _run(_env("DEL", CNI_IFNAME="eth0"), conf) == (0, None)
+    assert calls == [("DEL", "eth0", stored)]
+    assert not state.exists() and not (tmp_path / "state" / "endpoints" / "c0ffee01.json").exists()
+
+
+@pytest.mark.parametrize("text", ["", "{"])
+@pytest.mark.parametrize("endpoint_file", [False, True])
+def test_a_damaged_state_file_refuses_another_interface_and_its_del_still_releases(
+        tmp_path, monkeypatch, text, endpoint_file):
+    """A damaged state file names no interface and no config.  An ADD for another interface is
+    refused (the file may be eth0's).  DEL keeps the power to release eth0's lease: eth0's DEL
+    runs the delegate with the current config (host-local's lease is keyed by container and
+    interface, not by the config) and then removes the file.  With the endpoint file naming
+    eth0, the refused ADD's clean-up DEL leaves the file to eth0's DEL; without one it cannot tell,
+    takes the file as its own (running the delegate for eth1, which undoes nothing of eth0's),
+    and eth0's DEL, finding nothing stored, still runs the delegate with the current config."""
+    calls = []
+    _recording_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    current = cni_config.delegate_config(conf, SF)
+    state = tmp_path / "state" / "c0ffee01"
+    (tmp_path / "state").mkdir()
+    state.write_text(text)
+    if endpoint_file:
+        _old_endpoint_file(tmp_path)
+
+    _assert_error(_run(_env(CNI_IFNAME="eth1"), conf), 7, "already has an agentd interface", "eth1")
+    assert state.read_text() == text and calls == []
+    assert _run(_env("DEL", CNI_IFNAME="eth1"), conf) == (0, None)
+    if endpoint_file:
+        assert state.read_text() == text and calls == []
+    else:
+        assert not state.exists() and calls == [("DEL", "eth1", current)]
+        calls.clear()
+    assert _run(_env("DEL", CNI_IFNAME="eth0"), conf) == (0, None)
+    assert calls == [("DEL", "eth0", current)]
+    assert not state.exists() and not (tmp_path / "state" / "endpoints" / "c0ffee01.json").exists()
 
 
 @pytest.mark.parametrize(
@@ -1043,3 +1124,84 @@ def test_the_state_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatc
     cni.save_state(str(tmp_path / "state"), "c0ffee01", {"type": "bridge"}, "eth0")
     assert events == [("fsync", False), ("replace", "c0ffee01"), ("fsync", True)]
     assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == {"type": "bridge"}
+
+
+def test_an_endpoint_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatch):
+    """endpoints.write (ADD) and relabel (the agent) fsync the temporary file before the rename
+    (else a crash can leave the name with no content: an endpoint file never readable), and
+    the directory after it."""
+    from agentd.cni import endpoints as eps
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    ep = eps.Endpoint(container_id="c0ffee01", namespace="ns", name="web", labels={}, ports=[],
+                      ips=["10.244.3.7"], interface="veth1", mac="aa:bb:cc:dd:ee:ff", bridge="cni0")
+    eps.write(str(tmp_path), ep)
+    assert events == [("fsync", False), ("replace", "c0ffee01.json"), ("fsync", True)]
+    events.clear()
+    read = eps.read_all(str(tmp_path))["c0ffee01"]
+    assert eps.relabel(str(tmp_path), read, {"app": "web"}) is not None
+    assert events == [("fsync", False), ("replace", "c0ffee01.json"), ("fsync", True)]
+    assert eps.read(str(tmp_path), "c0ffee01").labels == {"app": "web"}
+
+
+
+def _file(path: pathlib.Path, mtime: float | None = None) -> pathlib.Path:
+    """A file at ``path``, last changed at ``mtime`` (None: now)."""
+    path.write_text("{")
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_del_sweeps_the_temporary_files_a_crash_left_and_nothing_else(tmp_path, monkeypatch):
+    """A crash between mkstemp and the rename (save_state, endpoints.write, the agent's relabel)
+    leaves ".<container ID>.<8 characters>": any DEL removes such regular files once they are
+    TEMP_MAX_AGE old.  Fresh ones (a write going on), other dot files, state and endpoint files
+    (of containers whose DEL never came: nothing tells a container gone from one not) stay."""
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    state = tmp_path / "state"
+    assert _run(_env(CNI_CONTAINERID="other", CNI_ARGS="K8S_POD_NAMESPACE=default;K8S_POD_NAME=web"), conf)[0] == 0
+    epdir = state / "endpoints"
+    old = 1000.0  # long before now
+    doomed = [_file(state / ".c0ffee01.ab_d12z4", old), _file(state / ".a.b-c.x9999999", old),
+              _file(epdir / ".c0ffee01.abcd1234", old)]
+    kept = [_file(state / ".c0ffee01.fresh123"),  # a write going on
+            _file(state / ".c0ffee01.abc", old), _file(state / ".c0ffee01.ABCD1234", old),
+            _file(state / "c0ffee01.abcd1234", old), _file(epdir / ".lock.abcd1234x", old),
+            _file(state / "gone00", old), _file(epdir / "gone00.json", old)]  # a DEL that never came
+    (state / ".dir.abcd1234").mkdir()
+    os.utime(state / ".dir.abcd1234", (old, old))
+    (state / ".link.abcd1234").symlink_to(state / "gone00")
+    before = sorted(p.name for p in epdir.iterdir())
+
+    assert _run(_env("DEL", CNI_CONTAINERID="c0ffee01"), conf) == (0, None)
+    assert [p for p in doomed if p.exists()] == []
+    assert [p for p in kept if not p.exists()] == []
+    assert (state / ".dir.abcd1234").is_dir() and (state / ".link.abcd1234").is_symlink()
+    assert sorted(p.name for p in epdir.iterdir()) == sorted(set(before) - {".c0ffee01.abcd1234"})
+    assert cni.load_state(str(state), "other") is not None and (epdir / "other.json").exists()
+
+
+def test_the_temporary_file_sweep_goes_by_the_time_passed_in(tmp_path):
+    (tmp_path / "endpoints").mkdir()
+    tmp = _file(tmp_path / "endpoints" / ".c0ffee01.abcd1234", 1000.0)
+    assert cni.sweep_temp_files(str(tmp_path), 1000.0 + cni.TEMP_MAX_AGE - 1) == []
+    assert tmp.exists()
+    assert cni.sweep_temp_files(str(tmp_path), 1000.0 + cni.TEMP_MAX_AGE) == [str(tmp)]
+    assert not tmp.exists()
+    assert cni.sweep_temp_files(str(tmp_path / "none"), 1e12) == []  # no directory: nothing to do
