@@ -97,7 +97,8 @@ class ObservedAgent(Protocol):
 
     def routes(self) -> list[dict[str, Any]]: ...
 
-    def policy_view(self, pod: str | None = None, summary: bool = False) -> dict[str, Any] | None: ...
+    def policy_view(self, pod: str | None = None, summary: bool = False,
+                    allow_lists: bool = True) -> dict[str, Any] | None: ...
 
     def services_view(self, summary: bool = False) -> dict[str, Any] | None: ...
 
@@ -406,9 +407,11 @@ class _Handlers:
                                       "GET /flows?node=NAME)"}, status=404)
         a = self.agent
         if name == a.node_name():
-            pod, summary = request.query.get("pod"), request.query.get("view") == "summary"
+            pod, view = request.query.get("pod"), request.query.get("view")
+            summary = view == "summary"
             local = {"status": a.status, "peers": a.peers, "routes": a.routes,
-                     "policy": lambda: a.policy_view(pod, summary), "services": lambda: a.services_view(summary)}
+                     "policy": lambda: a.policy_view(pod, summary, allow_lists=view != "pods"),
+                     "services": lambda: a.services_view(summary)}
             if what not in local:  # answered here as /WHAT answers, query and status alike
                 own = self.own.get(what)
                 if own is None:
