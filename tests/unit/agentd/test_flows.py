@@ -765,6 +765,27 @@ async def test_a_merged_stream_counts_what_it_could_not_hold():
     assert merge.queue.qsize() == 2 and merge.lost == 3
 
 
+async def test_a_merged_stream_holds_at_most_its_bytes_of_large_records():
+    """A stalled reader of a followed cluster stream: 10,000 lines of 1 MB records were held
+    (10 GB).  At most MERGE_BYTES are; the rest counted as lost, as past the line count; what
+    the reader takes frees its bytes."""
+    from agentd.daemon.observe_api import _Merge
+
+    merge = _Merge()
+    big = b"x" * 999_999 + b"\n"
+    for _ in range(100):
+        merge.put(big)
+    held = (32 << 20) // len(big)  # MERGE_BYTES: 32 MiB
+    assert (merge.queue.qsize(), merge.lost) == (held, 100 - held) and merge.queue.bytes == held * len(big)
+    merge.put(_line := b'{"lost":5}\n', 5)  # a small line still fits in what is left
+    assert merge.queue.qsize() == held + 1 and merge.lost == 100 - held
+    merge.put(big, 3)
+    assert merge.lost == 100 - held + 3  # the records a line stands for, counted
+    assert merge.queue.get_nowait() == big and merge.queue.bytes == (held - 1) * len(big) + len(_line)
+    merge.put(big)  # taken out: room again
+    assert merge.queue.qsize() == held + 1 and merge.lost == 100 - held + 3
+
+
 async def test_a_followed_node_that_refuses_is_given_up_and_a_broken_one_asked_less_often(monkeypatch):
     from types import SimpleNamespace
 
