@@ -430,8 +430,10 @@ class ApiServer:
     async def _policy(self, request: web.Request) -> web.Response:
         """Per local pod: the policies selecting it, its allow-lists, drops (agentd/policy/agent.py)."""
         view = getattr(self.provider, "policy_view", None)
-        summary = request.query.get("view") == "summary"  # what is applied only: cheap to poll
-        data = view(request.query.get("pod"), summary) if view is not None else None
+        shown = request.query.get("view")
+        summary = shown == "summary"  # what is applied only: cheap to poll
+        # view=pods: each local pod's row without its allow-lists (the browser view's node page)
+        data = view(request.query.get("pod"), summary, allow_lists=shown != "pods") if view is not None else None
         if data is None:
             return _json({"error": "network policy is not running here"}, 404 if view is None else 503)
         return _json(data)

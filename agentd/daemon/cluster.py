@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from ipaddress import IPv6Address, ip_address
 from typing import Any
@@ -46,6 +47,7 @@ ERROR_BODY_MAX = 4096  # bytes of a streamed answer that is not 200 read for its
 KEEPALIVE = 10.0  # seconds between empty lines on a quiet followed stream (proxies close idle ones)
 FOLLOW_IDLE = 2.5 * KEEPALIVE  # seconds without a byte after which a followed node counts as gone
 IDLE_KEPT = 10.0  # seconds an idle connection to another node is kept for the next GET
+LINE_MAX = 1 << 20  # bytes of one NDJSON line of a node's streamed answer read; a longer one is skipped
 RELAYED = ("status", "peers", "routes", "policy", "services", "flows", "rib", "metrics", "healthz", "readyz")
 
 
@@ -168,7 +170,11 @@ class ClusterView:
         (``follow``) may be quiet, but not for ``follow_idle`` (its keep-alives count).  Empty
         lines (keep-alives, the end of a followed stream's last N) only with ``blanks``; a followed
         answer asked so that does not say it ends its last N so raises :class:`UnmarkedStream`.
-        ``seen``: given the answer's :data:`RING` header, if it has one, before its first line."""
+        ``seen``: given the answer's :data:`RING` header, if it has one, before its first line.
+        A line longer than :data:`LINE_MAX` is not read (nor held): in its place comes a line
+        saying one record was lost, with the record's ``seq`` and the node -- the stream goes
+        on past it, and a resume asks after it (a record an older agentd made of a pod with a
+        thousand labels was a MB: the stream broke on it and was asked for it again, forever)."""
         self._check()
         if follow:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=TIMEOUT, sock_read=self.follow_idle)
@@ -186,7 +192,7 @@ class ClusterView:
                     raise UnmarkedStream(f"{node} does not end its last records with an empty line")
                 if seen is not None and RING in resp.headers:
                     seen[RING] = resp.headers[RING]
-                async for line in resp.content:
+                async for line in _lines(resp.content, node):
                     if blanks or line.strip():
                         yield line
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
@@ -215,6 +221,51 @@ class ClusterView:
                 return name, {"error": str(err) if not isinstance(err, KeyError) else f"no node {name} in etcd"}
 
         return dict(await asyncio.gather(*(one(n) for n in names)))
+
+
+_SEQ = re.compile(rb'\{\s*"seq"\s*:\s*(\d{1,20})\s*,')
+
+
+def _skipped(node: str, head: bytes) -> bytes:
+    """The line that stands for a record too long to read (``head``: its start): one record
+    lost, numbered as it was (a ``{"seq": ...`` record first, as :meth:`Flow.json` sends it)."""
+    why = f"a record of more than {LINE_MAX} bytes, not read"
+    number = _SEQ.match(head)
+    if number is None:
+        return (json.dumps({"lost": 1, "why": why, "node": node}, separators=(",", ":")) + "\n").encode()
+    return (json.dumps({"seq": int(number[1]), "node": node, "lost": 1, "why": why}, separators=(",", ":")) + "\n").encode()
+
+
+async def _lines(content: aiohttp.StreamReader, node: str) -> AsyncIterator[bytes]:
+    """The lines of a streamed answer, each with its newline (the last one without, if the
+    answer ends in the middle of it); one longer than ``LINE_MAX`` as :func:`_skipped` says it:
+    at most ``LINE_MAX`` bytes held, however long a line."""
+    held = bytearray()
+    head: bytes | None = None  # a line past LINE_MAX is being skipped: its start
+    async for chunk in content.iter_any():
+        start = 0
+        while start < len(chunk):
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start : end + 1]
+            start = len(chunk) if end < 0 else end + 1
+            if head is None:
+                if len(held) + len(piece) > LINE_MAX + (end >= 0):  # its newline not counted
+                    head = bytes((held + piece)[:64])
+                    held.clear()
+                else:
+                    held += piece
+            if end < 0:
+                break
+            if head is not None:
+                yield _skipped(node, head)
+                head = None
+            else:
+                yield bytes(held)
+                held.clear()
+    if head is not None:
+        yield _skipped(node, head)
+    elif held:
+        yield bytes(held)
 
 
 async def _error_body(resp: aiohttp.ClientResponse) -> bytes:

@@ -97,7 +97,8 @@ class ObservedAgent(Protocol):
 
     def routes(self) -> list[dict[str, Any]]: ...
 
-    def policy_view(self, pod: str | None = None, summary: bool = False) -> dict[str, Any] | None: ...
+    def policy_view(self, pod: str | None = None, summary: bool = False,
+                    allow_lists: bool = True) -> dict[str, Any] | None: ...
 
     def services_view(self, summary: bool = False) -> dict[str, Any] | None: ...
 
@@ -406,9 +407,11 @@ class _Handlers:
                                       "GET /flows?node=NAME)"}, status=404)
         a = self.agent
         if name == a.node_name():
-            pod, summary = request.query.get("pod"), request.query.get("view") == "summary"
+            pod, view = request.query.get("pod"), request.query.get("view")
+            summary = view == "summary"
             local = {"status": a.status, "peers": a.peers, "routes": a.routes,
-                     "policy": lambda: a.policy_view(pod, summary), "services": lambda: a.services_view(summary)}
+                     "policy": lambda: a.policy_view(pod, summary, allow_lists=view != "pods"),
+                     "services": lambda: a.services_view(summary)}
             if what not in local:  # answered here as /WHAT answers, query and status alike
                 own = self.own.get(what)
                 if own is None:
@@ -603,17 +606,43 @@ async def _aiter(lines: list[bytes]) -> AsyncIterator[bytes]:
         yield line
 
 
-class _Merge:
-    """The followed streams of several nodes as one, in a bounded queue: what does not fit
-    (a reader slower than the cluster) is counted, and the reader is told how much."""
+MERGE_LINES = 10_000  # lines a followed cluster stream holds for its reader
+MERGE_BYTES = 32 << 20  # and bytes: a node's records of large label sets are up to LINE_MAX each
 
-    def __init__(self, limit: int = 10_000) -> None:
-        self.queue: asyncio.Queue[bytes] = asyncio.Queue(limit)
+
+class _Lines(asyncio.Queue):
+    """An asyncio queue of lines that counts the bytes it holds (however they are taken out)."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize)
+        self.bytes = 0
+
+    def _put(self, item: bytes) -> None:
+        super()._put(item)  # type: ignore[misc]
+        self.bytes += len(item)
+
+    def _get(self) -> bytes:
+        item = super()._get()  # type: ignore[misc]
+        self.bytes -= len(item)
+        return item
+
+
+class _Merge:
+    """The followed streams of several nodes as one, in a bounded queue (``limit`` lines,
+    ``max_bytes`` bytes): what does not fit (a reader slower than the cluster) is counted, and
+    the reader is told how much."""
+
+    def __init__(self, limit: int = MERGE_LINES, max_bytes: int = MERGE_BYTES) -> None:
+        self.queue: _Lines = _Lines(limit)
+        self.max_bytes = max_bytes
         self.lost = 0
 
     def put(self, line: bytes, records: int = 1) -> None:
         """``line`` into the queue; ``records``: how many records it stands for, counted as
         lost if it does not fit (a line saying N were lost: those N)."""
+        if self.queue.bytes + len(line) > self.max_bytes:
+            self.lost += records
+            return
         try:
             self.queue.put_nowait(line)
         except asyncio.QueueFull:

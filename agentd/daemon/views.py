@@ -178,10 +178,11 @@ class AgentViews:
         ingress = self.agent.ingress
         return ingress.views.view() if ingress else None
 
-    def policy_view(self, pod: str | None = None, summary: bool = False) -> dict[str, Any] | None:
+    def policy_view(self, pod: str | None = None, summary: bool = False,
+                    allow_lists: bool = True) -> dict[str, Any] | None:
         """GET /policy."""
         policy = self.agent.policy
-        return policy.views.view(pod, summary=summary) if policy else None
+        return policy.views.view(pod, summary=summary, allow_lists=allow_lists) if policy else None
 
     def routes(self) -> list[dict[str, Any]]:
         return self.agent.routes.installed()

@@ -43,6 +43,34 @@ PROTOCOLS = {1: "ICMP", 6: "TCP", 17: "UDP", 58: "ICMPv6", 132: "SCTP", ARP: "AR
 PORTED = frozenset({"TCP", "UDP", "SCTP"})
 
 
+#: Bytes of a pod's labels one end of a record carries (keys and values, about as JSON has
+#: them): the labels past them are left out, in the order the pod has them, and the end says
+#: how many (``labels_dropped``).  Kubernetes caps no pod's labels in all: a pod of a thousand
+#: labels made records of a MB, more than a gathering node reads as one line.
+LABELS_MAX = 16 << 10
+
+
+def record_labels(labels: Mapping[str, str]) -> tuple[dict[str, str], int]:
+    """The labels a record carries of ``labels`` (at most :data:`LABELS_MAX` bytes), and how
+    many it leaves out."""
+    out: dict[str, str] = {}
+    size = 0
+    for key, value in labels.items():
+        size += len(key) + len(value) + 8  # "key": "value", as JSON has it
+        if size > LABELS_MAX:
+            return out, len(labels) - len(out)
+        out[key] = value
+    return out, 0
+
+
+def _pod_json(ident: Identity) -> dict[str, Any]:
+    labels, dropped = record_labels(ident.labels)
+    out = {"pod": ident.pod, "namespace": ident.namespace, "node": ident.node, "labels": labels}
+    if dropped:
+        out["labels_dropped"] = dropped
+    return out
+
+
 def protocol_name(number: int) -> str:
     return PROTOCOLS.get(number, str(number))
 
@@ -72,7 +100,7 @@ class Peer:
         out: dict[str, Any] = {"ip": self.ip, "port": self.port}
         ident = self.identity
         if ident is not None:
-            out.update(pod=ident.pod, namespace=ident.namespace, node=ident.node, labels=dict(ident.labels))
+            out.update(_pod_json(ident))
         return out
 
 
@@ -129,7 +157,7 @@ class Flow:
             out["sender"] = {"interface": self.sender_interface}
             if self.sender is not None:
                 s = self.sender
-                out["sender"].update(pod=s.pod, namespace=s.namespace, node=s.node, labels=dict(s.labels))
+                out["sender"].update(_pod_json(s))
         return out
 
 

@@ -93,9 +93,11 @@ class PolicyViews:
             out["packets"] = {verdict: c["packets"] for verdict, c in a.fast_path_counters.get("ipv4", {}).items()}
         return out
 
-    def view(self, pod: str | None = None, *, summary: bool = False) -> dict[str, Any]:
+    def view(self, pod: str | None = None, *, summary: bool = False, allow_lists: bool = True) -> dict[str, Any]:
         """GET /policy: per local pod (or ``pod``) its policies and allow-lists; with
-        ``summary`` only what the node has applied (cheap enough to poll)."""
+        ``summary`` only what the node has applied (cheap enough to poll); without
+        ``allow_lists`` (``?view=pods``, the browser view's node page) each pod's row without
+        them: what costs (local pods x rules x peers) is left out."""
         a = self.agent
         applied = {
             "node": a.node,
@@ -107,11 +109,12 @@ class PolicyViews:
         if summary:
             return {**applied, "pods": len(a.engine.pods), "error": a.error}
         pods = []
+        rules = AllowLists(a.engine)  # each rule's peers resolved once for the whole answer
         for key in a.local_pods():
             name = f"{key[0]}/{key[1]}"
             if pod is not None and pod != name:
                 continue
-            v = pod_view(a.engine, key)
+            v = pod_view(a.engine, key, rules, allow_lists=allow_lists)
             v["dropped"] = {
                 "ingress": a.dropped.get((key, "ingress"), 0),
                 "egress": a.dropped.get((key, "egress"), 0),
@@ -167,13 +170,62 @@ class PolicyViews:
             yield rules
 
 
-def pod_view(engine: PolicyEngine, key: PodKey) -> dict[str, Any]:
-    """What /policy shows for one local pod: its policies and effective allow-lists."""
+#: Peer addresses and resolved named ports one GET /policy answer lists in all (about 2 MB of
+#: JSON): a rule's lists are cut where the answer has listed this many, and the rule says how
+#: many it left out.  A namespace-wide rule of a namespace of thousands of pods, in the allow-lists
+#: of each of a node's pods, would otherwise make an answer of hundreds of MB, built on the
+#: agent's event loop (BGP keepalives, etcd leases and DNS wait meanwhile).
+LISTED_MAX = 100_000
+
+
+class AllowLists:
+    """The allow-list entries of one answer: each rule's (a policy's, in one direction) resolved
+    once however many local pods it applies to, and at most :data:`LISTED_MAX` addresses and
+    named ports listed in all."""
+
+    def __init__(self, engine: PolicyEngine, listed_max: int = LISTED_MAX) -> None:
+        self.engine = engine
+        self.left = listed_max  # addresses and named ports the answer may still list
+        self._rules: dict[tuple[Any, str, int], _Rule] = {}
+
+    def of(self, policies: list[Policy], direction: str) -> list[dict[str, Any]]:
+        out = []
+        for policy in policies:
+            for index, rule in enumerate((policy.ingress if direction == "in" else policy.egress) or ()):
+                key = (policy.key, direction, index)
+                if key not in self._rules:
+                    self._rules[key] = _Rule(self.engine, policy, direction, index, rule)
+                out.append(self._listed(self._rules[key]))
+        return out
+
+    def _listed(self, rule: _Rule) -> dict[str, Any]:
+        """The rule's entry with its lists, as much of them as the answer may still hold."""
+        cut, addresses, named = 0, None, rule.named
+        if rule.addresses is not None:
+            if len(rule.addresses) > self.left:
+                cut += len(rule.addresses) - self.left
+            addresses = rule.texts(min(self.left, len(rule.addresses)))
+            self.left -= len(addresses)
+        if len(named) > self.left:
+            cut += len(named) - self.left
+            named = named[: self.left]
+        self.left -= len(named)
+        out = {**rule.entry, "peer_addresses": addresses, "named_ports": named or None}
+        if cut:
+            out["left_out"] = cut  # addresses and named ports not listed: the answer holds LISTED_MAX
+        return out
+
+
+def pod_view(engine: PolicyEngine, key: PodKey, rules: AllowLists | None = None, *,
+             allow_lists: bool = True) -> dict[str, Any]:
+    """What /policy shows for one local pod: its policies and effective allow-lists (from
+    ``rules``, the answer's :class:`AllowLists`: its rules resolved once for all its pods);
+    without ``allow_lists`` its row alone (no ``ingress``/``egress``)."""
     pod = engine.pods[key]
     port = engine.local.get(key)
     ingress, egress = engine.isolation(key)
     policies = engine.selecting(key)
-    return {
+    out = {
         "pod": f"{pod.namespace}/{pod.name}",
         "ip": str(pod.ip) if pod.ip else None,
         "ips": [str(ip) for ip in pod.ips],
@@ -181,46 +233,52 @@ def pod_view(engine: PolicyEngine, key: PodKey) -> dict[str, Any]:
         "labels": dict(pod.labels),
         "policies": [f"{p.namespace}/{p.name}" for p in policies],
         "isolated": {"ingress": ingress, "egress": egress},
-        "ingress": _allow_list(engine, policies, "in") if ingress else None,
-        "egress": _allow_list(engine, policies, "out") if egress else None,
     }
-
-
-def _allow_list(engine: PolicyEngine, policies: list[Policy], direction: str) -> list[dict[str, Any]]:
-    out = []
-    for policy in policies:
-        rules = policy.ingress if direction == "in" else policy.egress
-        for index, rule in enumerate(rules or ()):
-            mem = engine.rule_members(policy, direction, rule)
-            peers: Any = "all"
-            if rule.peers is not None:
-                peers = []
-                for peer in rule.peers:
-                    if peer.block is not None:
-                        peers.append({"ipBlock": str(peer.block.cidr), "except": [str(e) for e in peer.block.excepts]})
-                    else:
-                        sel = peer.selector
-                        assert sel is not None
-                        peers.append({
-                            "namespace": sel.namespace if sel.namespace is not None else f"matching {sel.namespaces}",
-                            "pods": str(sel.pods),
-                        })  # fmt: skip
-            ports: Any = "all"
-            if rule.ports is not None:
-                ports = [
-                    {"protocol": p.protocol, "port": p.port, **({"endPort": p.end_port} if p.end_port else {})}
-                    for p in rule.ports
-                ]
-            out.append({
-                "policy": f"{policy.namespace}/{policy.name}",
-                "rule": index,
-                "peers": peers,
-                "peer_addresses": [str(a) for a in sorted(mem.pod_ips, key=_address_order)] if rule.peers is not None else None,
-                "ports": ports,
-                "named_ports": sorted(f"{a} {p}/{n}" for a, p, n in mem.named) or None,
-            })  # fmt: skip
+    if allow_lists:
+        rules = rules if rules is not None else AllowLists(engine)
+        out["ingress"] = rules.of(policies, "in") if ingress else None
+        out["egress"] = rules.of(policies, "out") if egress else None
     return out
 
 
-def _address_order(ip: Any) -> tuple[int, Any]:
-    return (ip.version, ip)  # IPv4 first; addresses of two families do not compare
+class _Rule:
+    """One rule's allow-list entry but its lists, and the lists: its peers' addresses in order
+    (None: any peer), each made text once it is listed, and the named ports resolved."""
+
+    def __init__(self, engine: PolicyEngine, policy: Policy, direction: str, index: int, rule: Any) -> None:
+        mem = engine.rule_members(policy, direction, rule)
+        peers: Any = "all"
+        if rule.peers is not None:
+            peers = []
+            for peer in rule.peers:
+                if peer.block is not None:
+                    peers.append({"ipBlock": str(peer.block.cidr), "except": [str(e) for e in peer.block.excepts]})
+                else:
+                    sel = peer.selector
+                    assert sel is not None
+                    peers.append({
+                        "namespace": sel.namespace if sel.namespace is not None else f"matching {sel.namespaces}",
+                        "pods": str(sel.pods),
+                    })  # fmt: skip
+        ports: Any = "all"
+        if rule.ports is not None:
+            ports = [
+                {"protocol": p.protocol, "port": p.port, **({"endPort": p.end_port} if p.end_port else {})}
+                for p in rule.ports
+            ]
+        self.entry = {"policy": f"{policy.namespace}/{policy.name}", "rule": index, "peers": peers,
+                      "peer_addresses": None, "ports": ports, "named_ports": None}
+        self.addresses = sorted(mem.pod_ips, key=_address_order) if rule.peers is not None else None
+        self.named = sorted(f"{a} {p}/{n}" for a, p, n in mem.named)
+        self._texts: list[str] = []
+
+    def texts(self, n: int) -> list[str]:
+        """The first ``n`` peer addresses as text (made once per answer, however many pods list them)."""
+        assert self.addresses is not None
+        if len(self._texts) < n:
+            self._texts.extend(str(a) for a in self.addresses[len(self._texts) : n])
+        return self._texts[:n]
+
+
+def _address_order(ip: Any) -> tuple[int, int]:
+    return (ip.version, int(ip))  # IPv4 first; addresses of two families do not compare

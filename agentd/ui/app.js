@@ -194,7 +194,7 @@ async function showNode(name) {
   let status, routes, policy;
   try {
     [status, routes, policy] = await Promise.all([getJSON(`${base}/status`), getJSON(`${base}/routes`),
-      getJSON(`${base}/policy`).catch((err) => ({ failed: err.message, pods: [] }))]);
+      getJSON(`${base}/policy?view=pods`).catch((err) => ({ failed: err.message, pods: [] }))]);
   } catch (err) { if (me === shown) page(`Node ${name}`, failure(err)); return; }
   if (me !== shown) return;
   const node = status.node || {};
@@ -243,7 +243,7 @@ async function showPod(node, pod) {
     rules.length === 0 ? el("p", { class: "bad" }, "isolated, and no rule allows anything (default deny)") :
     table(["policy", "rule", "peers", "addresses", "ports"], rules.map((r) => [r.policy, r.rule,
       r.peers === "all" ? "all" : r.peers.map((x) => x.ipBlock ? `ipBlock ${x.ipBlock}${x.except && x.except.length ? " except " + x.except.join(", ") : ""}` : `ns ${x.namespace} pods ${x.pods}`).join("; "),
-      r.peer_addresses === null ? "any" : r.peer_addresses.join(", ") || "none",
+      r.peer_addresses === null ? "any" : (r.peer_addresses.join(", ") || (r.left_out ? "" : "none")) + (r.left_out ? ` (${r.left_out} more not listed)` : ""),
       r.ports === "all" ? "all" : r.ports.map((x) => `${x.port === null || x.port === undefined ? "all" : x.port}${x.endPort ? "-" + x.endPort : ""}/${x.protocol}`).join(", ")]));
   const flows = el("div", {});
   page(`Pod ${pod}`,

@@ -229,6 +229,29 @@ async def test_this_nodes_rib_metrics_healthz_readyz_are_answered_not_redirected
         await server.stop()
 
 
+async def test_policy_view_pods_is_asked_without_allow_lists_here_and_for_this_node():
+    """GET /policy?view=pods and /nodes/<this node>/policy?view=pods (the browser view's node
+    page) ask the policy view without its allow-lists; the other views as before."""
+    asked = []
+
+    class WithPolicy(Provider):
+        def policy_view(self, pod=None, summary=False, allow_lists=True):
+            asked.append((pod, summary, allow_lists))
+            return {"pods": []}
+
+    server = await _started(api.ApiServer(WithPolicy(), "127.0.0.1", 0, token=TOKEN))
+    try:
+        async with aiohttp.ClientSession() as session:
+            for path in ("/policy?view=pods", "/nodes/node1/policy?view=pods", "/policy", "/nodes/node1/policy?pod=x/a",
+                         "/policy?view=summary", "/nodes/node1/policy?view=summary"):
+                async with session.get(server.url + path, allow_redirects=False) as resp:
+                    assert resp.status == 200, path
+    finally:
+        await server.stop()
+    assert asked == [(None, False, False), (None, False, False), (None, False, True), ("x/a", False, True),
+                     (None, True, True), (None, True, True)]
+
+
 async def test_bad_rib_and_flows_queries_are_one_error_naming_the_parameter():
     server = await _started(api.ApiServer(Provider(flows=FlowViews(SimpleNamespace(ring=FlowRing(16)))),
                                           "127.0.0.1", 0, token=TOKEN))

@@ -765,6 +765,27 @@ async def test_a_merged_stream_counts_what_it_could_not_hold():
     assert merge.queue.qsize() == 2 and merge.lost == 3
 
 
+async def test_a_merged_stream_holds_at_most_its_bytes_of_large_records():
+    """A stalled reader of a followed cluster stream: 10,000 lines of 1 MB records were held
+    (10 GB).  At most MERGE_BYTES are; the rest counted as lost, as past the line count; what
+    the reader takes frees its bytes."""
+    from agentd.daemon.observe_api import _Merge
+
+    merge = _Merge()
+    big = b"x" * 999_999 + b"\n"
+    for _ in range(100):
+        merge.put(big)
+    held = (32 << 20) // len(big)  # MERGE_BYTES: 32 MiB
+    assert (merge.queue.qsize(), merge.lost) == (held, 100 - held) and merge.queue.bytes == held * len(big)
+    merge.put(_line := b'{"lost":5}\n', 5)  # a small line still fits in what is left
+    assert merge.queue.qsize() == held + 1 and merge.lost == 100 - held
+    merge.put(big, 3)
+    assert merge.lost == 100 - held + 3  # the records a line stands for, counted
+    assert merge.queue.get_nowait() == big and merge.queue.bytes == (held - 1) * len(big) + len(_line)
+    merge.put(big)  # taken out: room again
+    assert merge.queue.qsize() == held + 1 and merge.lost == 100 - held + 3
+
+
 async def test_a_followed_node_that_refuses_is_given_up_and_a_broken_one_asked_less_often(monkeypatch):
     from types import SimpleNamespace
 
@@ -2644,6 +2665,128 @@ async def test_a_resume_broken_in_the_middle_of_its_gap_is_resumed_after_what_ca
     afters, lines = await _pumped(monkeypatch, [("r1:10", [11]), ("r1:14", [12]), ("r1:14", [13, 14, 15])])
     assert afters == [None, "r1:11", "r1:12"]
     assert [x["seq"] for x in lines if "seq" in x] == [11, 12, 13, 14, 15]
+
+
+def test_a_record_carries_at_most_its_budget_of_a_pods_labels():
+    """A pod may have any number of labels (CNI args and Kubernetes cap none in all): one of
+    1,300 of the largest made a record of a MB, past what a gathering node reads as a line.
+    A record's end carries at most LABELS_MAX bytes of them, in the pod's order, and says how
+    many it left out; a filter still matches every label, and a pod of few labels is as before."""
+    from agentd.flows.model import LABELS_MAX
+
+    prefix = ".".join(c * 60 for c in "abcd") + ".example"  # 252 characters, the name 63: the largest keys
+    labels = {f"{prefix}/{'n' * 57}{i:06d}": "v" * 63 for i in range(1300)}
+    big = Identity("t/big", "node2", labels, True)
+    f = Flow(1.0, "node2", "drop", "TCP", Peer("10.244.1.2", 1, big), Peer("10.244.2.3", 80, big), "local",
+             verdict="dropped", reason="spoofed", sender=big, sender_interface="veth1")
+    record = f.json()
+    assert len(json.dumps(record)) < 4 * LABELS_MAX  # not 1.2 MB
+    for end in (record["src"], record["dst"], record["sender"]):
+        kept = end["labels"]
+        assert list(kept) == list(labels)[: len(kept)] and end["labels_dropped"] == 1300 - len(kept)
+        assert LABELS_MAX - 400 < len(json.dumps(kept)) <= LABELS_MAX
+    last = list(labels)[-1]
+    assert FlowFilter.parse([("label", f"{last}={'v' * 63}")]).matches(f)  # the filter sees them all
+    small = flow().json()
+    assert small["src"]["labels"] == dict(CLIENT.labels) and "labels_dropped" not in small["src"]
+
+
+class _Chunks:
+    """What aiohttp's StreamReader gives ``_lines``: the bytes in the chunks given."""
+
+    def __init__(self, data: bytes, size: int) -> None:
+        self.chunks = [data[i : i + size] for i in range(0, len(data), size)]
+
+    async def iter_any(self):
+        for chunk in self.chunks:
+            yield chunk
+
+
+async def test_a_line_past_the_limit_is_skipped_as_one_record_lost_however_it_is_cut(monkeypatch):
+    from agentd.daemon import cluster
+
+    monkeypatch.setattr(cluster, "LINE_MAX", 100)
+    long = b'{"seq":7,"time":1.0,"node":"node2","labels":"' + b"x" * 300 + b'"}\n'
+    data = b'{"seq":6}\n' + b"\n" + long + b"y" * 101 + b"\n" + b"z" * 100 + b"\n" + b'{"seq":8}'
+    lost7 = b'{"seq":7,"node":"node2","lost":1,"why":"a record of more than 100 bytes, not read"}\n'
+    lost = b'{"lost":1,"why":"a record of more than 100 bytes, not read","node":"node2"}\n'
+    want = [b'{"seq":6}\n', b"\n", lost7, lost, b"z" * 100 + b"\n", b'{"seq":8}']
+    for size in (1, 3, 64, 99, 100, 101, 4096):
+        got = [line async for line in cluster._lines(_Chunks(data, size), "node2")]  # type: ignore[arg-type]
+        assert got == want, size
+    got = [line async for line in cluster._lines(_Chunks(long[:-1], 7), "node2")]  # type: ignore[arg-type]
+    assert got == [lost7]  # cut off in the middle of it: still one record lost
+
+
+async def test_a_followed_nodes_record_too_long_to_read_is_one_record_lost_and_the_stream_goes_on(monkeypatch):
+    """A node (its agentd older than the labels' budget) sends records of 2 MB among small
+    ones: the gatherer's read failed on the first (aiohttp's line limit), the stream was asked
+    again after the record before it, and failed again, forever -- none of that node's later
+    records came.  Now each is said lost, the next come, and a stream broken in the middle of
+    one is asked again after it.  A node served on loopback, as the reviewer's probe did."""
+    from aiohttp import web
+
+    from agentd.daemon import cluster, observe_api
+    from agentd.daemon.cluster import LAST_END, RING, ClusterView
+
+    def record(seq, pad=0):
+        return (json.dumps({"seq": seq, "time": 1000.0 + seq, "node": "node2", "event": "new", "verdict": "forwarded",
+                            "protocol": "TCP", "src": {"ip": "10.0.0.1", "port": 1, "pod": "t/big",
+                                                       "labels": {f"k{i:05d}": "v" * 50 for i in range(pad // 60)}},
+                            "dst": {"ip": "10.0.0.2", "port": 80}}) + "\n").encode()
+
+    asked: list[str | None] = []
+    stay = asyncio.Event()
+
+    async def flows(request):
+        """Records 1 to 5, 2 and 4 of 2 MB; the first answer breaks in the middle of 4, an
+        answer to a resume sends what follows its cursor and stays open.  Asked a fourth time
+        (the same record asked for again and again), it answers 404: given up on."""
+        after = request.query.get("after")
+        asked.append(after)
+        if len(asked) > 3:
+            return web.json_response({"error": "asked too often"}, status=404)
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", LAST_END: "empty-line", RING: "r1:0"})
+        await resp.prepare(request)
+        for seq in range(int(after.partition(":")[2]) + 1 if after else 1, 6):
+            line = record(seq, 2_000_000 if seq in (2, 4) else 0)
+            if after is None and seq == 4:
+                await resp.write(line[: len(line) // 2])
+                return resp
+            await resp.write(line)
+        await stay.wait()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/flows", flows)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    monkeypatch.setattr(cluster, "unsafe_address", lambda address: None)  # the test's node is on loopback
+    monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)
+    view = ClusterView("node1", lambda: {"node2": "127.0.0.1"}, port)
+    view.token = "read-token"
+    merge = observe_api._Merge()
+    again = "/flows?node=node2&last=0&follow=1"
+    task = asyncio.create_task(observe_api._pump_remote(
+        view, "node2", again, merge, again=again, resume=lambda c: "/flows?node=node2&after=" + c + "&follow=1"))
+    got = []
+    try:
+        while not any(r.get("seq") == 5 or "404" in r.get("error", "") for r in got):
+            got.append(json.loads(await asyncio.wait_for(merge.queue.get(), 30)))  # a bound, not a pause
+    finally:
+        stay.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await view.close()
+        await runner.cleanup()
+    records = [r for r in got if "error" not in r]  # the break is said ("ended the stream")
+    why = "a record of more than 1048576 bytes, not read"
+    assert records == [json.loads(record(1)), {"seq": 2, "node": "node2", "lost": 1, "why": why}, json.loads(record(3)),
+                       {"seq": 4, "node": "node2", "lost": 1, "why": why}, json.loads(record(5))]
+    assert asked == [None, "r1:4"]  # asked again after the record it could not read, not for it
 
 
 async def test_flows_after_a_cursor_are_the_records_made_after_it():
