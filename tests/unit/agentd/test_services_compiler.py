@@ -836,3 +836,22 @@ def test_a_local_path_is_checked_against_this_nodes_endpoints_after_a_restart(po
         Unusable("10.96.0.10", 53, None, 4, mine if local_vip else every),
         Unusable(None, 53, 30053, 4, mine if local_np else every),
     ]
+
+
+def test_an_address_listed_twice_is_one_endpoint_with_or_without_its_node():
+    """The API allows one address in two endpoints (one slice or two), one naming its node
+    and one not: kube-proxy keeps one per address and port, the ready one; so does the model
+    (sorting a node against none raised, and the sync loop died on it)."""
+    s = svc("db", {"ports": [{"name": "", "port": 5432, "targetPort": 5432}]})
+    ports = [{"name": "", "port": 5432, "protocol": "TCP"}]
+    sl = eps_slice("db-1", "db", [{"addresses": ["10.244.2.7"], "nodeName": "n2"}, {"addresses": ["10.244.2.7"]},
+                                  {"addresses": ["10.244.2.8"], "conditions": {"ready": False}, "nodeName": "n2"}], ports)
+    other = eps_slice("db-2", "db", [{"addresses": ["10.244.2.8"]}], ports)  # ready, without its node
+    (db,) = model.build([s], [sl, other], [])
+    assert [(e.ip, e.node, e.ready) for e in db.endpoints] == [("10.244.2.7", "n2", True), ("10.244.2.8", "n2", True)]
+    assert [e.ip for e in db.usable("n2")] == ["10.244.2.7", "10.244.2.8"]
+    # A ServicePort made otherwise (two copies of an address, one without a node) still orders its endpoints.
+    mixed = replace(db, endpoints=(model.Endpoint("10.244.2.7", 5432, "n2"), model.Endpoint("10.244.2.7", 5432)))
+    assert len(mixed.usable()) == 2
+    assert compiler.compile_services([db], "n1").objects[(compiler.FAMILY, compiler.TABLE, "set", "addr/1")].elements
+
