@@ -106,7 +106,6 @@ SERVICE_IPS = "service-ips"
 NODE_PORTS = "service-nodeports"
 HAIRPIN = "hairpin-self"  # address . address: this node's endpoints E as E . E (a DNATed flow from E to E: masqueraded)
 CLUSTER_IPS = "cluster-ips"  # every cluster IP translated here (a new connection still to one: a port it lacks, refused)
-SHARED = frozenset({HAIRPIN, CLUSTER_IPS})  # sets whose elements several Services may hold (the others' keys are one Service's)
 NP_SHORT_CIRCUIT = "nodeport-short-circuit"  # proto . node port : goto the choice among every endpoint (Local node ports)
 SVC_COUNTERS = "service-counters"  # VIP . proto . port : the service's counter
 NP_COUNTERS = "nodeport-counters"  # proto . node port : the service's counter
@@ -538,8 +537,9 @@ class Table:
         self._claims: dict[Claim, dict[ServiceKey, tuple[Any, ...]]] = {}  # VIP or node port -> who wants it (their age)
         self.conflicts: dict[ServiceKey, list[str]] = {}  # per service: what it was refused, one line each
         self._recompiled: set[ServiceKey] = set()  # services compiled anew since take_recompiled()
-        # Elements several Services may put in one set (an endpoint of two Services): how many do.
-        self._uses: Counter[tuple[MapKey, Any]] = Counter()
+        # Elements several Services put in one map or set (an endpoint of two Services, a VIP's
+        # element of the Service taking it over): per map, how many Services beyond the first.
+        self._uses: dict[MapKey, Counter[Any]] = {}
 
     def update(self, key: ServiceKey, ports: Iterable[ServicePort]) -> set[Any]:
         """Make service ``key`` compile to ``ports`` (none: it is gone); the changed object keys.
@@ -660,9 +660,10 @@ class Table:
             if obj_key not in self._rs.objects:  # a slot map _resize removed: it went with its last service
                 continue
             have = self.elements.setdefault(name, set())
-            gone, new = before - after, after - before
-            if name[1] in SHARED:  # in the set while any Service has it
-                gone, new = self._unshared(name, gone, new)
+            # In the set while any Service has it: a cluster IP or endpoint two Services share,
+            # and a map element with the same value in two (the one taking over a VIP or node
+            # port from the one that held it, compiled before the holder gives it up).
+            gone, new = self._unshared(name, have, before - after, after - before)
             have -= gone
             have |= new
             # The net difference since rs was last read: what came and went in between cancels.
@@ -674,20 +675,29 @@ class Table:
             touched.add(obj_key)
         return touched
 
-    def _unshared(self, name: MapKey, gone: set[Any], new: set[Any]) -> tuple[set[Any], set[Any]]:
-        """Of one Service's elements of a shared set gone and new, those the set loses (no
-        other Service has them) and gains (no other Service had them)."""
+    def _unshared(self, name: MapKey, have: set[Any], gone: set[Any], new: set[Any]) -> tuple[set[Any], set[Any]]:
+        """Of one Service's elements of map or set ``name`` (holding ``have``) gone and new,
+        those it loses (no other Service has them) and gains (no other Service had them).
+        Only the Services beyond the first are counted (most elements are one Service's)."""
+        extra = self._uses.get(name)
         really_new = set()
         for e in new:
-            self._uses[(name, e)] += 1
-            if self._uses[(name, e)] == 1:
+            if e in have:
+                if extra is None:
+                    extra = self._uses[name] = Counter()
+                extra[e] += 1
+            else:
                 really_new.add(e)
         really_gone = set()
         for e in gone:
-            self._uses[(name, e)] -= 1
-            if self._uses[(name, e)] <= 0:
-                del self._uses[(name, e)]
+            if extra and extra.get(e):
+                extra[e] -= 1
+                if not extra[e]:
+                    del extra[e]
+            else:
                 really_gone.add(e)
+        if extra is not None and not extra:
+            del self._uses[name]
         return really_gone, really_new
 
     @property
@@ -731,6 +741,7 @@ class Table:
             self._rs.objects.pop(obj.key, None)
             self.elements.pop((obj.family, obj.name), None)
             self._pending.pop((obj.family, obj.name), None)
+            self._uses.pop((obj.family, obj.name), None)
             touched.add(obj.key)
         self.slots, self.picks = slots, picks
         return touched

@@ -8,6 +8,8 @@ import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from agentd.nft import expr
 from agentd.nft.ruleset import NftChain, NftSet, Ruleset, applied, plan
@@ -855,3 +857,100 @@ def test_an_address_listed_twice_is_one_endpoint_with_or_without_its_node():
     assert len(mixed.usable()) == 2
     assert compiler.compile_services([db], "n1").objects[(compiler.FAMILY, compiler.TABLE, "set", "addr/1")].elements
 
+
+def _port(name: str, created: float, vip: str | None = "10.96.0.50", node_port: int | None = None,
+          eps: tuple[model.Endpoint, ...] = (model.Endpoint("10.244.2.5", 8080, "n2"),)) -> model.ServicePort:
+    return model.ServicePort("ns", name, "", "TCP", 80, vip, node_port, None, False, False, eps, created=created)
+
+
+def test_a_service_taking_a_vip_over_keeps_the_elements_it_shares_with_the_holder():
+    """The VIP's holder gone, the Service that claimed it too has it: its map elements, the
+    same as the holder's (same endpoints), stay in the maps (the holder's removal took them)."""
+    table = compiler.Table("n1")
+    table.update(("ns", "z-old"), [_port("z-old", 10)])
+    table.update(("ns", "a-new"), [_port("a-new", 20)])  # left out: z-old holds the VIP
+    _ = table.rs
+    table.update(("ns", "z-old"), [])
+    assert [p.cluster_ip for p in table.compiled(("ns", "a-new"))] == ["10.96.0.50"]
+    assert table.translating()
+    assert table.rs.objects == compiler.compile_services([_port("a-new", 20)], "n1").objects
+    # One batch: the younger claims a node port, then the older claims it too (it takes it over).
+    table = compiler.Table("n1")
+    table.update(("ns", "d"), [_port("d", 20, "10.96.0.60", 30001)])
+    table.update(("ns", "a"), [_port("a", 10, "10.96.0.61", 30001)])
+    want = compiler.compile_services([_port("d", 20, "10.96.0.60", 30001), _port("a", 10, "10.96.0.61", 30001)], "n1")
+    assert _map(table.rs, compiler.NODE_PORTS) == _map(want, compiler.NODE_PORTS) != frozenset()
+    assert table.rs.objects == want.objects
+
+
+NODES = ("n1", "n2", None)
+
+
+@st.composite
+def _service_ports(draw: st.DrawFn, name: str, created: float) -> list[model.ServicePort]:
+    endpoint = st.builds(
+        lambda n, host, port, node, ready, serving, terminating: model.Endpoint(
+            f"10.244.{n}.{host}", port, node, ready=ready, serving=serving, terminating=terminating),
+        st.integers(1, 3), st.integers(1, 6), st.sampled_from([80, 8080]), st.sampled_from(NODES),
+        st.booleans(), st.booleans(), st.booleans(),
+    )  # fmt: skip
+    eps = model.unique(draw(st.lists(endpoint, max_size=20)))
+    vip = draw(st.sampled_from(["10.96.0.1", "10.96.0.2", None]))
+    out = []
+    for port in draw(st.lists(st.sampled_from([53, 80, 443]), min_size=1, max_size=2, unique=True)):
+        out.append(model.ServicePort(
+            "ns", name, str(port), draw(st.sampled_from(["TCP", "UDP"])), port, vip,
+            draw(st.sampled_from([None, 30000, 30001, 30100 + port])), draw(st.sampled_from([None, None, 30])),
+            draw(st.booleans()), draw(st.booleans()), eps, created=created))  # fmt: skip
+    seen: set[tuple[str, int | None]] = set()  # one Service's node ports are its own (allocation checks those)
+    for i, sp in enumerate(out):
+        if (sp.protocol, sp.node_port) in seen:
+            out[i] = replace(sp, node_port=None)
+        seen.add((sp.protocol, sp.node_port))
+    return out
+
+
+@st.composite
+def _steps(draw: st.DrawFn) -> list[list[tuple[str, list[model.ServicePort]]]]:
+    """Batches of Service changes (a Service's new ports, or none: gone)."""
+    names = {"a": 1.0, "b": 2.0, "c": 3.0}
+    batches = []
+    for _ in range(draw(st.integers(1, 12))):
+        batch = []
+        for name in draw(st.lists(st.sampled_from(sorted(names)), min_size=1, max_size=3)):
+            batch.append((name, [] if draw(st.integers(0, 4)) == 0 else draw(_service_ports(name, names[name]))))
+        batches.append(batch)
+    return batches
+
+
+def _elements(rs: Ruleset) -> dict:
+    return {k: o.elements for k, o in rs.objects.items() if isinstance(o, NftSet) and o.elements}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_steps())
+def test_incremental_updates_hold_the_elements_of_a_fresh_compile(batches):
+    """Property: whatever Services come, change, claim each other's VIPs and node ports and go,
+    the table kept service by service holds the elements a fresh compile of what is there now
+    gives, and each map's delta is one the kernel takes (nothing added twice, nothing
+    deleted that is not there)."""
+    table = compiler.Table("n1", pod_subnets={4: "10.244.1.0/24"}, service_ranges={4: "10.96.0.0/12"})
+    state: dict[str, list[model.ServicePort]] = {}
+    applied: dict = {}  # per map, as last read (what plan() takes a delta from)
+    for batch in batches:
+        for name, ports in batch:
+            table.update(("ns", name), ports)
+            state[name] = ports
+        rs = table.rs
+        for key, obj in rs.objects.items():
+            if not isinstance(obj, NftSet):
+                continue
+            before = applied.get(key)
+            if obj.delta is not None and before is not None and obj.delta[0] is before:
+                _, added, removed = obj.delta
+                assert removed <= before.elements and not (added & before.elements), key
+                assert (before.elements - removed) | added == obj.elements, key
+        applied = {k: o for k, o in rs.objects.items() if isinstance(o, NftSet)}
+        fresh = compiler.compile_services([p for ps in state.values() for p in ps], "n1",
+                                          pod_subnets={4: "10.244.1.0/24"}, service_ranges={4: "10.96.0.0/12"})  # fmt: skip
+        assert _elements(rs) == _elements(fresh)
