@@ -14,11 +14,13 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
                          meta l4proto . th dport vmap @service-nodeports }
     set hairpin-self   { ipv4_addr . ipv4_addr }                                this node's endpoints E, as E . E
     chain postrouting  { type nat hook postrouting priority srcnat;
-                         ct status dnat ip saddr . ip daddr @hairpin-self masquerade
-                         meta mark & 0x4000 == 0x4000 masquerade }
+                         ct status dnat ip saddr . ip daddr @hairpin-self masquerade fully-random
+                         meta mark & 0x4000 == 0 return
+                         meta mark set meta mark ^ 0x4000          (cleared: not on an encapsulated packet)
+                         masquerade fully-random }
     chain filter-prerouting, filter-output { type filter hook prerouting / output priority dstnat + 1;
                          ct state new ip daddr . meta l4proto . th dport vmap @service-unavailable
-                         ct state new fib daddr type local meta l4proto . th dport vmap @nodeport-unavailable
+                         ct state new fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @nodeport-unavailable
                          ct state new ip daddr @cluster-ips goto no-service-port        (reject)
                          ct state new ip daddr <the service range> goto no-service }    (drop)
     set cluster-ips    { ipv4_addr }                                            every cluster IP
@@ -121,6 +123,8 @@ DSTNAT, SRCNAT = -100, 100
 
 
 MARK_MASQ = {"mangle": {"key": meta("mark"), "value": {"|": [meta("mark"), MASQ_MARK]}}}
+UNMARK_MASQ = {"mangle": {"key": meta("mark"), "value": {"^": [meta("mark"), MASQ_MARK]}}}  # the bit known set: cleared
+MASQUERADE = {"masquerade": {"flags": ["fully-random"]}}
 SADDR = payload("ip", "saddr")
 FROM_NODE = match({"fib": {"result": "type", "flags": ["saddr"]}}, "local")  # sent by this node itself
 CT_NEW = match({"ct": {"key": "state"}}, "new", "in")  # a connection's first packet
@@ -247,7 +251,6 @@ def base_objects(
     are dropped (none: not checked)."""
     local = match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
     not_loopback = match(payload(fam.proto, "daddr"), prefix(fam.loopback), "!=")
-    masq = match({"&": [meta("mark"), MASQ_MARK]}, MASQ_MARK)
     # Hairpin, decided after the endpoint is chosen: a translated connection from one of this
     # node's endpoints to itself (its reply would not leave the pod otherwise).
     hairpin = [match({"ct": {"key": "status"}}, "dnat", "in"),
@@ -277,8 +280,16 @@ def base_objects(
                  hook=("nat", "prerouting", DSTNAT, "accept")),
         NftChain(t, TABLE, "output", (rule_text([{"jump": {"target": "services"}}]),),
                  hook=("nat", "output", DSTNAT, "accept")),
-        NftChain(t, TABLE, "postrouting", (rule_text([*hairpin, {"masquerade": None}]), rule_text([masq, {"masquerade": None}])),
-                 hook=("nat", "postrouting", SRCNAT, "accept")),
+        # A packet marked for masquerading has the bit cleared first, as kube-proxy does
+        # (kubernetes#92035): vxlan and ipip keep the skb mark on the encapsulated packet,
+        # whose outer header would be masqueraded too otherwise.  Fully random source ports,
+        # as the agent's other masquerading (agentd.nft.masquerade).
+        NftChain(t, TABLE, "postrouting", (
+            rule_text([*hairpin, MASQUERADE]),
+            rule_text([match({"&": [meta("mark"), MASQ_MARK]}, 0), {"return": None}]),
+            rule_text([UNMARK_MASQ]),
+            rule_text([MASQUERADE]),
+        ), hook=("nat", "postrouting", SRCNAT, "accept")),
         # A port without usable endpoints is refused, as kube-proxy does: no endpoint at all,
         # ICMP port unreachable (a TCP client sees "connection refused" at once instead of a
         # timeout); endpoints only on other nodes under a Local policy, dropped.  Looked at
@@ -294,7 +305,7 @@ def base_objects(
         *_refusals(log, fam),
         *(NftChain(t, TABLE, f"filter-{hook}", (
             rule_text([CT_NEW, {"vmap": {"key": key, "data": "@" + UNAVAILABLE}}]),
-            rule_text([CT_NEW, local, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
+            rule_text([CT_NEW, local, not_loopback, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
             rule_text([CT_NEW, match(payload(t, "daddr"), "@" + CLUSTER_IPS), goto(NO_PORT_CHAIN)]),
             *([rule_text([CT_NEW, match(payload(t, "daddr"), prefix(service_range)), goto(NO_SERVICE_CHAIN)])]
               if service_range else []),

@@ -145,7 +145,7 @@ def test_hairpin_snat_is_decided_after_the_choice_for_an_endpoint_reaching_itsel
     assert postrouting[0] == [
         {"match": {"op": "in", "left": {"ct": {"key": "status"}}, "right": "dnat"}},
         {"match": {"op": "==", "left": {"concat": [compiler.SADDR, expr.payload("ip", "daddr")]}, "right": "@" + compiler.HAIRPIN}},
-        {"masquerade": None}]  # fmt: skip
+        compiler.MASQUERADE]  # fmt: skip
     assert _map(rs, compiler.HAIRPIN) == {("10.244.1.2", "10.244.1.2")}  # node2's endpoint is node2's to match
     for n in (1, 2):  # no mark before the choice
         assert not [r for r in _chain(rs, f"pick/{n}") if compiler.MARK_MASQ in r]
@@ -856,6 +856,36 @@ def test_an_address_listed_twice_is_one_endpoint_with_or_without_its_node():
     mixed = replace(db, endpoints=(model.Endpoint("10.244.2.7", 5432, "n2"), model.Endpoint("10.244.2.7", 5432)))
     assert len(mixed.usable()) == 2
     assert compiler.compile_services([db], "n1").objects[(compiler.FAMILY, compiler.TABLE, "set", "addr/1")].elements
+
+
+def test_masquerading_clears_the_mark_before_the_packet_is_encapsulated():
+    """kube-proxy clears its masquerade bit in postrouting (kubernetes#92035): vxlan and ipip
+    keep the skb mark on the encapsulated packet, which would be masqueraded too."""
+    rs = compiler.compile_services([], "n1", families=(4, 6))
+    for table in (compiler.FAMILY, "ip6"):
+        rules = [json.loads(r) for r in rs.objects[(table, compiler.TABLE, "chain", "postrouting")].rules]
+        mark = expr.meta("mark")
+        assert rules[1:] == [
+            [{"match": {"op": "==", "left": {"&": [mark, compiler.MASQ_MARK]}, "right": 0}}, {"return": None}],
+            [{"mangle": {"key": mark, "value": {"^": [mark, compiler.MASQ_MARK]}}}],
+            [{"masquerade": {"flags": ["fully-random"]}}],
+        ]  # fmt: skip
+        assert rules[0][-1] == {"masquerade": {"flags": ["fully-random"]}}  # the hairpin, as the agent's other masquerading
+
+
+def test_a_node_port_without_endpoints_is_not_refused_on_loopback():
+    """As the nat chain (and kube-proxy's noLocalhost): 127.0.0.0/8 and ::1 are no node port's."""
+    s = svc("web", {"type": "NodePort", "selector": {"app": "none"},
+                    "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]})  # fmt: skip
+    rs = compiler.compile_services(model.build([s], [], PODS), "n1", families=(4, 6))
+    for table, proto, loopback in ((compiler.FAMILY, "ip", {"prefix": {"addr": "127.0.0.0", "len": 8}}), ("ip6", "ip6", "::1")):
+        not_loopback = {"match": {"op": "!=", "left": expr.payload(proto, "daddr"), "right": loopback}}
+        for hook in ("prerouting", "output"):
+            rules = [json.loads(r) for r in rs.objects[(table, compiler.TABLE, "chain", f"filter-{hook}")].rules]
+            (np_rule,) = [r for r in rules if r[-1].get("vmap", {}).get("data") == "@" + compiler.NP_UNAVAILABLE]
+            assert not_loopback in np_rule, (table, hook, np_rule)
+        services = [json.loads(r) for r in rs.objects[(table, compiler.TABLE, "chain", "services")].rules]
+        assert not_loopback in services[1]
 
 
 def _port(name: str, created: float, vip: str | None = "10.96.0.50", node_port: int | None = None,
