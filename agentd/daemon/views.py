@@ -138,6 +138,9 @@ class AgentViews:
             },
             "backends": a.tunnels.status() if a.tunnels else {},
             "policy": a.policy.views.status() if a.policy else None,
+            # Services: applied revision, the last programming error (the kernel refused the
+            # table: a reject needs Linux 5.9 in prerouting), Services left out (GET /services).
+            "services": a.services.views.view(summary=True) if a.services else None,
             "flows": a.observe.status(),
             "ingress": a.ingress.views.status() if a.ingress else None,
             "tasks": a.supervisor.summary(),

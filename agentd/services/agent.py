@@ -39,6 +39,7 @@ from .views import ServiceViews
 log = logging.getLogger("agentd.services")
 
 COUNTERS_INTERVAL = 2.0
+REJECT_IN_PREROUTING = "5.9"  # the kernel that takes reject in a chain on the prerouting hook (filter-prerouting)
 KINDS = ("Service", "EndpointSlice", "Pod")
 
 
@@ -97,6 +98,9 @@ class ServiceAgent:
         self._applied: dict[tuple[str, str], list[model.ServicePort]] = {}  # per Service, its ports as compiled
         self._unflushed: list[conntrack.Flush] = []
         self._fresh = True  # no sync yet since start: every UDP port's flows are checked against its endpoints
+        # Services whose records could not be built or compiled (a bug): left out, one line each
+        # (the reason), until their records change; the others are programmed all the same.
+        self.failed: dict[tuple[str, str], str] = {}
         self.views = ServiceViews(self)  # GET /services and /metrics (agentd/services/views.py)
 
     # ------------------------------------------------------------------ lifecycle
@@ -212,6 +216,7 @@ class ServiceAgent:
                 if kind in self.objects:
                     self._put(kind, ns, name, obj)
             self._dirty = None  # everything
+            self.failed = {}  # tried again
             self._have_snapshot = True
             return True
         self.revision = max(self.revision, ev.revision)
@@ -246,23 +251,28 @@ class ServiceAgent:
                     del self._slices[(ns, owner or "")]
 
     def _touch(self, kind: str, ns: str, name: str) -> None:
-        """Mark the Services that object (as it is now) feeds."""
-        if self._dirty is None:
+        """Mark the Services that object (as it is now) feeds (a failed one is tried again)."""
+        if self._dirty is None and not self.failed:
             return
+        fed: set[tuple[str, str]] = set()
         if kind == "Service":
-            self._dirty.add((ns, name))
+            fed.add((ns, name))
         elif kind == "EndpointSlice":
             obj = self.objects[kind].get((ns, name))
             owner = (obj["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL) if obj else None
             if owner:
-                self._dirty.add((ns, owner))
+                fed.add((ns, owner))
         elif kind == "Pod":  # the Services of its namespace whose selector picks it (called before and after a change)
             pod = self.objects[kind].get((ns, name))
             if pod is None:
                 return
             labels = pod["metadata"].get("labels") or {}
-            self._dirty.update(k for k, svc in self.objects["Service"].items()
-                               if k[0] == ns and svc["spec"].get("selector") and model.matches(svc["spec"]["selector"], labels))
+            fed.update(k for k, svc in self.objects["Service"].items()
+                       if k[0] == ns and svc["spec"].get("selector") and model.matches(svc["spec"]["selector"], labels))
+        for key in fed:
+            self.failed.pop(key, None)
+        if self._dirty is not None:
+            self._dirty |= fed
 
     def _build(self, key: tuple[str, str]) -> list[model.ServicePort]:
         svc = self.objects["Service"].get(key)
@@ -291,10 +301,13 @@ class ServiceAgent:
             else:
                 keys = set()
             gone: list[conntrack.Flush] = list(self._unflushed)
-            for key in sorted(dirty):
-                touched = self._table.update(key, self._build(key))
-                if keys is not None:
-                    keys |= touched
+            if not self._compile(dirty, full, keys):
+                # The table was left half-updated by a Service that could not be compiled: built
+                # again at once without it (it stays out until its records change).
+                self._table = None
+                self._dirty = None
+                self._wake.set()
+                continue
             # The flows to flush follow the ports as compiled, not as asked: a cluster IP or
             # node port an older Service holds is not this one's (its endpoints coming or going
             # say nothing of the holder's flows), and one a Service gains or loses by a conflict
@@ -316,7 +329,9 @@ class ServiceAgent:
                 self._dirty = None
                 self.sync_errors += 1
                 self.error = str(err)
-                log.error("programming services failed: %s", err)
+                if "not supported" in self.error.lower():
+                    self.error += f" (a reject in a prerouting chain needs Linux {REJECT_IN_PREROUTING} or later)"
+                log.error("programming services failed: %s", self.error)
                 await asyncio.sleep(1.0)
                 self._wake.set()
                 continue
@@ -340,6 +355,36 @@ class ServiceAgent:
                 self.applied_revision = revision
             self.last_sync = {"commands": result.commands, "seconds": round(time.perf_counter() - start, 6),
                               "full": result.full, "services": len(dirty)}  # fmt: skip
+
+    def _compile(self, dirty: set[tuple[str, str]], full: bool, keys: set[Any] | None) -> bool:
+        """Update the table with the ``dirty`` Services (``keys``: the changed objects, added);
+        False if one failed to compile, leaving the table half-updated.  A Service whose
+        records cannot be built or compiled (a bug, or records the model cannot take) is not
+        translated, one line says why (and :attr:`failed`, GET /services): the others are
+        programmed; a full rebuild skips it until its records change (a new put, a snapshot)."""
+        assert self._table is not None
+        for key in sorted(dirty):
+            if full and key in self.failed:
+                continue
+            self.failed.pop(key, None)
+            try:
+                ports = self._build(key)
+            except Exception as err:  # noqa: BLE001 -- one Service's records must not stop the others'
+                self._fail(key, "cannot be read", err)
+                ports = []
+            try:
+                touched = self._table.update(key, ports)
+            except Exception as err:  # noqa: BLE001 -- as above; the table is rebuilt without it
+                self._fail(key, "cannot be compiled", err)
+                return False
+            if keys is not None:
+                keys |= touched
+        return True
+
+    def _fail(self, key: tuple[str, str], what: str, err: Exception) -> None:
+        line = f"{what}, not translated: {type(err).__name__}: {err}"
+        log.error("service %s/%s %s", key[0], key[1], line)
+        self.failed[key] = line
 
     @property
     def ports(self) -> list[model.ServicePort]:

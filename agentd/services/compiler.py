@@ -14,11 +14,13 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
                          meta l4proto . th dport vmap @service-nodeports }
     set hairpin-self   { ipv4_addr . ipv4_addr }                                this node's endpoints E, as E . E
     chain postrouting  { type nat hook postrouting priority srcnat;
-                         ct status dnat ip saddr . ip daddr @hairpin-self masquerade
-                         meta mark & 0x4000 == 0x4000 masquerade }
+                         ct status dnat ip saddr . ip daddr @hairpin-self masquerade fully-random
+                         meta mark & 0x4000 == 0 return
+                         meta mark set meta mark ^ 0x4000          (cleared: not on an encapsulated packet)
+                         masquerade fully-random }
     chain filter-prerouting, filter-output { type filter hook prerouting / output priority dstnat + 1;
                          ct state new ip daddr . meta l4proto . th dport vmap @service-unavailable
-                         ct state new fib daddr type local meta l4proto . th dport vmap @nodeport-unavailable
+                         ct state new fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @nodeport-unavailable
                          ct state new ip daddr @cluster-ips goto no-service-port        (reject)
                          ct state new ip daddr <the service range> goto no-service }    (drop)
     set cluster-ips    { ipv4_addr }                                            every cluster IP
@@ -106,7 +108,6 @@ SERVICE_IPS = "service-ips"
 NODE_PORTS = "service-nodeports"
 HAIRPIN = "hairpin-self"  # address . address: this node's endpoints E as E . E (a DNATed flow from E to E: masqueraded)
 CLUSTER_IPS = "cluster-ips"  # every cluster IP translated here (a new connection still to one: a port it lacks, refused)
-SHARED = frozenset({HAIRPIN, CLUSTER_IPS})  # sets whose elements several Services may hold (the others' keys are one Service's)
 NP_SHORT_CIRCUIT = "nodeport-short-circuit"  # proto . node port : goto the choice among every endpoint (Local node ports)
 SVC_COUNTERS = "service-counters"  # VIP . proto . port : the service's counter
 NP_COUNTERS = "nodeport-counters"  # proto . node port : the service's counter
@@ -122,6 +123,8 @@ DSTNAT, SRCNAT = -100, 100
 
 
 MARK_MASQ = {"mangle": {"key": meta("mark"), "value": {"|": [meta("mark"), MASQ_MARK]}}}
+UNMARK_MASQ = {"mangle": {"key": meta("mark"), "value": {"^": [meta("mark"), MASQ_MARK]}}}  # the bit known set: cleared
+MASQUERADE = {"masquerade": {"flags": ["fully-random"]}}
 SADDR = payload("ip", "saddr")
 FROM_NODE = match({"fib": {"result": "type", "flags": ["saddr"]}}, "local")  # sent by this node itself
 CT_NEW = match({"ct": {"key": "state"}}, "new", "in")  # a connection's first packet
@@ -248,7 +251,6 @@ def base_objects(
     are dropped (none: not checked)."""
     local = match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
     not_loopback = match(payload(fam.proto, "daddr"), prefix(fam.loopback), "!=")
-    masq = match({"&": [meta("mark"), MASQ_MARK]}, MASQ_MARK)
     # Hairpin, decided after the endpoint is chosen: a translated connection from one of this
     # node's endpoints to itself (its reply would not leave the pod otherwise).
     hairpin = [match({"ct": {"key": "status"}}, "dnat", "in"),
@@ -278,8 +280,16 @@ def base_objects(
                  hook=("nat", "prerouting", DSTNAT, "accept")),
         NftChain(t, TABLE, "output", (rule_text([{"jump": {"target": "services"}}]),),
                  hook=("nat", "output", DSTNAT, "accept")),
-        NftChain(t, TABLE, "postrouting", (rule_text([*hairpin, {"masquerade": None}]), rule_text([masq, {"masquerade": None}])),
-                 hook=("nat", "postrouting", SRCNAT, "accept")),
+        # A packet marked for masquerading has the bit cleared first, as kube-proxy does
+        # (kubernetes#92035): vxlan and ipip keep the skb mark on the encapsulated packet,
+        # whose outer header would be masqueraded too otherwise.  Fully random source ports,
+        # as the agent's other masquerading (agentd.nft.masquerade).
+        NftChain(t, TABLE, "postrouting", (
+            rule_text([*hairpin, MASQUERADE]),
+            rule_text([match({"&": [meta("mark"), MASQ_MARK]}, 0), {"return": None}]),
+            rule_text([UNMARK_MASQ]),
+            rule_text([MASQUERADE]),
+        ), hook=("nat", "postrouting", SRCNAT, "accept")),
         # A port without usable endpoints is refused, as kube-proxy does: no endpoint at all,
         # ICMP port unreachable (a TCP client sees "connection refused" at once instead of a
         # timeout); endpoints only on other nodes under a Local policy, dropped.  Looked at
@@ -295,7 +305,7 @@ def base_objects(
         *_refusals(log, fam),
         *(NftChain(t, TABLE, f"filter-{hook}", (
             rule_text([CT_NEW, {"vmap": {"key": key, "data": "@" + UNAVAILABLE}}]),
-            rule_text([CT_NEW, local, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
+            rule_text([CT_NEW, local, not_loopback, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
             rule_text([CT_NEW, match(payload(t, "daddr"), "@" + CLUSTER_IPS), goto(NO_PORT_CHAIN)]),
             *([rule_text([CT_NEW, match(payload(t, "daddr"), prefix(service_range)), goto(NO_SERVICE_CHAIN)])]
               if service_range else []),
@@ -538,8 +548,9 @@ class Table:
         self._claims: dict[Claim, dict[ServiceKey, tuple[Any, ...]]] = {}  # VIP or node port -> who wants it (their age)
         self.conflicts: dict[ServiceKey, list[str]] = {}  # per service: what it was refused, one line each
         self._recompiled: set[ServiceKey] = set()  # services compiled anew since take_recompiled()
-        # Elements several Services may put in one set (an endpoint of two Services): how many do.
-        self._uses: Counter[tuple[MapKey, Any]] = Counter()
+        # Elements several Services put in one map or set (an endpoint of two Services, a VIP's
+        # element of the Service taking it over): per map, how many Services beyond the first.
+        self._uses: dict[MapKey, Counter[Any]] = {}
 
     def update(self, key: ServiceKey, ports: Iterable[ServicePort]) -> set[Any]:
         """Make service ``key`` compile to ``ports`` (none: it is gone); the changed object keys.
@@ -660,9 +671,10 @@ class Table:
             if obj_key not in self._rs.objects:  # a slot map _resize removed: it went with its last service
                 continue
             have = self.elements.setdefault(name, set())
-            gone, new = before - after, after - before
-            if name[1] in SHARED:  # in the set while any Service has it
-                gone, new = self._unshared(name, gone, new)
+            # In the set while any Service has it: a cluster IP or endpoint two Services share,
+            # and a map element with the same value in two (the one taking over a VIP or node
+            # port from the one that held it, compiled before the holder gives it up).
+            gone, new = self._unshared(name, have, before - after, after - before)
             have -= gone
             have |= new
             # The net difference since rs was last read: what came and went in between cancels.
@@ -674,20 +686,29 @@ class Table:
             touched.add(obj_key)
         return touched
 
-    def _unshared(self, name: MapKey, gone: set[Any], new: set[Any]) -> tuple[set[Any], set[Any]]:
-        """Of one Service's elements of a shared set gone and new, those the set loses (no
-        other Service has them) and gains (no other Service had them)."""
+    def _unshared(self, name: MapKey, have: set[Any], gone: set[Any], new: set[Any]) -> tuple[set[Any], set[Any]]:
+        """Of one Service's elements of map or set ``name`` (holding ``have``) gone and new,
+        those it loses (no other Service has them) and gains (no other Service had them).
+        Only the Services beyond the first are counted (most elements are one Service's)."""
+        extra = self._uses.get(name)
         really_new = set()
         for e in new:
-            self._uses[(name, e)] += 1
-            if self._uses[(name, e)] == 1:
+            if e in have:
+                if extra is None:
+                    extra = self._uses[name] = Counter()
+                extra[e] += 1
+            else:
                 really_new.add(e)
         really_gone = set()
         for e in gone:
-            self._uses[(name, e)] -= 1
-            if self._uses[(name, e)] <= 0:
-                del self._uses[(name, e)]
+            if extra and extra.get(e):
+                extra[e] -= 1
+                if not extra[e]:
+                    del extra[e]
+            else:
                 really_gone.add(e)
+        if extra is not None and not extra:
+            del self._uses[name]
         return really_gone, really_new
 
     @property
@@ -731,6 +752,7 @@ class Table:
             self._rs.objects.pop(obj.key, None)
             self.elements.pop((obj.family, obj.name), None)
             self._pending.pop((obj.family, obj.name), None)
+            self._uses.pop((obj.family, obj.name), None)
             touched.add(obj.key)
         self.slots, self.picks = slots, picks
         return touched

@@ -24,7 +24,7 @@ from __future__ import annotations
 import calendar
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agentd.resources import ipfamilies
@@ -78,8 +78,8 @@ class ServicePort:
         mine = [e for e in self.endpoints if node is None or e.node == node]
         ready = [e for e in mine if e.ready]
         if ready:
-            return tuple(sorted(set(ready)))
-        return tuple(sorted({e for e in mine if e.serving and e.terminating}))
+            return tuple(sorted(set(ready), key=order))
+        return tuple(sorted({e for e in mine if e.serving and e.terminating}, key=order))
 
     def cluster_ip_endpoints(self, node: str | None) -> tuple[Endpoint, ...]:
         """Those new connections to its cluster IP go to on ``node`` (internalTrafficPolicy)."""
@@ -145,10 +145,33 @@ def build(services: Iterable[Obj], slices: Iterable[Obj], pods: Iterable[Obj]) -
                         affinity_timeout=timeout if spec.get("sessionAffinity") == "ClientIP" else None,
                         internal_local=spec.get("internalTrafficPolicy") == "Local",
                         external_local=spec.get("externalTrafficPolicy") == "Local",
-                        endpoints=tuple(sorted(set(endpoints))), family=version, primary=index == 0, created=created,
+                        endpoints=unique(endpoints), family=version, primary=index == 0, created=created,
                     )
                 )  # fmt: skip
     return out
+
+
+def order(e: Endpoint) -> tuple[Any, ...]:
+    """The order of endpoints (a slot's, a listing's): by address and port, then the rest;
+    explicit, as one without a node (None) and one with a node cannot be compared field by field."""
+    return (e.ip, e.port, e.node or "", e.ready, e.serving, e.terminating, e.pod or "", e.hostname)
+
+
+def unique(endpoints: Iterable[Endpoint]) -> tuple[Endpoint, ...]:
+    """One endpoint per address and port, as kube-proxy keeps one (EndpointSlices may list an
+    address twice, in one slice or two, with other conditions or without ``nodeName``): the
+    ready one, else a serving one, else a non-terminating one (then the first in
+    :func:`order`), with the node, pod and hostname the other copy names where it names none."""
+    best: dict[tuple[str, int], Endpoint] = {}
+    for e in endpoints:
+        had = best.get((e.ip, e.port))
+        if had is None:
+            best[(e.ip, e.port)] = e
+            continue
+        keep, other = sorted((had, e), key=lambda x: (not x.ready, not x.serving, x.terminating, order(x)))
+        best[(e.ip, e.port)] = replace(keep, node=keep.node or other.node, pod=keep.pod or other.pod,
+                                       hostname=keep.hostname or other.hostname)  # fmt: skip
+    return tuple(sorted(best.values(), key=order))
 
 
 def _created(meta: Obj) -> float:

@@ -25,6 +25,7 @@ class ServiceState(Protocol):
     last_sync: dict[str, Any] | None
     flushed: int
     counters: dict[str, int]
+    failed: dict[tuple[str, str], str]
     dns_server: dns.DnsServer | None
 
     def dns_outcomes(self) -> dict[str, int] | None: ...
@@ -52,7 +53,7 @@ class ServiceViews:
         a = self.agent
         if summary:
             return {"node": a.node, "revision": a.applied_revision, "error": a.error, "syncs": a.syncs,
-                    "last_sync": a.last_sync, "service_ports": a.port_count}  # fmt: skip
+                    "last_sync": a.last_sync, "service_ports": a.port_count, "failed": _failed(a)}  # fmt: skip
         services: dict[str, dict[str, Any]] = {}
         conflicts = a.conflicts
         # What the kernel carries of each port: its cluster IP and node port unless an older
@@ -112,7 +113,7 @@ class ServiceViews:
             })  # fmt: skip
         return {
             "node": a.node, "revision": a.applied_revision, "error": a.error, "syncs": a.syncs,
-            "last_sync": a.last_sync, "udp_flushed": a.flushed,
+            "last_sync": a.last_sync, "udp_flushed": a.flushed, "failed": _failed(a),
             "dns": None if a.dns_server is None else {
                 "address": a.dns_server.address, "addresses": a.dns_server.addresses, "queries": a.dns_server.queries,
                 "forwarded": a.dns_server.forwarded, "servfail": a.dns_server.failed,
@@ -149,3 +150,8 @@ class ServiceViews:
             for outcome, n in outcomes.items():  # monotonic: a query in flight is in none; rejected: over MAX_FORWARDED, SERVFAIL at once, or a TCP connection over MAX_TCP_CLIENTS; foreign: from outside the pods and the node, dropped
                 q.add_metric([outcome], n)
             yield q
+
+
+def _failed(a: ServiceState) -> dict[str, str]:
+    """The Services not translated because their records could not be built or compiled: why."""
+    return {f"{ns}/{name}": line for (ns, name), line in sorted(a.failed.items())}

@@ -8,6 +8,8 @@ import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from agentd.nft import expr
 from agentd.nft.ruleset import NftChain, NftSet, Ruleset, applied, plan
@@ -143,7 +145,7 @@ def test_hairpin_snat_is_decided_after_the_choice_for_an_endpoint_reaching_itsel
     assert postrouting[0] == [
         {"match": {"op": "in", "left": {"ct": {"key": "status"}}, "right": "dnat"}},
         {"match": {"op": "==", "left": {"concat": [compiler.SADDR, expr.payload("ip", "daddr")]}, "right": "@" + compiler.HAIRPIN}},
-        {"masquerade": None}]  # fmt: skip
+        compiler.MASQUERADE]  # fmt: skip
     assert _map(rs, compiler.HAIRPIN) == {("10.244.1.2", "10.244.1.2")}  # node2's endpoint is node2's to match
     for n in (1, 2):  # no mark before the choice
         assert not [r for r in _chain(rs, f"pick/{n}") if compiler.MARK_MASQ in r]
@@ -836,3 +838,149 @@ def test_a_local_path_is_checked_against_this_nodes_endpoints_after_a_restart(po
         Unusable("10.96.0.10", 53, None, 4, mine if local_vip else every),
         Unusable(None, 53, 30053, 4, mine if local_np else every),
     ]
+
+
+def test_an_address_listed_twice_is_one_endpoint_with_or_without_its_node():
+    """The API allows one address in two endpoints (one slice or two), one naming its node
+    and one not: kube-proxy keeps one per address and port, the ready one; so does the model
+    (sorting a node against none raised, and the sync loop died on it)."""
+    s = svc("db", {"ports": [{"name": "", "port": 5432, "targetPort": 5432}]})
+    ports = [{"name": "", "port": 5432, "protocol": "TCP"}]
+    sl = eps_slice("db-1", "db", [{"addresses": ["10.244.2.7"], "nodeName": "n2"}, {"addresses": ["10.244.2.7"]},
+                                  {"addresses": ["10.244.2.8"], "conditions": {"ready": False}, "nodeName": "n2"}], ports)
+    other = eps_slice("db-2", "db", [{"addresses": ["10.244.2.8"]}], ports)  # ready, without its node
+    (db,) = model.build([s], [sl, other], [])
+    assert [(e.ip, e.node, e.ready) for e in db.endpoints] == [("10.244.2.7", "n2", True), ("10.244.2.8", "n2", True)]
+    assert [e.ip for e in db.usable("n2")] == ["10.244.2.7", "10.244.2.8"]
+    # A ServicePort made otherwise (two copies of an address, one without a node) still orders its endpoints.
+    mixed = replace(db, endpoints=(model.Endpoint("10.244.2.7", 5432, "n2"), model.Endpoint("10.244.2.7", 5432)))
+    assert len(mixed.usable()) == 2
+    assert compiler.compile_services([db], "n1").objects[(compiler.FAMILY, compiler.TABLE, "set", "addr/1")].elements
+
+
+def test_masquerading_clears_the_mark_before_the_packet_is_encapsulated():
+    """kube-proxy clears its masquerade bit in postrouting (kubernetes#92035): vxlan and ipip
+    keep the skb mark on the encapsulated packet, which would be masqueraded too."""
+    rs = compiler.compile_services([], "n1", families=(4, 6))
+    for table in (compiler.FAMILY, "ip6"):
+        rules = [json.loads(r) for r in rs.objects[(table, compiler.TABLE, "chain", "postrouting")].rules]
+        mark = expr.meta("mark")
+        assert rules[1:] == [
+            [{"match": {"op": "==", "left": {"&": [mark, compiler.MASQ_MARK]}, "right": 0}}, {"return": None}],
+            [{"mangle": {"key": mark, "value": {"^": [mark, compiler.MASQ_MARK]}}}],
+            [{"masquerade": {"flags": ["fully-random"]}}],
+        ]  # fmt: skip
+        assert rules[0][-1] == {"masquerade": {"flags": ["fully-random"]}}  # the hairpin, as the agent's other masquerading
+
+
+def test_a_node_port_without_endpoints_is_not_refused_on_loopback():
+    """As the nat chain (and kube-proxy's noLocalhost): 127.0.0.0/8 and ::1 are no node port's."""
+    s = svc("web", {"type": "NodePort", "selector": {"app": "none"},
+                    "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]})  # fmt: skip
+    rs = compiler.compile_services(model.build([s], [], PODS), "n1", families=(4, 6))
+    for table, proto, loopback in ((compiler.FAMILY, "ip", {"prefix": {"addr": "127.0.0.0", "len": 8}}), ("ip6", "ip6", "::1")):
+        not_loopback = {"match": {"op": "!=", "left": expr.payload(proto, "daddr"), "right": loopback}}
+        for hook in ("prerouting", "output"):
+            rules = [json.loads(r) for r in rs.objects[(table, compiler.TABLE, "chain", f"filter-{hook}")].rules]
+            (np_rule,) = [r for r in rules if r[-1].get("vmap", {}).get("data") == "@" + compiler.NP_UNAVAILABLE]
+            assert not_loopback in np_rule, (table, hook, np_rule)
+        services = [json.loads(r) for r in rs.objects[(table, compiler.TABLE, "chain", "services")].rules]
+        assert not_loopback in services[1]
+
+
+def _port(name: str, created: float, vip: str | None = "10.96.0.50", node_port: int | None = None,
+          eps: tuple[model.Endpoint, ...] = (model.Endpoint("10.244.2.5", 8080, "n2"),)) -> model.ServicePort:
+    return model.ServicePort("ns", name, "", "TCP", 80, vip, node_port, None, False, False, eps, created=created)
+
+
+def test_a_service_taking_a_vip_over_keeps_the_elements_it_shares_with_the_holder():
+    """The VIP's holder gone, the Service that claimed it too has it: its map elements, the
+    same as the holder's (same endpoints), stay in the maps (the holder's removal took them)."""
+    table = compiler.Table("n1")
+    table.update(("ns", "z-old"), [_port("z-old", 10)])
+    table.update(("ns", "a-new"), [_port("a-new", 20)])  # left out: z-old holds the VIP
+    _ = table.rs
+    table.update(("ns", "z-old"), [])
+    assert [p.cluster_ip for p in table.compiled(("ns", "a-new"))] == ["10.96.0.50"]
+    assert table.translating()
+    assert table.rs.objects == compiler.compile_services([_port("a-new", 20)], "n1").objects
+    # One batch: the younger claims a node port, then the older claims it too (it takes it over).
+    table = compiler.Table("n1")
+    table.update(("ns", "d"), [_port("d", 20, "10.96.0.60", 30001)])
+    table.update(("ns", "a"), [_port("a", 10, "10.96.0.61", 30001)])
+    want = compiler.compile_services([_port("d", 20, "10.96.0.60", 30001), _port("a", 10, "10.96.0.61", 30001)], "n1")
+    assert _map(table.rs, compiler.NODE_PORTS) == _map(want, compiler.NODE_PORTS) != frozenset()
+    assert table.rs.objects == want.objects
+
+
+NODES = ("n1", "n2", None)
+
+
+@st.composite
+def _service_ports(draw: st.DrawFn, name: str, created: float) -> list[model.ServicePort]:
+    endpoint = st.builds(
+        lambda n, host, port, node, ready, serving, terminating: model.Endpoint(
+            f"10.244.{n}.{host}", port, node, ready=ready, serving=serving, terminating=terminating),
+        st.integers(1, 3), st.integers(1, 6), st.sampled_from([80, 8080]), st.sampled_from(NODES),
+        st.booleans(), st.booleans(), st.booleans(),
+    )  # fmt: skip
+    eps = model.unique(draw(st.lists(endpoint, max_size=20)))
+    vip = draw(st.sampled_from(["10.96.0.1", "10.96.0.2", None]))
+    out = []
+    for port in draw(st.lists(st.sampled_from([53, 80, 443]), min_size=1, max_size=2, unique=True)):
+        out.append(model.ServicePort(
+            "ns", name, str(port), draw(st.sampled_from(["TCP", "UDP"])), port, vip,
+            draw(st.sampled_from([None, 30000, 30001, 30100 + port])), draw(st.sampled_from([None, None, 30])),
+            draw(st.booleans()), draw(st.booleans()), eps, created=created))  # fmt: skip
+    seen: set[tuple[str, int | None]] = set()  # one Service's node ports are its own (allocation checks those)
+    for i, sp in enumerate(out):
+        if (sp.protocol, sp.node_port) in seen:
+            out[i] = replace(sp, node_port=None)
+        seen.add((sp.protocol, sp.node_port))
+    return out
+
+
+@st.composite
+def _steps(draw: st.DrawFn) -> list[list[tuple[str, list[model.ServicePort]]]]:
+    """Batches of Service changes (a Service's new ports, or none: gone)."""
+    names = {"a": 1.0, "b": 2.0, "c": 3.0}
+    batches = []
+    for _ in range(draw(st.integers(1, 12))):
+        batch = []
+        for name in draw(st.lists(st.sampled_from(sorted(names)), min_size=1, max_size=3)):
+            batch.append((name, [] if draw(st.integers(0, 4)) == 0 else draw(_service_ports(name, names[name]))))
+        batches.append(batch)
+    return batches
+
+
+def _elements(rs: Ruleset) -> dict:
+    return {k: o.elements for k, o in rs.objects.items() if isinstance(o, NftSet) and o.elements}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_steps())
+def test_incremental_updates_hold_the_elements_of_a_fresh_compile(batches):
+    """Property: whatever Services come, change, claim each other's VIPs and node ports and go,
+    the table kept service by service holds the elements a fresh compile of what is there now
+    gives, and each map's delta is one the kernel takes (nothing added twice, nothing
+    deleted that is not there)."""
+    table = compiler.Table("n1", pod_subnets={4: "10.244.1.0/24"}, service_ranges={4: "10.96.0.0/12"})
+    state: dict[str, list[model.ServicePort]] = {}
+    applied: dict = {}  # per map, as last read (what plan() takes a delta from)
+    for batch in batches:
+        for name, ports in batch:
+            table.update(("ns", name), ports)
+            state[name] = ports
+        rs = table.rs
+        for key, obj in rs.objects.items():
+            if not isinstance(obj, NftSet):
+                continue
+            before = applied.get(key)
+            if obj.delta is not None and before is not None and obj.delta[0] is before:
+                _, added, removed = obj.delta
+                assert removed <= before.elements and not (added & before.elements), key
+                assert (before.elements - removed) | added == obj.elements, key
+        applied = {k: o for k, o in rs.objects.items() if isinstance(o, NftSet)}
+        fresh = compiler.compile_services([p for ps in state.values() for p in ps], "n1",
+                                          pod_subnets={4: "10.244.1.0/24"}, service_ranges={4: "10.96.0.0/12"})  # fmt: skip
+        assert _elements(rs) == _elements(fresh)

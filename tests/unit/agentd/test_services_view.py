@@ -12,6 +12,7 @@ from agentd.services.views import ServiceViews
 class _State:
     node, applied_revision, error, error_dns, syncs, last_sync, flushed = "n1", 1, None, None, 1, None, 0
     counters: dict[str, int] = {}
+    failed: dict[tuple[str, str], str] = {}
     dns_server = None
 
     def dns_outcomes(self) -> None:
