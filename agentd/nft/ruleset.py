@@ -61,7 +61,12 @@ class NftSet:
         return "interval" in self.flags
 
     def same_shape(self, other: NftSet) -> bool:
-        return (self.type, self.map, self.flags, self.timeout) == (other.type, other.map, other.flags, other.timeout)
+        """Whether the two are one set but for their elements.  ``dynamic`` is not compared:
+        nft gives it itself to a set that rules fill (``update @aff``), and may list it (a
+        newer nft in JSON) for a set declared without it -- taken for another shape, the set
+        would be deleted and made again while rules use it, a transaction the kernel refuses."""
+        return (self.type, self.map, _declared(self.flags), self.timeout) == (
+            other.type, other.map, _declared(other.flags), other.timeout)
 
     @property
     def dynamic(self) -> bool:
@@ -231,6 +236,10 @@ def command_json(command: dict[str, Any]) -> str:
         rest = json.dumps({k: v for k, v in rule.items() if k != "expr"})
         return f'{{{json.dumps(verb)}: {{"rule": {rest[:-1]}, "expr": {rule["expr"]}}}}}}}'
     return json.dumps(command)
+
+
+def _declared(flags: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f for f in flags if f != "dynamic")
 
 
 def plan(current: Ruleset, desired: Ruleset, keys: Iterable[ObjKey] | None = None) -> list[dict[str, Any]]:
