@@ -101,7 +101,9 @@ class SubnetLeases:
     async def set_subnet_backend_data(self, backend_data: dict[str, Any], *, timeout: float | None = None) -> bool:
         """Publish ``backend_data`` (our VTEP MAC, UDP port...) in our subnet lease record too,
         as flannel does; the node record carries the same.  Never moves or re-takes the lease:
-        the record is rewritten only while it is still the one we wrote.  True if written."""
+        the record is rewritten only while it is still the one we wrote.  True if written.
+        Not written (our record gone with an expired lease): the keeper holds the new data all
+        the same, and its keepalive puts the record back with it."""
         keeper = self.keeper
         written = False
         async with keeper.lock:
@@ -114,10 +116,14 @@ class SubnetLeases:
                     lambda c, lease=lease, new=new: subnets.rewrite(c, self.prefix, lease, new),
                     self.connection.deadline(timeout),
                 )
-                if ok:  # only then: a failed rewrite is tried again by the next call
-                    keeper.subnets[version] = new
-                else:
-                    log.warning("subnet %s: its record changed meanwhile; backend data not published", lease.subnet)
+                if not ok:
+                    # Not the record we wrote: gone with our lease (an outage longer than the TTL),
+                    # or changed.  The keepalive puts our record back, or rewrites it while it is
+                    # ours, with what the keeper holds: the new data, not the stale.
+                    log.info("subnet %s: its record is not the one we wrote (gone with our lease?); the "
+                             "keepalive publishes the backend data once the record is ours", lease.subnet)
+                # Not before it is done: a rewrite that raised is tried again by the next call.
+                keeper.subnets[version] = new
                 written |= ok
         return written
 
