@@ -93,7 +93,7 @@ class SubnetLeases:
                             previous, subnet_len, cidr)
                 previous = None
         deadline = self.connection.deadline(timeout)
-        async with self.keeper.lock:
+        async with self.connection.locked(self.keeper.lock, deadline, "acquire subnet"):
             lease = await self._allocate(template, cluster, previous, deadline, version)
             self.keeper.subnets[version] = lease
         return lease
@@ -106,7 +106,8 @@ class SubnetLeases:
         the same, and its keepalive puts the record back with it."""
         keeper = self.keeper
         written = False
-        async with keeper.lock:
+        deadline = self.connection.deadline(timeout)
+        async with self.connection.locked(keeper.lock, deadline, "publish subnet backend data"):
             for version, lease in sorted(keeper.subnets.items()):
                 if lease.lease_id is None or lease.backend_data == backend_data:
                     continue
@@ -114,7 +115,7 @@ class SubnetLeases:
                 ok = await self.connection.call(
                     "publish subnet backend data",
                     lambda c, lease=lease, new=new: subnets.rewrite(c, self.prefix, lease, new),
-                    self.connection.deadline(timeout),
+                    deadline,
                 )
                 if not ok:
                     # Not the record we wrote: gone with our lease (an outage longer than the TTL),

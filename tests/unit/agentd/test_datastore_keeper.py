@@ -418,6 +418,36 @@ async def test_a_release_and_node_removal_wait_no_longer_than_their_deadline_for
     assert not keeper.lock.locked()
 
 
+async def test_every_write_of_our_keys_waits_no_longer_than_its_deadline_for_the_lock():
+    """register_node (update_node), acquire_subnet and set_subnet_backend_data took the keeper's
+    lock with a plain ``async with``: held by a publication retrying while etcd is unreachable,
+    they waited for ever whatever their timeout said."""
+    from agentd.datastore.records import DatastoreUnavailable
+
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    etcd.leases.add(0x11)
+    keeper.lease_id, keeper.subnet, keeper.node = 0x11, lease_of("A", 0x11), node("A")
+    leases = SubnetLeases(conn, keeper, PREFIX, random.Random(1))
+    registration = Registration(conn, keeper, PREFIX)
+    cluster = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
+    writes = [
+        ("register node", lambda: registration.register_node(node("A"), timeout=0.2)),
+        ("register node", lambda: registration.update_node(node("A"), timeout=0.2)),
+        ("acquire subnet", lambda: leases.acquire_subnet("A", "192.0.2.1", "vxlan", {}, cluster=cluster, timeout=0.2)),
+        ("publish subnet backend data", lambda: leases.set_subnet_backend_data({"port": 8472}, timeout=0.2)),
+    ]
+    async with keeper.lock:  # another write holds it
+        for what, write in writes:
+            done, _ = await asyncio.wait([asyncio.ensure_future(write())], timeout=2.0)
+            assert done, f"{what}: waited past its deadline for the lock"
+            err = next(iter(done)).exception()
+            assert isinstance(err, DatastoreUnavailable) and str(err).startswith(what), err
+            assert "past the deadline" in str(err)
+    assert etcd.calls == []
+
+
 # --- leases of another prefix length (subnet_len changed, a stray key) ---------------------------
 
 WIDE = IPv4Network("10.244.0.0/23")  # leased while the cluster's subnet_len was 23
