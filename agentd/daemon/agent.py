@@ -167,6 +167,7 @@ class Agent:
         self.leases: dict[int, SubnetLease] = {}  # by IP version: both in a dual-stack cluster
         self.peering = mesh.Peering(self.name)  # the node registry as read, and the peers it implies
         self.routes = KernelRoutes(self)  # best paths -> kernel routes (agentd/daemon/routes.py)
+        self._peers_handle: asyncio.Handle | None = None  # the node events' peer set, applied once a batch
         self.started_bgp = False
         self._stop = asyncio.Event()
         self.stopping = False  # no more route changes: a graceful stop leaves the kernel as it is
@@ -843,8 +844,22 @@ class Agent:
         assert self.datastore is not None
         async for ev in self.datastore.watch_nodes():
             self.peering.apply(ev)
-            self._apply_peers()
+            self._schedule_peers()
             self.routes.schedule()
+
+    def _schedule_peers(self) -> None:
+        """Apply the peer set at the next loop turn, once for all the node events delivered
+        together.  A watch resumed after an outage replays what it missed in one batch: a node
+        whose lease ran out and that registered again is "delete X, put X".  Applied event by
+        event, X's BGP session (up all along) was reset with a Cease and its routes withdrawn;
+        applied once, X is in the peer set before and after, and its session stays."""
+        if self._peers_handle is None:
+            self._peers_handle = asyncio.get_running_loop().call_soon(self._apply_scheduled_peers)
+
+    def _apply_scheduled_peers(self) -> None:
+        self._peers_handle = None
+        if not self.stopping:
+            self._apply_peers()
 
     def _apply_peers(self) -> None:
         if self.service is not None:

@@ -25,7 +25,7 @@ from agentd.datastore.etcd import (
     is_transient,
     tls_credentials,
 )
-from agentd.datastore.records import Backoff, DatastoreError, DatastoreUnavailable
+from agentd.datastore.records import Backoff, DatastoreError, DatastoreUnavailable, clip
 
 if TYPE_CHECKING:
     import grpc
@@ -270,7 +270,7 @@ class EtcdConnection:
         if len(self._reported_bad) > 10000:
             self._reported_bad.clear()
         self._reported_bad.add((key, mod_revision))
-        log.warning("skipping malformed record at %s: %s", key.decode(errors="replace"), error)
+        log.warning("skipping malformed record at %s: %s", clip(key.decode(errors="replace")), error)
 
 
 async def cancel_kept(awaitable: Awaitable[T]) -> T:

@@ -93,7 +93,7 @@ class SubnetLeases:
                             previous, subnet_len, cidr)
                 previous = None
         deadline = self.connection.deadline(timeout)
-        async with self.keeper.lock:
+        async with self.connection.locked(self.keeper.lock, deadline, "acquire subnet"):
             lease = await self._allocate(template, cluster, previous, deadline, version)
             self.keeper.subnets[version] = lease
         return lease
@@ -101,10 +101,13 @@ class SubnetLeases:
     async def set_subnet_backend_data(self, backend_data: dict[str, Any], *, timeout: float | None = None) -> bool:
         """Publish ``backend_data`` (our VTEP MAC, UDP port...) in our subnet lease record too,
         as flannel does; the node record carries the same.  Never moves or re-takes the lease:
-        the record is rewritten only while it is still the one we wrote.  True if written."""
+        the record is rewritten only while it is still the one we wrote.  True if written.
+        Not written (our record gone with an expired lease): the keeper holds the new data all
+        the same, and its keepalive puts the record back with it."""
         keeper = self.keeper
         written = False
-        async with keeper.lock:
+        deadline = self.connection.deadline(timeout)
+        async with self.connection.locked(keeper.lock, deadline, "publish subnet backend data"):
             for version, lease in sorted(keeper.subnets.items()):
                 if lease.lease_id is None or lease.backend_data == backend_data:
                     continue
@@ -112,12 +115,16 @@ class SubnetLeases:
                 ok = await self.connection.call(
                     "publish subnet backend data",
                     lambda c, lease=lease, new=new: subnets.rewrite(c, self.prefix, lease, new),
-                    self.connection.deadline(timeout),
+                    deadline,
                 )
-                if ok:  # only then: a failed rewrite is tried again by the next call
-                    keeper.subnets[version] = new
-                else:
-                    log.warning("subnet %s: its record changed meanwhile; backend data not published", lease.subnet)
+                if not ok:
+                    # Not the record we wrote: gone with our lease (an outage longer than the TTL),
+                    # or changed.  The keepalive puts our record back, or rewrites it while it is
+                    # ours, with what the keeper holds: the new data, not the stale.
+                    log.info("subnet %s: its record is not the one we wrote (gone with our lease?); the "
+                             "keepalive publishes the backend data once the record is ours", lease.subnet)
+                # Not before it is done: a rewrite that raised is tried again by the next call.
+                keeper.subnets[version] = new
                 written |= ok
         return written
 

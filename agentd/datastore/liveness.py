@@ -240,14 +240,23 @@ class LeaseKeeper:
                 return
         value, kv = kvs[0]
         try:
-            holder = SubnetLease.from_json(value, subnet.subnet, kv.lease).node
+            stored: SubnetLease | None = SubnetLease.from_json(value, subnet.subnet, kv.lease)
         except RecordError:
-            holder = "an unreadable record"
+            stored = None
+        holder = stored.node if stored is not None else "an unreadable record"
         if holder == subnet.node:
             if kv.lease != lease_id:
                 self._report_conflict(kv.key, kv.mod_revision, "subnet key")
-            elif subnet.lease_id != lease_id:  # re-taken by a claim whose reply was lost
-                self.subnets[subnet.subnet.version] = dataclasses.replace(subnet, lease_id=lease_id)
+                return
+            if subnet.lease_id != lease_id:  # re-taken by a claim whose reply was lost
+                subnet = dataclasses.replace(subnet, lease_id=lease_id)
+                self.subnets[subnet.subnet.version] = subnet
+            # Ours, but not what we publish (put back while the new backend data could not be
+            # written: set_subnet_backend_data found the key gone with our lease): rewritten.
+            if stored != subnet and await self._bounded(
+                subnets.put_unchanged(client, self.prefix, subnet, kv.mod_revision)
+            ):
+                log.info("subnet %s: published its backend data under lease %x", subnet.subnet, lease_id)
             return
         self.subnets.pop(subnet.subnet.version, None)
         node = self.node

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import json
 import random
+import reprlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address, ip_network
@@ -59,6 +60,35 @@ class HistoryCompacted(DatastoreError):
 # -- field checks (one line each, naming the record and the field) ---------------
 
 
+# A record's field may be megabytes (etcd takes values up to 1.5 MiB): what an error (and the
+# log line it becomes) quotes of it is shortened to about this many characters.
+QUOTED_MAX = 64
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = QUOTED_MAX
+
+
+def _q(value: Any) -> str:
+    """``repr(value)``, shortened to about QUOTED_MAX characters ("'aaaa...aaaa'")."""
+    return _SHORT.repr(value)
+
+
+def clip(text: str) -> str:
+    """``text``, or its start and end around "..." when longer than QUOTED_MAX (a key in a log line)."""
+    if len(text) <= QUOTED_MAX:
+        return text
+    half = (QUOTED_MAX - 3) // 2
+    return f"{text[:half]}...{text[-half:]}"
+
+
+def _why(err: ValueError, text: str) -> str:
+    """ipaddress's reason for refusing ``text``, without a long ``text`` it repeats (the
+    message quotes it already, shortened)."""
+    msg = str(err)
+    if len(text) > QUOTED_MAX:
+        msg = msg.replace(repr(text), "it").replace(text, "it")
+    return msg if len(msg) <= 2 * QUOTED_MAX else msg[: 2 * QUOTED_MAX - 3] + "..."
+
+
 def _load(kind: str, data: bytes | str) -> dict[str, Any]:
     try:
         obj = json.loads(data)
@@ -89,7 +119,7 @@ def _int(kind: str, name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise RecordError(f"{kind}: field {name!r} must be an integer, got {_typename(value)}")
     if not lo <= value <= hi:
-        raise RecordError(f"{kind}: field {name!r} = {value} is outside {lo}..{hi}")
+        raise RecordError(f"{kind}: field {name!r} = {_q(value)} is outside {lo}..{hi}")
     return value
 
 
@@ -118,7 +148,7 @@ def _address(kind: str, name: str, value: Any, version: int | None = 4) -> IPv4A
     except ValueError:
         addr = None
     if addr is None or version not in (None, addr.version):
-        raise RecordError(f"{kind}: field {name!r} = {text!r} is not {_FAMILY_NAMES[version]} address") from None
+        raise RecordError(f"{kind}: field {name!r} = {_q(text)} is not {_FAMILY_NAMES[version]} address") from None
     return addr
 
 
@@ -132,9 +162,9 @@ def _network(kind: str, name: str, value: Any, version: int | None = 4) -> IPv4N
             raise ValueError("an IPv6 zone (%...) has no place in a network")
         net = ip_network(text)
     except ValueError as e:
-        raise RecordError(f"{kind}: field {name!r} = {text!r} is not {_FAMILY_NAMES[version]} network ({e})") from None
+        raise RecordError(f"{kind}: field {name!r} = {_q(text)} is not {_FAMILY_NAMES[version]} network ({_why(e, text)})") from None
     if version not in (None, net.version):
-        raise RecordError(f"{kind}: field {name!r} = {text!r} is not {_FAMILY_NAMES[version]} network")
+        raise RecordError(f"{kind}: field {name!r} = {_q(text)} is not {_FAMILY_NAMES[version]} network")
     return net
 
 
@@ -150,9 +180,9 @@ def check_node_name(name: Any, kind: str = "node record", field: str = "name") -
     """A node name usable as the last element of an etcd key."""
     _str(kind, field, name)
     if not name or len(name) > NODE_NAME_MAX:
-        raise RecordError(f"{kind}: field {field!r} must be 1..{NODE_NAME_MAX} characters, got {name!r}")
+        raise RecordError(f"{kind}: field {field!r} must be 1..{NODE_NAME_MAX} characters, got {_q(name)}")
     if "/" in name or any(c.isspace() or not c.isprintable() for c in name):
-        raise RecordError(f"{kind}: field {field!r} = {name!r} must not contain '/', spaces or control characters")
+        raise RecordError(f"{kind}: field {field!r} = {_q(name)} must not contain '/', spaces or control characters")
     return name
 
 
@@ -191,17 +221,17 @@ class ClusterConfig:
             try:
                 cidr = IPv4Network(_str(kind, "cidr", cidr))
             except ValueError as e:
-                raise RecordError(f"{kind}: field 'cidr' = {self.cidr!r} is not an IPv4 network ({e})") from None
+                raise RecordError(f"{kind}: field 'cidr' = {_q(self.cidr)} is not an IPv4 network ({_why(e, str(self.cidr))})") from None
             object.__setattr__(self, "cidr", cidr)
         _int(kind, "subnet_len", self.subnet_len, cidr.prefixlen, MAX_SUBNET_LEN)
         if _str(kind, "backend", self.backend) not in BACKENDS:
-            raise RecordError(f"{kind}: field 'backend' = {self.backend!r} is not one of {', '.join(BACKENDS)}")
+            raise RecordError(f"{kind}: field 'backend' = {_q(self.backend)} is not one of {', '.join(BACKENDS)}")
         if _str(kind, "encap", self.encap) not in ENCAPS:
-            raise RecordError(f"{kind}: field 'encap' = {self.encap!r} is not one of {', '.join(ENCAPS)}")
+            raise RecordError(f"{kind}: field 'encap' = {_q(self.encap)} is not one of {', '.join(ENCAPS)}")
         # Not checked against cidr: records written before the field have the default, whatever cidr is.
         object.__setattr__(self, "service_cidr", _network(kind, "service_cidr", self.service_cidr))
         if _str(kind, "ip_family", self.ip_family) not in IP_FAMILIES:
-            raise RecordError(f"{kind}: field 'ip_family' = {self.ip_family!r} is not one of {', '.join(IP_FAMILIES)}")
+            raise RecordError(f"{kind}: field 'ip_family' = {_q(self.ip_family)} is not one of {', '.join(IP_FAMILIES)}")
         if self.ip_family != "ipv4" or self.cidr_v6 is not None:
             if self.cidr_v6 is None or self.subnet_len_v6 is None:
                 raise RecordError(f"{kind}: ip_family {self.ip_family} needs the fields 'cidr_v6' and 'subnet_len_v6'")
@@ -425,7 +455,7 @@ class NodeEvent:
 
 def normalize_prefix(prefix: str) -> str:
     if not isinstance(prefix, str) or not prefix.startswith("/") or prefix.rstrip("/") == "":
-        raise ValueError(f"etcd prefix must be an absolute key path like '/agentd', got {prefix!r}")
+        raise ValueError(f"etcd prefix must be an absolute key path like '/agentd', got {_q(prefix)}")
     return prefix.rstrip("/")
 
 
@@ -473,14 +503,14 @@ def parse_subnet_key(prefix: str, key: bytes | str) -> IPv4Network | IPv6Network
     text = key.decode(errors="replace") if isinstance(key, bytes) else key
     head = subnets_prefix(prefix).decode()
     if not text.startswith(head):
-        raise RecordError(f"subnet key {text!r} is not under {head!r}")
+        raise RecordError(f"subnet key {_q(text)} is not under {head!r}")
     ip, sep, length = text[len(head) :].rpartition("-")
     if not sep or not length.isdigit():
-        raise RecordError(f"subnet key {text!r} is not of the form <ip>-<len>")
+        raise RecordError(f"subnet key {_q(text)} is not of the form <ip>-<len>")
     try:
         return ip_network(f"{ip}/{int(length)}")
     except ValueError as e:
-        raise RecordError(f"subnet key {text!r} does not name a subnet ({e})") from None
+        raise RecordError(f"subnet key {_q(text)} does not name a subnet ({_why(e, f'{ip}/{length}')})") from None
 
 
 def parse_node_key(prefix: str, key: bytes | str) -> str:
@@ -488,8 +518,8 @@ def parse_node_key(prefix: str, key: bytes | str) -> str:
     text = key.decode(errors="replace") if isinstance(key, bytes) else key
     head = nodes_prefix(prefix).decode()
     if not text.startswith(head):
-        raise RecordError(f"node key {text!r} is not under {head!r}")
-    return check_node_name(text[len(head) :], f"node key {text!r}")
+        raise RecordError(f"node key {_q(text)} is not under {head!r}")
+    return check_node_name(text[len(head) :], f"node key under {head}")
 
 
 def parse_node(prefix: str, key: bytes | str, value: bytes) -> NodeRecord:
@@ -497,7 +527,7 @@ def parse_node(prefix: str, key: bytes | str, value: bytes) -> NodeRecord:
     name = parse_node_key(prefix, key)
     record = NodeRecord.from_json(value)
     if record.name != name:
-        raise RecordError(f"node record at key {name!r} names itself {record.name!r}")
+        raise RecordError(f"node record at key {_q(name)} names itself {_q(record.name)}")
     return record
 
 

@@ -122,7 +122,7 @@ class Registration:
         keeper, call = self.keeper, self.connection.call
         deadline = self.connection.deadline(timeout)
         key, value = node_key(self.prefix, record.name), record.to_json()
-        async with keeper.lock:
+        async with self.connection.locked(keeper.lock, deadline, "register node"):
             old = keeper.node
             await keeper.with_lease("register node", lambda c, lease: c.put(key, value, lease=lease), deadline)
             keeper.node = record

@@ -166,6 +166,18 @@ async def rewrite(client: EtcdClient, prefix: str, old: SubnetLease, new: Subnet
     return bool(current) and current[0][0] == value and current[0][1].lease == new.lease_id
 
 
+async def put_unchanged(client: EtcdClient, prefix: str, lease: SubnetLease, mod_revision: int) -> bool:
+    """Put our record ``lease`` (under ``lease.lease_id``) if its key is unchanged since
+    ``mod_revision``; True if written."""
+    key = subnet_key(prefix, lease.subnet)
+    ok, _ = await client.transaction(
+        compare=[tx.Mod(key) == mod_revision],
+        success=[tx.Put(key, lease.to_json(), lease=lease.lease_id)],
+        failure=[],
+    )
+    return bool(ok)
+
+
 async def release(client: EtcdClient, prefix: str, held: dict[Network, Entry]) -> bool:
     """Delete the given subnet keys if none changed since we read them."""
     keys = {subnet_key(prefix, s): e.mod_revision for s, e in held.items()}

@@ -458,6 +458,28 @@ async def test_hung_etcd_with_deadline_raises_and_close_ends_watches(etcd_server
     assert events == ["snapshot", "ended"]
 
 
+async def test_a_watch_on_a_stopped_etcd_is_interrupted_within_seconds(etcd_server, stores):
+    # A member that stops answering without closing its sockets (SIGSTOP here; a partition
+    # alike): only keepalive pings find it.  gRPC gave up an unanswered ping after
+    # grpc.http2.ping_timeout_ms, 60 s by default, so the watch sat ~70 s on the silent member
+    # missing every change; with it bounded, ~15 s (10 s to the ping, 5 s for its answer).
+    ds = stores()
+    watch = Collector(ds)
+    try:
+        await eventually(lambda: watch.kinds() == [("snapshot", None)] and ds.connected, what="snapshot")
+        await apause(1.0, "the watch stream is up and idle")
+        etcd_server.freeze()
+        try:
+            started = time.monotonic()
+            await eventually(lambda: not ds.connected, timeout=20, what="the watch interrupted")
+            print(f"watch on a stopped etcd interrupted after {time.monotonic() - started:.1f}s")
+        finally:
+            etcd_server.thaw()
+        await eventually(lambda: ds.connected, what="the watch resumed")
+    finally:
+        await watch.stop()
+
+
 async def acquire_with_deadline(ds: Datastore, timeout: float):
     return await ds.acquire_subnet(
         "lambda", "192.0.2.1", "host-gw", {}, cluster=CLUSTER, timeout=timeout

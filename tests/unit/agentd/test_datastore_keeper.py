@@ -252,6 +252,52 @@ async def test_backend_data_not_written_is_written_by_the_next_call():
     assert stored.backend_data == keeper.subnet.backend_data == {"vtep_mac": "02:00:00:00:00:01"}
 
 
+async def test_backend_data_set_while_the_lease_is_gone_is_what_the_keepalive_puts_back():
+    """Our lease expired (an etcd outage longer than its TTL): the subnet record went with it.
+    The backend came up meanwhile (at start-up: its VTEP MAC); set_subnet_backend_data found no
+    record to rewrite, the keeper kept the old (empty) data, and the keepalive put the record
+    back without the MAC until the next change.  Now the keeper holds the new data and the
+    restore writes it."""
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    etcd.leases.add(0x11)
+    keeper.lease_id, keeper.subnet = 0x11, lease_of("A", 0x11)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x11)
+    etcd.expire(0x11)
+    leases = SubnetLeases(conn, keeper, PREFIX, random.Random(1))
+
+    assert await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:01"}) is False  # nothing to rewrite
+    keeper.lease_gone(0x11)  # the keepalive's refresh finds it gone
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+
+    kv = etcd.kvs[subnet_key(PREFIX, X)]
+    assert SubnetLease.from_json(kv.value, X, 0).backend_data == {"vtep_mac": "02:00:00:00:00:01"}
+    assert kv.lease == keeper.lease_id != 0x11
+    assert keeper.subnet.backend_data == {"vtep_mac": "02:00:00:00:00:01"}
+
+
+async def test_our_subnet_record_put_back_with_stale_backend_data_is_rewritten():
+    """Our record under our lease, but not with what the keeper holds (put back with stale
+    data): the keepalive's next round rewrites it."""
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    etcd.leases.add(0x11)
+    keeper.lease_id, keeper.subnet = 0x11, lease_of("A", 0x11, vtep_mac="02:00:00:00:00:01")
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x11)
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+    kv = etcd.kvs[subnet_key(PREFIX, X)]
+    assert SubnetLease.from_json(kv.value, X, 0).backend_data == {"vtep_mac": "02:00:00:00:00:01"}
+    assert kv.lease == 0x11
+    calls = len(etcd.calls)
+    async with keeper.lock:  # and the round after it writes nothing
+        await keeper._restore_keys(etcd)
+    assert etcd.calls[calls:] == ["transaction"]  # the read only
+
+
 async def test_a_silent_member_holds_the_keys_restore_no_longer_than_the_refresh():
     """Only the refresh had the keepalive's short timeout: with lease_ttl = 2 a read of the
     restore that got no answer outlived the lease.  (request_timeout is 50 ms here, to keep
@@ -370,6 +416,36 @@ async def test_a_release_and_node_removal_wait_no_longer_than_their_deadline_for
         stuck.cancel()
         await asyncio.gather(stuck, return_exceptions=True)
     assert not keeper.lock.locked()
+
+
+async def test_every_write_of_our_keys_waits_no_longer_than_its_deadline_for_the_lock():
+    """register_node (update_node), acquire_subnet and set_subnet_backend_data took the keeper's
+    lock with a plain ``async with``: held by a publication retrying while etcd is unreachable,
+    they waited for ever whatever their timeout said."""
+    from agentd.datastore.records import DatastoreUnavailable
+
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    etcd.leases.add(0x11)
+    keeper.lease_id, keeper.subnet, keeper.node = 0x11, lease_of("A", 0x11), node("A")
+    leases = SubnetLeases(conn, keeper, PREFIX, random.Random(1))
+    registration = Registration(conn, keeper, PREFIX)
+    cluster = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
+    writes = [
+        ("register node", lambda: registration.register_node(node("A"), timeout=0.2)),
+        ("register node", lambda: registration.update_node(node("A"), timeout=0.2)),
+        ("acquire subnet", lambda: leases.acquire_subnet("A", "192.0.2.1", "vxlan", {}, cluster=cluster, timeout=0.2)),
+        ("publish subnet backend data", lambda: leases.set_subnet_backend_data({"port": 8472}, timeout=0.2)),
+    ]
+    async with keeper.lock:  # another write holds it
+        for what, write in writes:
+            done, _ = await asyncio.wait([asyncio.ensure_future(write())], timeout=2.0)
+            assert done, f"{what}: waited past its deadline for the lock"
+            err = next(iter(done)).exception()
+            assert isinstance(err, DatastoreUnavailable) and str(err).startswith(what), err
+            assert "past the deadline" in str(err)
+    assert etcd.calls == []
 
 
 # --- leases of another prefix length (subnet_len changed, a stray key) ---------------------------

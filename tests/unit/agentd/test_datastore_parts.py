@@ -57,6 +57,19 @@ def test_deadlines_come_from_the_clock_given():
     assert conn.deadline(2.5) == 102.5
 
 
+def test_an_unanswered_keepalive_ping_ends_the_channel_within_seconds():
+    """gRPC (1.85) gives up an unanswered keepalive ping only after grpc.http2.ping_timeout_ms
+    (60 s by default; keepalive_timeout_ms alone has no effect): a watch on a stopped or cut-off
+    member sat ~70 s missing changes.  Every client's channel bounds it (system test:
+    test_a_watch_on_a_stopped_etcd_is_interrupted_within_seconds)."""
+    from agentd.datastore.etcd import EtcdClient
+
+    options = EtcdClient(parse_endpoint("http://127.0.0.1:2379"), timeout=5.0)._options
+    assert options["grpc.keepalive_time_ms"] <= 10000
+    assert options["grpc.keepalive_timeout_ms"] <= 5000
+    assert options["grpc.http2.ping_timeout_ms"] <= 5000
+
+
 async def test_a_call_past_its_deadline_is_one_clear_error_and_marks_etcd_unreachable():
     clock = Clock()
     changes: list[bool] = []

@@ -185,6 +185,42 @@ def test_parse_node_checks_key_and_name_agree():
         parse_node_key("/agentd", b"/other/nodes/a")
 
 
+@pytest.mark.parametrize("field", ["address", "subnet", "name", "asn", "address_v6", "subnet_v6"])
+def test_a_huge_bad_field_makes_a_short_error(field):
+    """etcd takes a value up to 1.5 MiB: a 1 MB bad field made a multi-MB error (and log line),
+    twice over where ipaddress's reason repeated it.  The value is quoted shortened, once."""
+    huge = 10**4000 if field == "asn" else ("1" if field.startswith("subnet") else "A") * 1_000_000
+    obj = {**NODE_JSON, field: huge}
+    key = b"/agentd/nodes/" + (huge.encode() if field == "name" else obj["name"].encode())
+    with pytest.raises(RecordError) as err:
+        parse_node("/agentd", key, dumps(obj))
+    assert len(str(err.value)) < 300, str(err.value)[:400]
+    assert f"field {field!r}" in str(err.value)
+
+
+def test_a_huge_subnet_key_makes_a_short_error(caplog):
+    import logging
+
+    from agentd.datastore.connection import EtcdConnection
+
+    key = b"/agentd/subnets/" + b"1" * 1_000_000 + b"-24"
+    with pytest.raises(RecordError) as err:
+        parse_subnet_key("/agentd", key)
+    assert len(str(err.value)) < 300 and "does not name a subnet" in str(err.value)
+    conn = EtcdConnection([parse_endpoint("http://127.0.0.1:2379")], clock=lambda: 0.0, request_timeout=5.0,
+                          rng=random.Random(7))
+    with caplog.at_level(logging.WARNING, logger="agentd.datastore"):
+        conn.report_bad(key, 5, err.value)
+    assert len(caplog.records) == 1 and len(caplog.records[0].getMessage()) < 400
+
+
+def test_short_bad_values_are_quoted_whole():
+    obj = {**NODE_JSON, "subnet": "10.244.1.1/24"}
+    with pytest.raises(RecordError, match=r"field 'subnet' = '10.244.1.1/24' is not an IPv4 network \(10.244.1.1/24 "
+                                          r"has host bits set\)"):
+        parse_node("/agentd", b"/agentd/nodes/node-1", dumps(obj))
+
+
 # -- SubnetLease ----------------------------------------------------------------------------
 
 
