@@ -57,16 +57,21 @@ that MAC, or none (``lla/<port>`` chains, :func:`compile_lla_chain`), and lets n
 discovery pass otherwise untouched, to and from isolated pods alike: it is never routed up,
 so isolation never breaks it.
 
-Selector members are set elements: each rule has a set of its peer pods' addresses
-(``np-in/<ns>/<policy>/<rule>/pods``) and, with named ports, a set of (address, protocol,
-port) (``.../named``); its ipBlocks are prefix matches in its rules.  A pod appearing or
-changing labels anywhere in the cluster changes elements, never rules.
+Selector members are set elements: each distinct peer selector of a policy's chain has a set
+of its pods' addresses (``np-in/<ns>/<policy>/<rule>/pods``, after the first rule naming it),
+read by every rule that names it, and named ports a set of (address, protocol, port)
+(``.../named``); ipBlocks are prefix matches in the rules.  A pod appearing or changing labels
+anywhere in the cluster changes elements, never rules.  A policy's chains and the sets they
+read are laid out from the policy alone (:func:`layout`): one too large (MAX_POLICY_RULES,
+MAX_POLICY_SELECTORS) is refused before any pod is looked at; the engine fills the sets, at
+most MAX_POLICY_ELEMENTS elements a policy.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from agentd.nft.expr import (
@@ -76,7 +81,7 @@ from agentd.nft.expr import (
 from agentd.nft.flowmask import MARK as RECORD_MARK
 from agentd.nft.ruleset import NftChain, NftCounter, NftSet, rule_text
 
-from .model import Address, Network, Policy, Port, Rule
+from .model import Address, Network, Peer, PeerSelector, Policy, Port, Rule
 
 
 TABLE = "agentd-policy"
@@ -508,48 +513,121 @@ def version_of(address: str) -> int:
 # compiling and programming would hold the agent's event loop (BGP hold timers, etcd leases)
 # and the kernel's table for minutes.  A policy over it is compiled to an empty chain: it
 # still isolates the pods it selects, and allows nothing (see docs/policy.md, Limits).
+# Checked from the policy alone (:func:`layout_policy`), before any of its members are.
 MAX_POLICY_RULES = 10_000
 RAW_PREFIXES_MAX = 4 * MAX_POLICY_RULES  # a rule's ipBlock prefixes before collapsing (duplicates merge)
+# The most set elements one policy's sets may hold together (both directions, both families):
+# a policy whose distinct selectors each match much of a large cluster would otherwise cost
+# the agent seconds and hundreds of MiB at every pod change.  Refused as MAX_POLICY_RULES is.
+MAX_POLICY_ELEMENTS = 250_000
+# The most distinct peer selectors one policy may have: the agent keeps each one's members as
+# pods come and go (every pod change asks each selector), whether or not they are compiled.
+MAX_POLICY_SELECTORS = 500
 
 
 class PolicyTooLarge(ValueError):
-    """A policy's chain would have more than MAX_POLICY_RULES rules."""
+    """A policy's chain would have more than MAX_POLICY_RULES rules, or its sets more than
+    MAX_POLICY_ELEMENTS elements."""
 
 
-Alternative = tuple[int | None, list[dict[str, Any]]]  # (the IP version it is bound to, None: any; its matches)
+@dataclass(frozen=True)
+class NamedSource:
+    """Where a rule's named ports resolve: for "in" on the pods the policy selects, for
+    "out" on its peers (``peers``; None: every pod).  Rules with equal sources share a set."""
+
+    direction: str
+    ports: tuple[tuple[str, str], ...]  # (name, protocol), sorted
+    peers: frozenset[Peer] | None = None  # "out" only
 
 
-def compile_policy(
-    policy: Policy,
-    direction: str,
-    rules: tuple[Rule, ...],
-    members: list[RuleMembers],
-    families: Sequence[int] = (4,),
-) -> list[Any]:
-    """The chain ``np-<direction>/<ns>/<name>`` and its rules' sets.
+@dataclass(frozen=True)
+class PolicySet:
+    """A set of a policy's chain, filled by the engine: ``source`` a PeerSelector (its pods'
+    addresses of ``family``) or a NamedSource ((address, l4proto, port) of ``family``)."""
 
-    ``direction`` is "in" (peers are sources) or "out" (peers are destinations).  Named
-    ports resolve on the destination pod: for "in" the selected local pods, for "out" the
-    peers; ``members[i].named`` already holds the resolved triples.  Each rule allows the
-    peers x ports it lists; a peer match and a port match of two different families never
-    meet in one rule (it could match nothing)."""
+    name: str
+    family: AddressFamily
+    source: PeerSelector | NamedSource
+
+
+# A rule's peer or port alternative: (the IP version it is bound to, None: any; its matches;
+# the set it reads, if any)
+Alternative = tuple[int | None, list[dict[str, Any]], PolicySet | None]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A policy's chain in one direction, from the policy alone: its rules and the sets they
+    read (each distinct peer selector one set per family, shared by every rule naming it)."""
+
+    chain: NftChain
+    sets: tuple[PolicySet, ...]
+
+    def fill(self, elements: dict[str, frozenset[Any]]) -> list[Any]:
+        """The chain and its sets, each set's elements by its name."""
+        out: list[Any] = []
+        for s in self.sets:
+            if isinstance(s.source, NamedSource):
+                key: tuple[str, ...] = (s.family.addr, "inet_proto", "inet_service")
+            else:
+                key = (s.family.addr,)
+            out.append(NftSet(INET, TABLE, s.name, key, elements=elements[s.name]))
+        out.append(self.chain)
+        return out
+
+
+def layout(policy: Policy, families: Sequence[int] = (4,)) -> tuple[Layout, ...]:
+    """The policy's chains (ingress, egress: those of its policyTypes) from the policy alone,
+    or PolicyTooLarge (:func:`layout_policy`; more than MAX_POLICY_SELECTORS distinct peer
+    selectors)."""
+    selectors = {p.selector for rules in (policy.ingress, policy.egress) for r in rules or () for p in r.peers or ()
+                 if p.selector is not None}  # fmt: skip
+    if len(selectors) > MAX_POLICY_SELECTORS:
+        raise PolicyTooLarge(
+            f"policy {policy.namespace}/{policy.name} not programmed: its peers have {len(selectors)} distinct pod "
+            f"and namespace selectors, more than {MAX_POLICY_SELECTORS}; it allows nothing until fewer make it smaller"
+        )
+    return tuple(layout_policy(policy, direction, rules, families)
+                 for direction, rules in (("in", policy.ingress), ("out", policy.egress)) if rules is not None)  # fmt: skip
+
+
+def layout_policy(policy: Policy, direction: str, rules: tuple[Rule, ...], families: Sequence[int] = (4,)) -> Layout:
+    """The chain ``np-<direction>/<ns>/<name>`` and the sets its rules read, or
+    PolicyTooLarge: from the policy alone (no pod is looked at).
+
+    ``direction`` is "in" (peers are sources) or "out" (peers are destinations).  Each
+    distinct peer selector has one set of its pods' addresses per family
+    (``np-in/<ns>/<policy>/<rule>/pods``, named after the first rule that reads it; a second
+    selector new in that rule ``<rule>.1``), read by every rule that names it; a rule with
+    several reads each.  Named ports resolve on the destination pod: for "in" the selected
+    local pods, for "out" the peers (``.../named``, shared by rules with the same named
+    ports and, for "out", peers).  Each rule allows the peers x ports it lists; a peer match
+    and a port match of two different families never meet in one rule (it could match
+    nothing)."""
     fams = rows(families)
     chain_name = policy_chain(direction, policy)
     peer_field = "saddr" if direction == "in" else "daddr"
-    objects: list[Any] = []
+    pod_sets: dict[PeerSelector, str] = {}  # selector -> its sets' base name
+    named_sets: dict[NamedSource, str] = {}
+    sets: dict[str, PolicySet] = {}  # the sets some rule reads, by name
     chain_rules: list[str] = []
-    for index, (rule, mem) in enumerate(zip(rules, members)):
-        base = f"{chain_name}/{index}"
+    for index, rule in enumerate(rules):
         peers: list[Alternative] = []
         if rule.peers is None:
-            peers.append((None, []))
+            peers.append((None, [], None))
         else:
-            if any(p.selector is not None for p in rule.peers):
+            mine: dict[PeerSelector, None] = {}  # this rule's distinct selectors, in order
+            for p in rule.peers:
+                if p.selector is not None:
+                    mine.setdefault(p.selector, None)
+            fresh = 0
+            for sel in mine:
+                if sel not in pod_sets:
+                    pod_sets[sel] = f"{chain_name}/{index}" + (f".{fresh}" if fresh else "")
+                    fresh += 1
                 for f in fams:
-                    name = f.name(f"{base}/pods")
-                    addrs = frozenset(str(ip) for ip in mem.pod_ips if ip.version == f.version)
-                    objects.append(NftSet(INET, TABLE, name, (f.addr,), elements=addrs))
-                    peers.append((f.version, [match(payload(f.proto, peer_field), ref(name))]))
+                    name = f.name(f"{pod_sets[sel]}/pods")
+                    peers.append((f.version, [match(payload(f.proto, peer_field), ref(name))], PolicySet(name, f, sel)))
             # ipBlocks: one prefix match per range (cidr minus its excepts), no set: named
             # interval sets would make libnftables dump all their elements before every change.
             for f in fams:
@@ -560,33 +638,46 @@ def compile_policy(
                         if len(raw) > RAW_PREFIXES_MAX:  # stop before collapsing (and compiling) more
                             raise _too_large(policy, direction, index, f"{len(raw)} ipBlock prefixes or more")
                 for net in _collapse(raw):
-                    peers.append((f.version, [match(payload(f.proto, peer_field), prefix(net))]))
-        port_matches, named = _port_matches(rule.ports)
-        ports: list[Alternative] = [(None, m) for m in port_matches]
-        if named:
+                    peers.append((f.version, [match(payload(f.proto, peer_field), prefix(net))], None))
+        port_matches, names = _port_matches(rule.ports)
+        ports: list[Alternative] = [(None, m, None) for m in port_matches]
+        named_rules: list[tuple[str, PolicySet]] = []
+        if names:
+            source = NamedSource(direction, names, (frozenset(rule.peers) if rule.peers is not None else None)
+                                 if direction == "out" else None)  # fmt: skip
+            base = named_sets.setdefault(source, f"{chain_name}/{index}")
             for f in fams:
-                name = f.name(f"{base}/named")
-                triples = frozenset(t for t in mem.named if version_of(t[0]) == f.version)
-                objects.append(NftSet(INET, TABLE, name, (f.addr, "inet_proto", "inet_service"), elements=triples))
+                named = PolicySet(f.name(f"{base}/named"), f, source)
                 named_match = [
-                    match({"concat": [payload(f.proto, "daddr"), meta("l4proto"), payload("th", "dport")]}, ref(name))
+                    match({"concat": [payload(f.proto, "daddr"), meta("l4proto"), payload("th", "dport")]}, ref(named.name))
                 ]
                 if direction == "in":
-                    ports.append((f.version, named_match))
+                    ports.append((f.version, named_match, named))
                 else:
                     # Egress named ports resolve on the peers themselves: the set holds only peers.
-                    chain_rules.append(rule_text([*named_match, ACCEPT]))
-        count = len(chain_rules) + sum(
-            1 for pv, _ in peers for qv, _ in ports if pv is None or qv is None or pv == qv
-        )
+                    named_rules.append((rule_text([*named_match, ACCEPT]), named))
+        pairs = [(peer, port) for peer in peers for port in ports if peer[0] is None or port[0] is None or peer[0] == port[0]]
+        count = len(chain_rules) + len(named_rules) + len(pairs)
         if count > MAX_POLICY_RULES:
             raise _too_large(policy, direction, index, f"{count} rules")
-        for peer_version, peer in peers:
-            for port_version, port in ports:
-                if peer_version is None or port_version is None or peer_version == port_version:
-                    chain_rules.append(rule_text([*peer, *port, ACCEPT]))
-    objects.append(NftChain(INET, TABLE, chain_name, tuple(chain_rules)))
-    return objects
+        for text, named in named_rules:
+            chain_rules.append(text)
+            sets.setdefault(named.name, named)
+        # (only the sets a rule reads: an egress rule of named ports alone reads no pods set)
+        for (_, peer, peer_set), (_, port, port_set) in pairs:
+            chain_rules.append(rule_text([*peer, *port, ACCEPT]))
+            for read in (peer_set, port_set):
+                if read is not None:
+                    sets.setdefault(read.name, read)
+    return Layout(NftChain(INET, TABLE, chain_name, tuple(chain_rules)), tuple(sets.values()))
+
+
+def too_many_elements(policy: Policy, count: int) -> PolicyTooLarge:
+    return PolicyTooLarge(
+        f"policy {policy.namespace}/{policy.name} not programmed: its sets need more than {MAX_POLICY_ELEMENTS} "
+        f"elements ({count} or more: an address per pod its peer selectors match, per selector, and an "
+        "address . port per named port); it allows nothing until fewer or narrower peer selectors make it smaller"
+    )
 
 
 def refused_policy(policy: Policy) -> list[Any]:
@@ -615,15 +706,16 @@ def _collapse(nets: Iterable[Network]) -> list[Network]:
     return list(collapse_addresses(nets))  # type: ignore[arg-type]
 
 
-def _port_matches(ports: tuple[Port, ...] | None) -> tuple[list[list[dict[str, Any]]], bool]:
-    """The numeric port matches of a rule (one per protocol), and whether it has named ports."""
+def _port_matches(ports: tuple[Port, ...] | None) -> tuple[list[list[dict[str, Any]]], tuple[tuple[str, str], ...]]:
+    """The numeric port matches of a rule (one per protocol), and its named ports: (name,
+    protocol), sorted."""
     if ports is None:
-        return [[]], False
+        return [[]], ()
     by_proto: dict[str, list[Any] | None] = {}
-    named = False
+    named: set[tuple[str, str]] = set()
     for p in ports:
         if isinstance(p.port, str):
-            named = True
+            named.add((p.port, p.protocol))
             continue
         if p.port is None:
             by_proto[p.protocol] = None  # every port of the protocol
@@ -646,7 +738,7 @@ def _port_matches(ports: tuple[Port, ...] | None) -> tuple[list[list[dict[str, A
         else:
             right = values[0] if len(values) == 1 and not isinstance(values[0], dict) else {"set": _dedupe(values)}
             out.append([proto_match, match(payload("th", "dport"), right)])
-    return out, named
+    return out, tuple(sorted(named))
 
 
 def _dedupe(values: list[Any]) -> list[Any]:

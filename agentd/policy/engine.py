@@ -119,6 +119,9 @@ class PolicyEngine:
         self._objects: dict[Any, Any] = {}  # the ruleset, kept up to date by build()
         self._touched: set[Any] = set()
         self._compiled: dict[PolicyKey, list[Any]] = {}
+        # Each policy's chains from the policy alone (compiler.layout_policy), or why it is too
+        # large to program: laid out as it comes, before any of its members are kept.
+        self._layouts: dict[PolicyKey, tuple[compiler.Layout, ...] | str] = {}
         # Policies compiled to empty chains, too large to program (compiler.MAX_POLICY_RULES): why.
         self.too_large: dict[PolicyKey, str] = {}
         self._pod_objects: dict[PodKey, list[Any]] = {}
@@ -330,19 +333,39 @@ class PolicyEngine:
             self._forget_policy(key)
         self.policies[key] = policy
         self._ns_policies[policy.namespace].add(key)
-        for sel in _peer_selectors(policy):
-            if sel not in self._members:
-                self._members[sel] = {
-                    k for k, pod in self.pods.items() if sel.matches(pod, self.ns_labels(pod.namespace))
-                }
-            self._sel_refs[sel].add(key)
-        if _needs_all_pods(policy):
-            self._all_pods_refs.add(key)
+        try:
+            self._layouts[key] = compiler.layout(policy, self.families)
+        except compiler.PolicyTooLarge as err:
+            # Refused from the policy alone: none of its peers' members are worked out or
+            # kept (it compiles to empty chains whatever they are).
+            self._layouts[key] = str(err)
+        if not isinstance(self._layouts[key], str):
+            for sel in _peer_selectors(policy):
+                if sel not in self._members:
+                    self._members[sel] = self._match_all(sel)
+                self._sel_refs[sel].add(key)
+            if _needs_all_pods(policy):
+                self._all_pods_refs.add(key)
         for pod_key in list(self.local):
             pod = self.pods.get(pod_key)
             if pod is not None and policy.selects(pod):
                 self._reselect(pod_key)
         self._dirty_policies.add(key)
+
+    def _match_all(self, sel: PeerSelector) -> set[PodKey]:
+        """The pods ``sel`` matches: namespace by namespace (its pod selector asked only in
+        those its namespace part takes)."""
+        out: set[PodKey] = set()
+        for ns, keys in self._ns_pods.items():
+            if sel.namespace is not None and ns != sel.namespace:
+                continue
+            if sel.namespaces is not None and not sel.namespaces.matches(self.ns_labels(ns)):
+                continue
+            if sel.pods.empty:
+                out |= keys
+            else:
+                out.update(k for k in keys if sel.pods.matches(self.pods[k].labels))
+        return out
 
     def remove_policy(self, key: PolicyKey) -> None:
         if key not in self.policies:
@@ -353,12 +376,13 @@ class PolicyEngine:
     def _forget_policy(self, key: PolicyKey) -> None:
         policy = self.policies.pop(key)
         _discard(self._ns_policies, policy.namespace, key)
-        for sel in _peer_selectors(policy):
-            refs = self._sel_refs[sel]
-            refs.discard(key)
-            if not refs:
-                del self._sel_refs[sel]
-                self._members.pop(sel, None)
+        if not isinstance(self._layouts.pop(key), str):
+            for sel in _peer_selectors(policy):
+                refs = self._sel_refs[sel]
+                refs.discard(key)
+                if not refs:
+                    del self._sel_refs[sel]
+                    self._members.pop(sel, None)
         self._all_pods_refs.discard(key)
         for pod_key in list(self._selected.pop(key, ())):
             self._reselect(pod_key)
@@ -411,32 +435,87 @@ class PolicyEngine:
         return tuple(ip for ip in pod.ips if ip.version in self.families and not (lost and ip in lost))
 
     def rule_members(self, policy: Policy, direction: str, rule: Rule) -> compiler.RuleMembers:
+        """What one rule allows, resolved (for views: the compiled sets are filled per
+        distinct selector and named port source, :meth:`selector_addresses`, :meth:`named_members`)."""
         pods = self.members(policy, rule)
         ips = frozenset(ip for k in pods for ip in self.addresses(self.pods[k]))
-        named: set[tuple[str, str, int]] = set()
-        names = [p for p in rule.ports or () if isinstance(p.port, str)]
+        names = tuple(sorted({(p.port, p.protocol) for p in rule.ports or () if isinstance(p.port, str)}))
+        named: frozenset[tuple[str, str, int]] = frozenset()
         if names:
-            # The destinations a named port is resolved on, each with the addresses it has as
-            # one (a pod a selector matches: all of them; one an ipBlock holds: those inside).
-            candidates: list[tuple[Pod, tuple[Address, ...]]]
-            if direction == "in":
-                candidates = [(self.pods[k], self.addresses(self.pods[k])) for k in self._selected.get(policy.key, ())]
-            elif rule.peers is None:
-                candidates = [(pod, self.addresses(pod)) for pod in self.pods.values()]
-            else:
-                blocks = [p.block for p in rule.peers if p.block is not None]
-                candidates = [(self.pods[k], self.addresses(self.pods[k])) for k in pods]
-                if blocks:
-                    for k, pod in self.pods.items():
-                        inside = tuple(ip for ip in self.addresses(pod) if any(b.contains(ip) for b in blocks))
-                        if k not in pods and inside:
-                            candidates.append((pod, inside))
-            for pod, addresses in candidates:
-                for p in names:
-                    number = pod.named_port(p.port, p.protocol)  # type: ignore[arg-type]
-                    if number is not None:
-                        named.update((str(ip), compiler.l4proto(p.protocol), number) for ip in addresses)
-        return compiler.RuleMembers(ips, frozenset(named))
+            peers = (frozenset(rule.peers) if rule.peers is not None else None) if direction == "out" else None
+            named = self.named_members(policy, compiler.NamedSource(direction, names, peers))  # type: ignore[arg-type]
+        return compiler.RuleMembers(ips, named)
+
+    def selector_addresses(self, selector: PeerSelector, texts: dict[PodKey, tuple[str, ...]] | None = None,
+                           ) -> frozenset[str]:
+        """The addresses (this node's tables hold) of the pods ``selector`` matches, as text;
+        ``texts``: each pod's, as worked out so far (filled in)."""
+        texts = {} if texts is None else texts
+        out: set[str] = set()
+        for k in self._members.get(selector, ()):
+            mine = texts.get(k)
+            if mine is None:
+                mine = texts[k] = tuple(str(ip) for ip in self.addresses(self.pods[k]))
+            out.update(mine)
+        return frozenset(out)
+
+    def named_members(self, policy: Policy, source: compiler.NamedSource) -> frozenset[tuple[str, str, int]]:
+        """(address, l4proto, port) of the named ports ``source`` names, resolved on the
+        destinations: for "in" the pods ``policy`` selects, for "out" its peers."""
+        # The destinations a named port is resolved on, each with the addresses it has as
+        # one (a pod a selector matches: all of them; one an ipBlock holds: those inside).
+        candidates: list[tuple[Pod, tuple[Address, ...]]]
+        if source.direction == "in":
+            candidates = [(self.pods[k], self.addresses(self.pods[k])) for k in self._selected.get(policy.key, ())]
+        elif source.peers is None:
+            candidates = [(pod, self.addresses(pod)) for pod in self.pods.values()]
+        else:
+            pods: set[PodKey] = set()
+            for peer in source.peers:
+                if peer.selector is not None:
+                    pods |= self._members.get(peer.selector, set())
+            blocks = [p.block for p in source.peers if p.block is not None]
+            candidates = [(self.pods[k], self.addresses(self.pods[k])) for k in pods]
+            if blocks:
+                for k, pod in self.pods.items():
+                    inside = tuple(ip for ip in self.addresses(pod) if any(b.contains(ip) for b in blocks))
+                    if k not in pods and inside:
+                        candidates.append((pod, inside))
+        named: set[tuple[str, str, int]] = set()
+        for pod, addresses in candidates:
+            for name, protocol in source.ports:
+                number = pod.named_port(name, protocol)
+                if number is not None:
+                    named.update((str(ip), compiler.l4proto(protocol), number) for ip in addresses)
+        return frozenset(named)
+
+    def _fill(self, policy: Policy, layouts: tuple[compiler.Layout, ...]) -> list[Any]:
+        """The policy's chains and their sets, filled: each distinct selector's and named port
+        source's members worked out once, at most compiler.MAX_POLICY_ELEMENTS elements in
+        all (PolicyTooLarge as soon as they are more)."""
+        total = 0
+        texts: dict[PodKey, tuple[str, ...]] = {}
+        addresses: dict[PeerSelector, frozenset[str]] = {}
+        named: dict[compiler.NamedSource, frozenset[tuple[str, str, int]]] = {}
+        elements: dict[str, frozenset[Any]] = {}
+        for layout in layouts:
+            for s in layout.sets:
+                got: frozenset[Any]
+                if isinstance(s.source, compiler.NamedSource):
+                    if s.source not in named:
+                        named[s.source] = self.named_members(policy, s.source)
+                    got = frozenset(t for t in named[s.source] if compiler.version_of(t[0]) == s.family.version)
+                else:
+                    if s.source not in addresses:
+                        addresses[s.source] = self.selector_addresses(s.source, texts)
+                    got = frozenset(a for a in addresses[s.source] if compiler.version_of(a) == s.family.version)
+                    if len(got) == len(addresses[s.source]):
+                        got = addresses[s.source]  # (one family: the same set)
+                total += len(got)
+                if total > compiler.MAX_POLICY_ELEMENTS:
+                    raise compiler.too_many_elements(policy, total)
+                elements[s.name] = got
+        return [obj for layout in layouts for obj in layout.fill(elements)]
 
     # ------------------------------------------------------------------ compile
 
@@ -483,11 +562,10 @@ class PolicyEngine:
             self.too_large.pop(key, None)
             if policy is not None and self._selected.get(key):
                 try:
-                    for direction, rules in (("in", policy.ingress), ("out", policy.egress)):
-                        if rules is None:
-                            continue
-                        members = [self.rule_members(policy, direction, r) for r in rules]
-                        objects += compiler.compile_policy(policy, direction, rules, members, self.families)
+                    layouts = self._layouts[key]
+                    if isinstance(layouts, str):
+                        raise compiler.PolicyTooLarge(layouts)
+                    objects = self._fill(policy, layouts)
                 except compiler.PolicyTooLarge as err:
                     # Empty chains (the pods' chains jump to them): the policy still isolates
                     # the pods it selects and allows nothing; the other policies are as ever.

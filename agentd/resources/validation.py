@@ -319,6 +319,10 @@ def cidr(value: Any, path: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network
     if "/" not in text or "%" in text:
         raise invalid(path, text, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)")
     address, _, length = text.partition("/")
+    if not (length.isascii() and length.isdigit()):
+        # a prefix length only: ip_network would take a netmask (10.0.0.0/255.0.0.0) or a
+        # hostmask (10.0.0.0/0.0.0.255, read as /24), which the API server refuses
+        raise invalid(path, text, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)")
     if ":" not in address and address.count(".") == 3:
         # IPv4 octets with leading zeros, which ParseCIDRSloppy reads as decimal (010 is 10)
         # and Python refuses: the API server takes "010.0.0.0/8" (strict validation off).

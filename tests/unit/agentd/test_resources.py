@@ -163,6 +163,15 @@ BAD = [
     # a zone: Python's ip_network takes one, the API server's ParseCIDR and nftables do not
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", "fe80::%eth0/64"), 'ipBlock.cidr: Invalid value: "fe80::%eth0/64": must be a valid CIDR'),
     (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "fe80::/10", "except": ["fe80::%1/64"]}), 'ipBlock.except[0]: Invalid value: "fe80::%1/64": must be a valid CIDR'),
+    # a netmask or hostmask for the length: Python's ip_network takes them (0.0.0.255 as /24!),
+    # the API server takes only a decimal prefix length
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "10.0.0.0/255.0.0.0"), 'ipBlock.cidr: Invalid value: "10.0.0.0/255.0.0.0": must be a valid CIDR'),
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "10.0.0.0/0.0.0.255"), 'ipBlock.cidr: Invalid value: "10.0.0.0/0.0.0.255": must be a valid CIDR'),
+    (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/255.255.0.0"]}), 'ipBlock.except[0]: Invalid value: "10.1.0.0/255.255.0.0": must be a valid CIDR'),
+    (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/0.0.255.255"]}), 'ipBlock.except[0]: Invalid value: "10.1.0.0/0.0.255.255": must be a valid CIDR'),
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "010.0.0.0/255.0.0.0"), "must be a valid CIDR"),
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "10.0.0.0/ 8"), "must be a valid CIDR"),
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "10.0.0.0/\u0668"), "must be a valid CIDR"),  # Arabic-Indic 8
     (mutate("spec.ingress.0.from.1.podSelector", {}), "spec.ingress[0].from[1]: Forbidden: may not specify both ipBlock and another peer"),
     (mutate("spec.ingress.0.from.1", {}), "spec.ingress[0].from[1]: Required value: must specify a peer"),
     (mutate("spec.ingress.0.from.0.podSelector.matchExpressions.0.operator", "in"), 'operator: Invalid value: "in": not a valid selector operator'),
