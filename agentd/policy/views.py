@@ -81,7 +81,13 @@ class PolicyViews:
             # dropped ("NS/NAME": why).
             "refused_macs": a.refused_macs,
             "fast_path": self.fast_path(),
+            "too_large": self.too_large(),
         }
+
+    def too_large(self) -> dict[str, str]:
+        """Policies refused as too large to program ("NS/NAME": why): each isolates the pods it
+        selects and allows nothing until it fits (docs/policy.md, Limits)."""
+        return {f"{ns}/{name}": why for (ns, name), why in sorted(self.agent.engine.too_large.items())}
 
     def fast_path(self) -> dict[str, Any]:
         """The pod fast path: on or not (and why), where, and what it did with pods' TCP."""
@@ -107,7 +113,7 @@ class PolicyViews:
             "policies": a.policy_count,
         }
         if summary:
-            return {**applied, "pods": len(a.engine.pods), "error": a.error}
+            return {**applied, "pods": len(a.engine.pods), "error": a.error, "too_large": self.too_large()}
         pods = []
         rules = AllowLists(a.engine)  # each rule's peers resolved once for the whole answer
         for key in a.local_pods():
@@ -125,6 +131,7 @@ class PolicyViews:
             "ruleset": self.status()["ruleset"],
             "spoofed_dropped": a.spoofed,
             "error": a.error,
+            "too_large": self.too_large(),
             "pods": pods,
         }
 

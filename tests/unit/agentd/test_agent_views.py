@@ -766,3 +766,22 @@ async def test_a_pod_whose_endpoint_file_names_no_mac_is_checked_with_its_interf
     off._rescan()
     await off._read_pod_macs(retry=True)
     assert asked == [] and off.views.status()["unchecked_macs"] == {} and checked(off) == set()
+
+
+def test_a_policy_too_large_to_program_is_named_in_status_and_in_get_policy(monkeypatch):
+    # A refused policy isolates its pods and allows nothing: an operator must see which one
+    # and why where they look (agentd status, GET /policy), not only in the log.
+    from agentd.policy import compiler as policy_compiler
+
+    monkeypatch.setattr(policy_compiler, "MAX_POLICY_RULES", 1)
+    agent = policy_agent()
+    manifest = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "big", "namespace": "x"},
+                "spec": {"podSelector": {"matchLabels": {"app": "b"}},
+                         "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "c"}}}]},
+                                     {"from": [{"podSelector": {"matchLabels": {"app": "a"}}}]}]}}  # fmt: skip
+    agent.engine.upsert_policy(Policy.parse(kinds.validate(manifest)))
+    agent.engine.build()
+    assert set(agent.engine.too_large) == {("x", "big")}
+    for shown in (agent.views.status(), agent.views.view(), agent.views.view(summary=True)):
+        assert list(shown["too_large"]) == ["x/big"] and shown["too_large"]["x/big"]
+    assert policy_agent().views.status()["too_large"] == {}
