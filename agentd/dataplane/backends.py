@@ -881,27 +881,32 @@ class Tunnels:
         while True:
             await self._dirty.wait()
             self._dirty.clear()
-            plans, next_hops, prune = self._plans, self._next_hops, self._prune
             try:
-                # (a backend that failed is planned "none" for its peers: tried again all the same)
-                wanted = {p.backend for p in [*plans.values(), *self.plans_v6.values()]} | set(self.failed)
-                for backend in sorted(wanted & set(BACKENDS)):
-                    await self._ensure(backend)
-                await self._ensure_helpers(plans)
-                await self._resolve_gateways(plans)
-                if not self._members_known:
-                    continue
-                for impl in [*self.active.values(), *self.helpers.values()]:
-                    await impl.sync(plans, next_hops, prune)
-                if prune and not self._leftovers_removed:
-                    self._leftovers_removed = True
-                    await self._remove_unused()
-                routes = {**self._bpf_routes(plans, next_hops), **self._bpf_routes(self.plans_v6, self.next_hops_v6)}
-                await self.bpf.sync(routes, set(self.members), self._peer_flags(plans), prune=prune)
+                await self._pass()
             except Exception:
                 log.exception("tunnel sync failed; retrying")
                 await asyncio.sleep(1.0)
                 self._dirty.set()
+
+    async def _pass(self) -> None:
+        """One pass of the sync loop: the backends, workers, underlay next hops, peer entries
+        and BPF maps the last ``apply`` asks for."""
+        plans, next_hops, prune = self._plans, self._next_hops, self._prune
+        # (a backend that failed is planned "none" for its peers: tried again all the same)
+        wanted = {p.backend for p in [*plans.values(), *self.plans_v6.values()]} | set(self.failed)
+        for backend in sorted(wanted & set(BACKENDS)):
+            await self._ensure(backend)
+        await self._ensure_helpers(plans)
+        await self._resolve_gateways(plans)
+        if not self._members_known:
+            return
+        for impl in [*self.active.values(), *self.helpers.values()]:
+            await impl.sync(plans, next_hops, prune)
+        if prune and not self._leftovers_removed:
+            self._leftovers_removed = True
+            await self._remove_unused()
+        routes = {**self._bpf_routes(plans, next_hops), **self._bpf_routes(self.plans_v6, self.next_hops_v6)}
+        await self.bpf.sync(routes, set(self.members), self._peer_flags(plans), prune=prune)
 
     def _bpf_routes(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]]) -> dict:
         routes = {}
