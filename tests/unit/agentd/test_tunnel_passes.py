@@ -300,3 +300,69 @@ def test_a_user_space_worker_that_failed_to_start_is_tried_again_by_the_sync_loo
 
     asyncio.run(main())
 
+
+def _ticks_asking_for_a_pass(t: Tunnels, clock: list, seconds: float) -> list:
+    """The readiness loop's refresh every 2 s for ``seconds``: the times it asked for a whole pass."""
+    async def ticks():
+        asked = []
+        t._dirty.clear()
+        for _ in range(int(seconds // 2)):
+            clock[0] += 2.0
+            await t.refresh()
+            if t._dirty.is_set():
+                asked.append(clock[0])
+                t._dirty.clear()
+                await t._pass()
+        return asked
+
+    return ticks()
+
+
+def test_a_worker_no_peer_needs_any_more_is_not_tried_again(monkeypatch):
+    """The peer that needed the worker leaves while the worker cannot start: it is no longer
+    tried nor reported, and the readiness ticks stop asking for whole passes (they asked for
+    one each time its retry fell due, forever)."""
+    clock = [1000.0]
+    monkeypatch.setattr(backends_mod.time, "monotonic", lambda: clock[0])
+    ups = _worker_up_fails(monkeypatch, 1000)
+
+    async def main():
+        t = _stubbed_tunnels([])
+        t.active["udp"] = InBpf(t, "udp")
+        _apply(t, _udp_peers())
+        await t._pass()
+        assert t.helper_failed
+        _apply(t, _udp_peers()[1:])  # n4 leaves: n5 runs udp in BPF, no worker needed
+        await t._pass()
+        assert await _ticks_asking_for_a_pass(t, clock, GATEWAY_REFRESH - 1) == []
+        assert t.helper_failed == {} and t.status()["userspace_peers_worker_failed"] == {}
+        assert len(ups) == 1
+
+    asyncio.run(main())
+
+
+def test_a_failed_backend_no_peer_names_any_more_is_forgotten(monkeypatch):
+    """Its last peer leaves while it is failed: no longer tried (a success would make a device
+    nobody uses) nor reported; a peer that names it later has it tried at once."""
+    clock = [1000.0]
+    monkeypatch.setattr(backends_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setitem(backends_mod.IMPLEMENTATIONS, "vxlan-device", _Vtep)
+    monkeypatch.setattr(_Flaky, "fails", 1000)
+    monkeypatch.setattr(_Flaky, "ups", [])
+    monkeypatch.setattr(_Flaky, "discarded", [])
+
+    async def main():
+        t = _stubbed_tunnels([])
+        _apply(t, [_vxlan_peer()])
+        await t._pass()
+        assert t.available("vxlan") is not None
+        _apply(t, [])  # it leaves
+        await t._pass()
+        assert await _ticks_asking_for_a_pass(t, clock, backends_mod.RETRY_MAX + 10) == []
+        assert len(_Flaky.ups) == 1
+        assert t.available("vxlan") is None and t.status()["failed"] == {}
+        assert _apply(t, [_vxlan_peer()])["10.0.0.4"].backend == "vxlan"  # it comes back
+        await t._pass()
+        assert len(_Flaky.ups) == 2
+
+    asyncio.run(main())
