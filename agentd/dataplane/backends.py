@@ -87,6 +87,8 @@ class _Retries:
     def succeeded(self, name: str) -> None:
         self._at.pop(name, None)
 
+    forget = succeeded  # no longer wanted: never tried again (wanted again later: tried at once)
+
 
 # (the peer's VTEP addresses, one per pod family; its VTEP MAC; its UDP port and VNI where they
 # are not ours, else None)
@@ -665,7 +667,9 @@ class Tunnels:
         self.subnet: IPv4Network | IPv6Network | None = None  # the first of ``subnets``
         self.subnets: dict[int, IPv4Network | IPv6Network] = {}  # this node's pod subnets, by IP version
         self.active: dict[str, Any] = {}
-        self.failed: dict[str, str] = {}  # backend -> why it is not up (tried again with back-off)
+        self.failed: dict[str, str] = {}  # backend -> why it is not up (tried again with back-off while a peer names it)
+        # The backends the peers' node records name (None until the node registry has been read).
+        self._named: set[str] | None = None
         self._retries = _Retries()  # of ``failed`` and ``helper_failed`` (as "helper:<backend>")
         self.fallbacks: dict[str, str] = {}  # backend -> why it does not run on its first data path
         self.unfiltered: dict[str, str] = {}  # backend -> why its member filter cannot run
@@ -810,6 +814,12 @@ class Tunnels:
         wanted = {plans[a].backend for a in userspace if in_bpf(plans[a].backend)}
         if userspace and in_bpf(self.own):
             wanted.add(self.own)
+        for backend in sorted(set(self.helper_failed) - wanted):
+            # Its peers are gone: no longer tried (the readiness loop would ask for a whole
+            # tunnel pass each time a retry fell due), nor reported.
+            del self.helper_failed[backend]
+            self._retries.forget(f"helper:{backend}")
+            log.info("backend %s: no peer needs a user-space worker any more; no longer trying to start one", backend)
         now = time.monotonic()
         for backend in sorted(wanted - set(self.helpers)):
             if backend in self.helper_failed and not self._retries.due(f"helper:{backend}", now):
@@ -858,6 +868,7 @@ class Tunnels:
         if members_known:
             self.members = {str(n.peer_address) for n in nodes.values()} | {str(self.underlay.interface.ip)}
             self._members_known = True
+            self._named = {str(n.backend.get("type") or self.own) for n in nodes.values() if n.name != self.node_name}
         self._dirty.set()
 
     async def _remove_unused(self) -> None:
@@ -881,27 +892,39 @@ class Tunnels:
         while True:
             await self._dirty.wait()
             self._dirty.clear()
-            plans, next_hops, prune = self._plans, self._next_hops, self._prune
             try:
-                # (a backend that failed is planned "none" for its peers: tried again all the same)
-                wanted = {p.backend for p in [*plans.values(), *self.plans_v6.values()]} | set(self.failed)
-                for backend in sorted(wanted & set(BACKENDS)):
-                    await self._ensure(backend)
-                await self._ensure_helpers(plans)
-                await self._resolve_gateways(plans)
-                if not self._members_known:
-                    continue
-                for impl in [*self.active.values(), *self.helpers.values()]:
-                    await impl.sync(plans, next_hops, prune)
-                if prune and not self._leftovers_removed:
-                    self._leftovers_removed = True
-                    await self._remove_unused()
-                routes = {**self._bpf_routes(plans, next_hops), **self._bpf_routes(self.plans_v6, self.next_hops_v6)}
-                await self.bpf.sync(routes, set(self.members), self._peer_flags(plans), prune=prune)
+                await self._pass()
             except Exception:
                 log.exception("tunnel sync failed; retrying")
                 await asyncio.sleep(1.0)
                 self._dirty.set()
+
+    async def _pass(self) -> None:
+        """One pass of the sync loop: the backends, workers, underlay next hops, peer entries
+        and BPF maps the last ``apply`` asks for."""
+        plans, next_hops, prune = self._plans, self._next_hops, self._prune
+        named = self._named
+        for backend in sorted(b for b in self.failed if named is not None and b not in named and b != self.own):
+            # No peer's record names it any more: no longer tried (a success would make a device
+            # nobody uses); a peer that names it later has it tried at once.
+            del self.failed[backend]
+            self._retries.forget(backend)
+            log.info("backend %s: no peer uses it any more; no longer trying to bring it up", backend)
+        # (a backend that failed is planned "none" for its peers: tried again all the same)
+        wanted = {p.backend for p in [*plans.values(), *self.plans_v6.values()]} | set(self.failed)
+        for backend in sorted(wanted & set(BACKENDS)):
+            await self._ensure(backend)
+        await self._ensure_helpers(plans)
+        await self._resolve_gateways(plans)
+        if not self._members_known:
+            return
+        for impl in [*self.active.values(), *self.helpers.values()]:
+            await impl.sync(plans, next_hops, prune)
+        if prune and not self._leftovers_removed:
+            self._leftovers_removed = True
+            await self._remove_unused()
+        routes = {**self._bpf_routes(plans, next_hops), **self._bpf_routes(self.plans_v6, self.next_hops_v6)}
+        await self.bpf.sync(routes, set(self.members), self._peer_flags(plans), prune=prune)
 
     def _bpf_routes(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]]) -> dict:
         routes = {}

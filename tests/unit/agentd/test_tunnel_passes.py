@@ -11,7 +11,7 @@ import pytest
 from agentd.config.settings import load_config
 from agentd.dataplane import backends as backends_mod
 from agentd.dataplane.backends import GATEWAY_REFRESH, Tunnels
-from agentd.dataplane.bpf_backend import BpfPath
+from agentd.dataplane.bpf_backend import BpfPath, InBpf
 from agentd.kernel.forwarding import PeerPlan
 from agentd.kernel.netinfo import Underlay
 
@@ -170,3 +170,199 @@ def test_the_retry_delay_doubles_up_to_its_limit_and_a_success_resets_it():
     assert not r.due("vxlan", 1.0) and r.due("vxlan", backends_mod.RETRY_MAX)
     r.succeeded("vxlan")
     assert r.due("vxlan", 0.0) and r.failed("vxlan", 0.0) == backends_mod.RETRY_FIRST
+
+
+# The sync loop's passes (Tunnels._pass), the plans made as the route computation makes them --
+# a peer whose backend failed here planned "none" (Tunnels.available) -- and the kernel's parts
+# stubbed: the BPF data path's writes, a previous run's leftovers (never looked for here).
+
+MAC4 = "02:00:00:00:00:04"
+
+
+def _record(name: str, address: str, n: int, **backend):
+    from ipaddress import ip_address, ip_network
+
+    from agentd.datastore.store import NodeRecord
+
+    return NodeRecord(name=name, address=ip_address(address), asn=64512, subnet=ip_network(f"10.244.{n}.0/24"),
+                      route_reflector=False, cluster_id=None, backend=backend)
+
+
+def _vxlan_peer():
+    return _record("n4", "10.0.0.4", 4, type="vxlan", vtep_ip="10.244.4.0", vtep_mac=MAC4, datapath="bpf")
+
+
+def _udp_peers():
+    """n4 runs udp in its user-space worker (a BPF node needs a worker of its own to speak to
+    it), n5 in BPF."""
+    return [_record("n4", "10.0.0.4", 4, type="udp", datapath="userspace"),
+            _record("n5", "10.0.0.5", 5, type="udp", datapath="bpf")]
+
+
+def _apply(t: Tunnels, records) -> dict:
+    """What the route computation hands the tunnels for ``records`` (every node but this one)."""
+    from agentd.kernel.forwarding import plan_peer
+
+    plans = {str(r.address): plan_peer(r, UNDERLAY, own_backend=CFG.network.backend, encap=CFG.network.encap,
+                                       available=t.available, paths=t.paths()) for r in records}
+    t.apply(plans, {}, {r.name: r for r in records})
+    return plans
+
+
+def _stubbed_tunnels(paths: list) -> Tunnels:
+    t = Tunnels(CFG, UNDERLAY, "n3", on_paths=lambda: paths.append(1))
+    t.subnet = IPv4Network("10.244.3.0/24")
+    t._leftovers_removed = True
+
+    async def nothing(*args, **kw):
+        pass
+
+    t.bpf.up = t.bpf.sync = t.bpf.refresh = nothing
+    return t
+
+
+class _Vtep(_Flaky):
+    async def sync(self, plans, next_hops, prune):
+        pass
+
+
+def test_a_failed_backend_whose_peers_are_planned_none_is_tried_again_by_the_sync_loop(monkeypatch):
+    """Its peers are planned "none" while it is failed (no plan names it): the pass tries it
+    again all the same once its retry is due, and their routes are recomputed when it is up."""
+    clock = [1000.0]
+    monkeypatch.setattr(backends_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setitem(backends_mod.IMPLEMENTATIONS, "vxlan-device", _Vtep)
+    monkeypatch.setattr(_Flaky, "fails", 1)
+    monkeypatch.setattr(_Flaky, "ups", [])
+    monkeypatch.setattr(_Flaky, "discarded", [])
+    paths: list = []
+
+    async def main():
+        t = _stubbed_tunnels(paths)
+        assert _apply(t, [_vxlan_peer()])["10.0.0.4"].backend == "vxlan"
+        await t._pass()
+        assert len(_Flaky.ups) == 1 and t.available("vxlan") is not None
+        plans = _apply(t, [_vxlan_peer()])  # the routes recomputed: the peer has none now
+        assert plans["10.0.0.4"].backend == "none" and "File exists" in plans["10.0.0.4"].reason
+        await t._pass()
+        assert len(_Flaky.ups) == 1  # not due yet
+        clock[0] += backends_mod.RETRY_FIRST
+        t._dirty.clear()
+        await t.refresh()
+        assert t._dirty.is_set()
+        await t._pass()
+        assert len(_Flaky.ups) == 2, "the failed backend is not tried again"
+        assert t.active["vxlan"] is _Flaky.ups[-1] and t.failed == {} and paths == [1]
+        assert _apply(t, [_vxlan_peer()])["10.0.0.4"].backend == "vxlan"
+
+    asyncio.run(main())
+
+
+def _worker_up_fails(monkeypatch, times: int) -> list:
+    """_Worker.up fails its first ``times`` calls (the port taken), then succeeds."""
+    ups: list = []
+
+    async def up(self, subnet):
+        ups.append(self)
+        if len(ups) <= times:
+            raise OSError(98, "binding udp port 8285: Address already in use")
+
+    async def nothing(self, *args):
+        pass
+
+    monkeypatch.setattr(backends_mod._Worker, "up", up)
+    for name in ("discard", "sync", "refresh_stats"):
+        monkeypatch.setattr(backends_mod._Worker, name, nothing)
+    return ups
+
+
+def test_a_user_space_worker_that_failed_to_start_is_tried_again_by_the_sync_loop(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(backends_mod.time, "monotonic", lambda: clock[0])
+    ups = _worker_up_fails(monkeypatch, 1)
+    paths: list = []
+
+    async def main():
+        t = _stubbed_tunnels(paths)
+        t.active["udp"] = InBpf(t, "udp")
+        _apply(t, _udp_peers())
+        await t._pass()
+        assert len(ups) == 1 and "Address already in use" in t.helper_failed["udp"]
+        await t._pass()
+        assert len(ups) == 1  # not due yet
+        clock[0] += backends_mod.RETRY_FIRST
+        t._dirty.clear()
+        await t.refresh()
+        assert t._dirty.is_set()
+        await t._pass()
+        assert len(ups) == 2, "the worker is not tried again"
+        assert t.helpers["udp"] is ups[-1] and t.helper_failed == {} and paths == [1]
+
+    asyncio.run(main())
+
+
+def _ticks_asking_for_a_pass(t: Tunnels, clock: list, seconds: float) -> list:
+    """The readiness loop's refresh every 2 s for ``seconds``: the times it asked for a whole pass."""
+    async def ticks():
+        asked = []
+        t._dirty.clear()
+        for _ in range(int(seconds // 2)):
+            clock[0] += 2.0
+            await t.refresh()
+            if t._dirty.is_set():
+                asked.append(clock[0])
+                t._dirty.clear()
+                await t._pass()
+        return asked
+
+    return ticks()
+
+
+def test_a_worker_no_peer_needs_any_more_is_not_tried_again(monkeypatch):
+    """The peer that needed the worker leaves while the worker cannot start: it is no longer
+    tried nor reported, and the readiness ticks stop asking for whole passes (they asked for
+    one each time its retry fell due, forever)."""
+    clock = [1000.0]
+    monkeypatch.setattr(backends_mod.time, "monotonic", lambda: clock[0])
+    ups = _worker_up_fails(monkeypatch, 1000)
+
+    async def main():
+        t = _stubbed_tunnels([])
+        t.active["udp"] = InBpf(t, "udp")
+        _apply(t, _udp_peers())
+        await t._pass()
+        assert t.helper_failed
+        _apply(t, _udp_peers()[1:])  # n4 leaves: n5 runs udp in BPF, no worker needed
+        await t._pass()
+        assert await _ticks_asking_for_a_pass(t, clock, GATEWAY_REFRESH - 1) == []
+        assert t.helper_failed == {} and t.status()["userspace_peers_worker_failed"] == {}
+        assert len(ups) == 1
+
+    asyncio.run(main())
+
+
+def test_a_failed_backend_no_peer_names_any_more_is_forgotten(monkeypatch):
+    """Its last peer leaves while it is failed: no longer tried (a success would make a device
+    nobody uses) nor reported; a peer that names it later has it tried at once."""
+    clock = [1000.0]
+    monkeypatch.setattr(backends_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setitem(backends_mod.IMPLEMENTATIONS, "vxlan-device", _Vtep)
+    monkeypatch.setattr(_Flaky, "fails", 1000)
+    monkeypatch.setattr(_Flaky, "ups", [])
+    monkeypatch.setattr(_Flaky, "discarded", [])
+
+    async def main():
+        t = _stubbed_tunnels([])
+        _apply(t, [_vxlan_peer()])
+        await t._pass()
+        assert t.available("vxlan") is not None
+        _apply(t, [])  # it leaves
+        await t._pass()
+        assert await _ticks_asking_for_a_pass(t, clock, backends_mod.RETRY_MAX + 10) == []
+        assert len(_Flaky.ups) == 1
+        assert t.available("vxlan") is None and t.status()["failed"] == {}
+        assert _apply(t, [_vxlan_peer()])["10.0.0.4"].backend == "vxlan"  # it comes back
+        await t._pass()
+        assert len(_Flaky.ups) == 2
+
+    asyncio.run(main())
