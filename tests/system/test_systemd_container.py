@@ -36,6 +36,12 @@ could not keep them:
   below a root-owned, mode 0700 bpffs (as systemd mounts /sys/fs/bpf), and the BPF data path
   (taking over the root agents' pins), the member filter and the pod fast path are on; and
   /etc/cni/net.d, removed before that start, is made again by the unit, root's (not the user's).
+
+A second test runs the unit with docs/ingress.md's drop-in for ``[ingress] enabled = true`` (the
+image has Debian's haproxy, whose own service is masked): HAProxy's master root, its workers
+the haproxy user's without capabilities, a request from the other node through the Ingress to
+a pod and its access-log line in the agent's journal, ``systemctl reload`` and ``restart``
+(the proxy adopted), and a killed master replaced without its worker left behind.
 """
 
 from __future__ import annotations
@@ -521,3 +527,15 @@ def test_ingress_under_the_unit(systemd_nodes, tmp_path):
     until(lambda: logged("/via-systemd-restarted"), 20, what="the access-log line after the restart in sd1's journal",
           interval=0.3)  # fmt: skip
     assert "adopted the running HAProxy" in sd1.journal()
+
+    # -- the master killed: the agent starts a new one; the old worker does not stay on the
+    #    listening sockets (ended by the agent, CAP_KILL, or by itself once its master is gone)
+    sd1.sh("kill", "-9", str(v["pid"]))
+    until(lambda: view()["running"] and view()["pid"] not in (None, v["pid"]), 60,
+          what=lambda: f"a new HAProxy on sd1: {view()}", interval=0.3)  # fmt: skip
+    until(lambda: sd1.sh("sh", "-c", f"test -d /proc/{v['worker']} && echo alive || echo gone").strip() == "gone", 20,
+          what="the dead master's worker gone", interval=0.3)  # fmt: skip
+    assert proc_status(sd1, view()["worker"])["Uid"].split()[0] == haproxy_uid
+    until(lambda: serving() and view()["error"] is None, 30, what=lambda: f"sd1's new proxy serving: {view()}",
+          interval=0.3)  # fmt: skip
+    assert sd2.sh("python3", "-c", GET, url + "-new-master").split() == ["200", "served-by-web-1"]
