@@ -8,9 +8,10 @@
 ARG AGENTD_IMAGE=agentd:latest
 FROM ${AGENTD_IMAGE}
 
-# systemd (and its /sbin/init), unless the base has it already (the one made from Debian
-# packages does, and has no package index to fetch from).
-RUN need=""; for p in systemd systemd-sysv; do \
+# systemd (and its /sbin/init), and HAProxy for the Ingress proxy (its package makes the
+# haproxy user, [ingress] user's default), unless the base has them already (the one made
+# from Debian packages does, and has no package index to fetch from).
+RUN need=""; for p in systemd systemd-sysv haproxy; do \
       dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || need="$need $p"; done; \
     if [ -n "$need" ]; then \
       apt-get update && apt-get install -y --no-install-recommends $need && rm -rf /var/lib/apt/lists/*; fi \
@@ -18,6 +19,8 @@ RUN need=""; for p in systemd systemd-sysv; do \
  && systemctl mask getty.target console-getty.service systemd-modules-load.service \
       systemd-udevd.service systemd-udev-trigger.service systemd-remount-fs.service \
       sys-kernel-debug.mount sys-kernel-tracing.mount systemd-firstboot.service \
+ # The package's own HAProxy service: the agent runs the node's Ingress proxy itself.
+ && systemctl mask haproxy.service \
  && systemctl set-default multi-user.target
 
 # The unit exactly as shipped: ExecStart=/usr/local/bin/agentd is where the agent image links it.

@@ -9,8 +9,8 @@ host through their ordinary clients:
   a root file system tarball (about a minute, cached under ``/var/cache/agentd-images`` by the
   digest of the package list), which ``docker import`` turns into ``agentd-base:<digest>``.
   It has Python, the compilers the Dockerfile builds the data plane with, the CNI plugins,
-  systemd (for docker/systemd.Dockerfile) and Debian's ``etcd-server``, so the same image
-  is the compose lab's etcd;
+  systemd and HAProxy (for docker/systemd.Dockerfile) and Debian's ``etcd-server``, so the
+  same image is the compose lab's etcd;
 * the **Python dependencies**: ``pip download`` of pyproject.toml's dependencies and build
   requirements into docker/wheels/, which the Dockerfile installs from with ``--no-index``
   (``PIP_OFFLINE=1``);
@@ -46,8 +46,9 @@ BASE_PACKAGES = (
     "python3", "python3-venv", "python3-dev", "gcc", "libc6-dev", "clang-16", "libbpf-dev",
     "iproute2", "containernetworking-plugins", "iputils-ping", "util-linux", "mount", "procps",
     "libnftables1", "nftables",
-    # the compose lab's etcd, and systemd for the unit's test (docker/systemd.Dockerfile)
-    "etcd-server", "systemd", "systemd-sysv",
+    # the compose lab's etcd, and systemd for the unit's test (docker/systemd.Dockerfile),
+    # with HAProxy for its Ingress part ([ingress] enabled under the unit and its drop-in)
+    "etcd-server", "systemd", "systemd-sysv", "haproxy",
 )  # fmt: skip
 REGISTRY_BASE = "python:3.11-slim-bookworm"
 REGISTRY_ETCD = "quay.io/coreos/etcd:v3.5.17"

@@ -36,6 +36,12 @@ could not keep them:
   below a root-owned, mode 0700 bpffs (as systemd mounts /sys/fs/bpf), and the BPF data path
   (taking over the root agents' pins), the member filter and the pod fast path are on; and
   /etc/cni/net.d, removed before that start, is made again by the unit, root's (not the user's).
+
+A second test runs the unit with docs/ingress.md's drop-in for ``[ingress] enabled = true`` (the
+image has Debian's haproxy, whose own service is masked): HAProxy's master root, its workers
+the haproxy user's without capabilities, a request from the other node through the Ingress to
+a pod and its access-log line in the agent's journal, ``systemctl reload`` and ``restart``
+(the proxy adopted), and a killed master replaced without its worker left behind.
 """
 
 from __future__ import annotations
@@ -371,3 +377,165 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     opened = [line for line in sd1.journal().splitlines() if "BPF data path on" in line]
     assert "adopted the pinned maps" in opened[-1], opened
     assert sd1.api("/readyz")[0] == 200
+
+
+# -- Ingress under the unit ---------------------------------------------------------------
+
+CAP_KILL, CAP_SETGID, CAP_SETUID = 5, 6, 7
+# A pod of the Service, attached by agentd-cni with its labels and named port as a runtime
+# passes them (args.cni.labels, runtimeConfig.containerPorts); prints its address.
+WEB_POD = r'''
+import json, os, subprocess
+conflist = json.load(open("/etc/cni/net.d/10-agentd.conflist"))
+netconf = dict(conflist["plugins"][0], name=conflist["name"], cniVersion=conflist["cniVersion"],
+               args={"cni": {"labels": [{"key": "app", "value": "web"}]}},
+               runtimeConfig={"containerPorts": [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]})
+subprocess.run(["ip", "netns", "add", "web"], check=True)
+env = dict(os.environ, CNI_COMMAND="ADD", CNI_CONTAINERID="web", CNI_NETNS="/run/netns/web", CNI_IFNAME="eth0",
+           CNI_PATH="/opt/cni/bin:/usr/lib/cni", CNI_ARGS="IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-1")
+proc = subprocess.run(["agentd-cni"], input=json.dumps(netconf).encode(), env=env, capture_output=True)
+assert proc.returncode == 0, (proc.stdout, proc.stderr)
+print(json.loads(proc.stdout)["ips"][0]["address"].split("/")[0])
+'''
+WEB_MANIFESTS = [
+    {"apiVersion": "networking.k8s.io/v1", "kind": "IngressClass", "metadata": {"name": "agentd"},
+     "spec": {"controller": "agentd.io/ingress-controller"}},
+    {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "shop"},
+     "spec": {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}},
+    {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": "web", "namespace": "shop"},
+     "spec": {"ingressClassName": "agentd", "rules": [{"host": "web.example", "http": {"paths": [
+         {"path": "/", "pathType": "Prefix", "backend": {"service": {"name": "web", "port": {"number": 80}}}}]}}]}},
+    {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agentd-ingress", "namespace": "kube-system"},
+     "data": {"enable-access-log": "true"}},
+]  # fmt: skip
+# The pod's HTTP server: the same answer to every GET.
+WEB = r'''
+import http.server
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"served-by-web-1\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.ThreadingHTTPServer(("0.0.0.0", 8080), Handler).serve_forever()
+'''
+# One request to the node's Ingress address (from the other node): status and body.
+GET = r'''
+import sys, urllib.request
+r = urllib.request.urlopen(urllib.request.Request(sys.argv[1], headers={"Host": "web.example"}), timeout=10)
+print(r.status, r.read().decode().strip())
+'''
+
+
+def ingress_drop_in() -> str:
+    """docs/ingress.md's drop-in for a node with [ingress] enabled, exactly as the page shows it."""
+    (block,) = re.findall(r"    # /etc/systemd/system/agentd\.service\.d/ingress\.conf\n((?:    [^\n]*\n)+)",
+                          (ROOT / "docs" / "ingress.md").read_text())  # fmt: skip
+    return "".join(line[4:] + "\n" for line in block.splitlines())
+
+
+def proc_status(node: SystemdNode, pid: int) -> dict[str, str]:
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in node.sh("cat", f"/proc/{pid}/status").splitlines())}
+
+
+@pytest.mark.timeout(900)
+def test_ingress_under_the_unit(systemd_nodes, tmp_path):
+    """docs/ingress.md's drop-in ("Under the systemd unit") on the shipped unit, [ingress]
+    enabled, [ingress] user not set (the haproxy user of Debian's package): HAProxy's master
+    runs as root, its workers as haproxy with no capability; a request through the Ingress
+    reaches the pod, and its access-log line the agent, through the socket in the proxy's
+    directory (0710, the haproxy group's); ``systemctl reload`` keeps the proxy, and ``systemctl
+    restart`` leaves it serving for the next agent, which adopts it."""
+    sd1, sd2 = systemd_nodes["sd1"], systemd_nodes["sd2"]
+    (tmp_path / "sd1.toml").write_text(node_config("sd1", NODES["sd1"], ingress={"enabled": True}))
+    sd1.engine.docker("exec", "-i", sd1.container, "sh", "-c",
+                      "mkdir -p /etc/systemd/system/agentd.service.d && "
+                      "cat > /etc/systemd/system/agentd.service.d/ingress.conf", input=ingress_drop_in())  # fmt: skip
+    sd1.sh("systemctl", "daemon-reload")
+    sd1.sh("systemctl", "start", "agentd")
+    assert sd1.api("/readyz")[0] == 200
+
+    address = sd1.sh("python3", "-c", WEB_POD).strip()
+    sd1.engine.docker("exec", "-d", sd1.container, "ip", "netns", "exec", "web", "python3", "-c", WEB)
+    manifests = "\n---\n".join(json.dumps(m) for m in WEB_MANIFESTS)
+    sd1.engine.docker("exec", "-i", sd1.container, "agentd", "apply", "-f", "-", input=manifests)
+
+    def view() -> dict:
+        return sd1.api("/ingress")[1]
+
+    def serving() -> bool:
+        v = view()
+        return v["running"] and any(b["servers"] == [f"{address}:8080"] for b in v["backends"])
+
+    until(serving, 60, what=lambda: f"sd1's proxy serving web-1: {view()} {sd1.journal()[-3000:]}", interval=0.3)
+    url = f"http://{NODES['sd1']}/via-systemd"
+    assert sd2.sh("python3", "-c", GET, url).split() == ["200", "served-by-web-1"]
+
+    # -- the processes: the master root (the unit's capabilities and the drop-in's), the
+    #    workers haproxy's with none; both under the unit's seccomp filter and no_new_privs
+    v = view()
+    assert v["error"] is None and v["access_log"]["error"] is None, v
+    master, worker = proc_status(sd1, v["pid"]), proc_status(sd1, v["worker"])
+    haproxy_uid, haproxy_gid = sd1.sh("id", "-u", "haproxy").strip(), sd1.sh("id", "-g", "haproxy").strip()
+    bounding = sum(1 << c for c in UNIT_CAPS.values()) | 1 << CAP_SETUID | 1 << CAP_SETGID | 1 << CAP_KILL
+    assert master["Uid"].split() == ["0"] * 4 and int(master["CapBnd"], 16) == bounding, master
+    assert worker["Uid"].split() == [haproxy_uid] * 4 and worker["Gid"].split() == [haproxy_gid] * 4, worker
+    assert worker["Groups"] == "", worker  # the agent's supplementary group (haproxy) dropped too
+    for caps in ("CapEff", "CapPrm", "CapAmb"):
+        assert int(worker[caps], 16) == 0, (caps, worker)
+    # The inheritable set keeps what the unit's AmbientCapabilities= put there (a set uid
+    # does not clear it): under no_new_privs no exec can make a capability of it again, and
+    # with none permitted none can be raised to ambient (docs/ingress.md).
+    assert int(worker["CapInh"], 16) == int(master["CapInh"], 16) == sum(1 << c for c in UNIT_CAPS.values()), worker
+    for st in (master, worker):
+        assert st["NoNewPrivs"] == "1" and st["Seccomp"] == "2", st
+    assert sd1.sh("stat", "-c", "%U %G %a", "/var/lib/agentd/ingress").split() == ["root", "haproxy", "710"]
+    assert sd1.sh("stat", "-c", "%U %a", "/var/lib/agentd/ingress/log.sock").split() == ["root", "622"]
+
+    # -- the access log: the worker's line through the socket into the agent's journal
+    def logged(path: str) -> bool:
+        return any(f"GET {path} " in line for line in sd1.journal().splitlines())
+
+    until(lambda: logged("/via-systemd"), 20, what=lambda: f"the access-log line in sd1's journal: {sd1.journal()[-2000:]}",
+          interval=0.3)  # fmt: skip
+    def requests_2xx() -> float:
+        text = sd1.sh("python3", "-c", "import urllib.request; "
+                      "print(urllib.request.urlopen('http://127.0.0.1:9099/metrics').read().decode())")  # fmt: skip
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("agentd_ingress_requests_total{") and 'code="2xx"' in line and 'service="web"' in line)  # fmt: skip
+
+    until(lambda: requests_2xx() >= 1, 20, what=lambda: f"agentd_ingress_requests_total 2xx of web: {requests_2xx()}",
+          interval=0.5)  # fmt: skip
+    journal = sd1.journal()
+    assert "HAProxy's workers run as root" not in journal and "cannot" not in journal.split("Started agentd")[-1], journal[-3000:]
+
+    # -- reload: the agent re-reads its file, the proxy (master and worker) stays
+    pid, reloads = sd1.main_pid(), sd1.journal().count("configuration reloaded")
+    sd1.sh("systemctl", "reload", "agentd")
+    until(lambda: sd1.journal().count("configuration reloaded") > reloads, 20,
+          what=lambda: f"the reload in sd1's journal: {sd1.journal()[-1500:]}", interval=0.3)  # fmt: skip
+    assert sd1.main_pid() == pid and (view()["pid"], view()["worker"]) == (v["pid"], v["worker"])
+    assert sd2.sh("python3", "-c", GET, url + "-reloaded").split() == ["200", "served-by-web-1"]
+
+    # -- restart: the proxy serves on (KillMode=process) and the next agent adopts it
+    sd1.sh("systemctl", "restart", "agentd")
+    assert sd1.main_pid() != pid
+    after = view()
+    assert after["running"] and after["adopted"] and (after["pid"], after["worker"]) == (v["pid"], v["worker"]), after
+    assert sd2.sh("python3", "-c", GET, url + "-restarted").split() == ["200", "served-by-web-1"]
+    until(lambda: logged("/via-systemd-restarted"), 20, what="the access-log line after the restart in sd1's journal",
+          interval=0.3)  # fmt: skip
+    assert "adopted the running HAProxy" in sd1.journal()
+
+    # -- the master killed: the agent starts a new one; the old worker does not stay on the
+    #    listening sockets (ended by the agent, CAP_KILL, or by itself once its master is gone)
+    sd1.sh("kill", "-9", str(v["pid"]))
+    until(lambda: view()["running"] and view()["pid"] not in (None, v["pid"]), 60,
+          what=lambda: f"a new HAProxy on sd1: {view()}", interval=0.3)  # fmt: skip
+    until(lambda: sd1.sh("sh", "-c", f"test -d /proc/{v['worker']} && echo alive || echo gone").strip() == "gone", 20,
+          what="the dead master's worker gone", interval=0.3)  # fmt: skip
+    assert proc_status(sd1, view()["worker"])["Uid"].split()[0] == haproxy_uid
+    until(lambda: serving() and view()["error"] is None, 30, what=lambda: f"sd1's new proxy serving: {view()}",
+          interval=0.3)  # fmt: skip
+    assert sd2.sh("python3", "-c", GET, url + "-new-master").split() == ["200", "served-by-web-1"]
