@@ -27,6 +27,7 @@ from agentd.kernel.route_model import (
     kernel_metric,
     same_route,
     stray_of,
+    stray_of_own,
     takes,
 )
 
@@ -43,7 +44,7 @@ def file_route(route: Route, kernel: dict[str, Route], strays: set[Stray], desir
     want = desired.get(dst)
     if want is not None and kernel_metric(want) == kernel_metric(route):
         kernel[dst], route = route, have
-    strays.add(stray_of(route))
+    strays.add(stray_of_own(route))
 
 
 def file_group(group: Group, kernel: dict[str, Route], strays: set[Stray], desired: dict[str, Route]) -> None:

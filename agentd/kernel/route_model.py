@@ -236,6 +236,13 @@ def hop_of(route: Route) -> Stray:
     return stray_of(route)._replace(gateway=route.gateway, dev=route.dev)
 
 
+def stray_of_own(route: Route) -> Stray:
+    """The Stray that deletes just this route of ours when it is not the route for its dst
+    (a second metric): an IPv6 gateway route by its next hop, as another daemon's next hop may
+    be appended to it; any other by its key."""
+    return hop_of(route) if route.gateway is not None and ":" in route.dst else stray_of(route)
+
+
 def takes(gone: Route, current: Route) -> bool:
     """Did our route ``gone`` going (deleted by us, or reported deleted) take ``current``, our
     route filed under the same (dst, metric)?  IPv4 holds one route per key; IPv6 one per next

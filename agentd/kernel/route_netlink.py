@@ -34,9 +34,8 @@ from agentd.kernel.route_model import (
     Stray,
     Unresolved,
     gateway_text,
-    hop_of,
     kernel_route,
-    stray_of,
+    stray_of_own,
     stray_of_message,
 )
 
@@ -470,7 +469,7 @@ class RouteNetlink:
             # An IPv6 gateway route may share its (dst, metric) with other daemons' next hops
             # (a multipath route is one route per next hop there): naming ours by its gateway
             # and device deletes just it.  An IPv4 multipath route is one route: by its key.
-            target = hop_of(target) if target.gateway is not None and ":" in target.dst else stray_of(target)
+            target = stray_of_own(target)
         family, raw, plen, tos, priority, _text, src_len, src, gateway, dev = target
         key = ("delete", family, tos, priority, src_len, src, gateway, dev)
         template = self._templates.get(key)

@@ -30,6 +30,7 @@ from agentd.kernel.route_model import (
     kernel_metric,
     same_route,
     stray_of,
+    stray_of_own,
     takes,
 )
 
@@ -287,7 +288,7 @@ class RouteState:
             dst = route.dst
             previous = kernel.get(dst)
             if previous is not None and kernel_metric(previous) != kernel_metric(route):
-                strays.add(stray_of(previous))  # metric changed: deleted later in this sync
+                strays.add(stray_of_own(previous))  # metric changed: deleted later in this sync
             kernel[dst] = route
             report.append(dst)
         if self.failures or self.conflicts or self.restoring:

@@ -245,13 +245,14 @@ V6 = "2001:db8:57::/64"
 HOP2, HOP3, HOP4 = "2001:db8::2", "2001:db8::3", "2001:db8::4"
 
 
-def multipath_message(dst: str, protocol: int, gateways: list[str], oif: int = 2) -> nl.RouteMessage:
+def multipath_message(dst: str, protocol: int, gateways: list[str], oif: int = 2,
+                      priority: int = 1024) -> nl.RouteMessage:
     """An IPv6 multipath route as the kernel reports it: one message with RTA_MULTIPATH and
     the first next hop's protocol (each next hop is a route of its own, its own protocol)."""
     addr, _, plen = dst.partition("/")
     hops = nl.encode_nexthops([(0, oif, socket.inet_pton(socket.AF_INET6, gw)) for gw in gateways])
     return nl.RouteMessage(socket.AF_INET6, int(plen), nl.RT_TABLE_MAIN, protocol, 0, nl.RTN_UNICAST,
-                           dst=socket.inet_pton(socket.AF_INET6, addr), priority=1024, multipath=hops)
+                           dst=socket.inet_pton(socket.AF_INET6, addr), priority=priority, multipath=hops)
 
 
 def deletes_sent(netlink: RouteNetlink, targets: list) -> list[tuple]:
@@ -322,6 +323,39 @@ def test_an_ipv6_multipath_route_of_ours_files_the_desired_next_hop_as_the_route
     state.kernel, state.strays = adopt([group], state.desired)
     state.own_route_removed(netlink.found_of(route_message(Route(V6, gateway=HOP3), RTPROT_AGENTD)._replace(priority=1024)))
     assert state.kernel == {V6: Route(V6, gateway=HOP2, dev="eth0")} and state.strays == set()
+
+
+def test_our_ipv6_next_hop_at_a_second_metric_goes_by_its_gateway():
+    # Our route moved to metric 100; at the old metric our old next hop (HOP4) still has
+    # another daemon's (HOP3) appended.  The old one is filed as a stray of a second metric:
+    # deleted by its gateway, or the delete would take the whole multipath route, HOP3 too.
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+    single = route_message(Route(V6, gateway=HOP2, dev="eth0", metric=100), RTPROT_AGENTD)
+    group = multipath_message(V6, RTPROT_AGENTD, [HOP4, HOP3])
+    for desired_metric, order in ((100, (single, group)), (100, (group, single)), (None, (group, single))):
+        want = Route(V6, gateway=HOP2, dev="eth0", metric=desired_metric)
+        messages = order if desired_metric == 100 else (group._replace(priority=100), single._replace(priority=1024))
+        state = RouteState()
+        state.set_desired([want])
+        state.kernel, state.strays = adopt([netlink.found_of(m) for m in messages], state.desired)
+        assert state.kernel == {V6: want}
+        plan = full_plan(state)
+        assert (plan.adds, plan.replaces) == ([], [])
+        old = 1024 if desired_metric == 100 else 100
+        assert deletes_sent(netlink, plan.deletes) == [(HOP3, 2, RTPROT_AGENTD, old), (HOP4, 2, RTPROT_AGENTD, old)]
+    # Our route changing metric: the old next hop is deleted by its gateway too.
+    state = RouteState()
+    old = Route(V6, gateway=HOP2, dev="eth0")
+    state.kernel = {V6: old}
+    new = Route(V6, gateway=HOP2, dev="eth0", metric=100)
+    state.set_desired([new])
+    plan = full_plan(state)
+    assert (plan.adds, plan.deletes) == ([new], [old])
+    state.installed([new], [])
+    assert deletes_sent(netlink, list(state.strays)) == [(HOP2, 2, RTPROT_AGENTD, 1024)]
+    state.deleted(plan.deletes, [])
+    assert state.kernel == {V6: new} and state.strays == set()
 
 
 def test_only_a_link_our_routes_use_makes_the_kernel_be_re_read():
