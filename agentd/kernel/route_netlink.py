@@ -35,8 +35,8 @@ from agentd.kernel.route_model import (
     Unresolved,
     gateway_text,
     kernel_route,
-    stray_of_own,
     stray_of_message,
+    stray_of_own,
 )
 
 log = logging.getLogger("agentd.routing")
