@@ -222,11 +222,12 @@ class Stray(NamedTuple):
 
 
 class Group(NamedTuple):
-    """An IPv6 multipath route whose first next hop is ours, as the kernel reports it: one
-    message for routes sharing (dst, metric), with the first one's protocol and attributes.
-    The others may be ours or another daemon's (BIRD's, an operator's ``ip -6 route append``):
-    nobody can tell.  ``hops``: per next hop, the Route it is (None if the Route model cannot
-    say it) and the Stray that deletes just it; the first is certainly ours."""
+    """An IPv6 multipath route as the kernel reports it: one message for routes sharing
+    (dst, metric), with the first one's protocol and attributes.  Behind a first next hop of
+    ours, the others may be ours or another daemon's (BIRD's, an operator's ``ip -6 route
+    append``): nobody can tell.  ``hops``: per next hop, the Route it is (None if the Route
+    model cannot say it) and the Stray that deletes just it.  (Another daemon's multipath
+    route deleted whole is reported so too: with their protocol, our next hops among its.)"""
 
     hops: tuple[tuple[Route | None, Stray], ...]
 

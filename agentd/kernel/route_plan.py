@@ -343,7 +343,7 @@ class RouteState:
 
     def own_route_removed(self, found: Route | Stray | Group) -> None:
         """Someone else (or the kernel) removed a route with our protocol."""
-        if type(found) is Group:  # every next hop of an IPv6 multipath route went
+        if type(found) is Group:  # every next hop of an IPv6 multipath route went (whoever's first)
             for route, hop in found.hops:
                 self.strays.discard(hop)
                 if route is not None:

@@ -19,6 +19,7 @@ from agentd.kernel.route_model import (
 )
 from agentd.kernel.route_netlink import RouteNetlink
 from agentd.kernel.route_plan import RouteState, dst_of
+from agentd.kernel.routing import RouteProgrammer
 
 A = Route("10.0.1.0/24", gateway="192.0.2.2")
 A_OTHER_GW = Route("10.0.1.0/24", gateway="192.0.2.3")
@@ -356,6 +357,36 @@ def test_our_ipv6_next_hop_at_a_second_metric_goes_by_its_gateway():
     assert deletes_sent(netlink, list(state.strays)) == [(HOP2, 2, RTPROT_AGENTD, 1024)]
     state.deleted(plan.deletes, [])
     assert state.kernel == {V6: new} and state.strays == set()
+
+
+def test_another_protocols_ipv6_multipath_route_deleted_whole_takes_our_next_hop_with_it():
+    # `ip -6 route del V6 proto static` (BIRD's nl_delete_rte) names no gateway: the kernel
+    # deletes every next hop of the multipath route, ours appended to theirs too, and says so
+    # in one RTM_DELROUTE with their protocol and RTA_MULTIPATH [theirs, ours].  Our route is
+    # gone: it is restored, not kept in the kernel view until the next full resync.
+    def delroute(gateways: list[str], protocol: int = nl.RTPROT_STATIC) -> bytes:
+        msg = multipath_message(V6, protocol, gateways)
+        attrs = (nl.attr(nl.RTA_MULTIPATH, msg.multipath) + nl.attr_u32(nl.RTA_PRIORITY, 1024)
+                 + nl.attr_u32(nl.RTA_TABLE, nl.RT_TABLE_MAIN))
+        template = nl.RouteTemplate(socket.AF_INET6, nl.RT_TABLE_MAIN, protocol, 0, nl.RTN_UNICAST, 0, 0, attrs)
+        return nl.encode_route(nl.RTM_DELROUTE, 0, 0, msg.dst, 64, template)
+
+    for theirs, gone in (([HOP3, HOP2], True), ([HOP3, HOP4], False)):
+        prog = RouteProgrammer()
+        prog.netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+        want = Route(V6, gateway=HOP2, dev="eth0")
+        state = prog.state
+        state.set_desired([want])
+        state.take_work(state.needs_full(True))
+        state.kernel = {V6: want}
+        buf = delroute(theirs)
+        prog._on_event(nl.RTM_DELROUTE, 0, buf, nl.NLMSG_HDRLEN, len(buf))
+        if gone:
+            assert state.kernel == {} and state.restoring == {V6} and state.has_work()
+            plan = state.plan(*state.take_work(state.needs_full(False)))
+            assert plan.adds == [want]
+        else:  # their multipath route without our next hop: ours stays
+            assert state.kernel == {V6: want} and state.restoring == set()
 
 
 def test_only_a_link_our_routes_use_makes_the_kernel_be_re_read():
