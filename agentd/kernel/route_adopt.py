@@ -24,6 +24,7 @@ from agentd.kernel.route_model import (
     Group,
     Route,
     Stray,
+    Unreadable,
     kernel_metric,
     same_route,
     stray_of,
@@ -72,9 +73,11 @@ def file_group(group: Group, kernel: dict[str, Route], strays: set[Stray], desir
             strays.add(hop)
 
 
-def adopt(found: Iterable[Route | Stray | Group],
+def adopt(found: Iterable[Route | Stray | Group | Unreadable],
           desired: dict[str, Route]) -> tuple[dict[str, Route], set[Stray]]:
-    """Our routes as a dump of the kernel found them -> (route per dst, strays)."""
+    """Our routes as a dump of the kernel found them -> (route per dst, strays).  An
+    Unreadable is filed as nothing: never deleted, and a desired route for its key is added
+    (EEXIST then says whose route holds the key)."""
     kernel: dict[str, Route] = {}
     strays: set[Stray] = set()
     for item in found:
@@ -82,7 +85,7 @@ def adopt(found: Iterable[Route | Stray | Group],
             file_route(item, kernel, strays, desired)
         elif type(item) is Group:
             file_group(item, kernel, strays, desired)
-        else:
+        elif type(item) is not Unreadable:
             strays.add(item)
     return kernel, strays
 

@@ -232,6 +232,15 @@ class Group(NamedTuple):
     hops: tuple[tuple[Route | None, Stray], ...]
 
 
+class Unreadable(NamedTuple):
+    """An IPv6 multipath route whose next hops do not decode: which are ours nobody can say,
+    and a delete naming no gateway would take them all, another daemon's and our desired one
+    too.  It is never deleted; a route of ours filed under its (dst, metric) is checked again."""
+
+    text: str  # its destination
+    priority: int  # its metric
+
+
 def hop_of(route: Route) -> Stray:
     """The Stray that deletes just this next hop of ours (an IPv6 gateway route)."""
     return stray_of(route)._replace(gateway=route.gateway, dev=route.dev)

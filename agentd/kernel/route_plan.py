@@ -25,6 +25,7 @@ from agentd.kernel.route_model import (
     Route,
     RouteCounters,
     Stray,
+    Unreadable,
     canonical_dst,
     hop_of,
     kernel_metric,
@@ -320,8 +321,11 @@ class RouteState:
 
     # --- what the monitor saw others do ------------------------------------------------------
 
-    def own_route_added(self, found: Route | Stray | Group) -> None:
+    def own_route_added(self, found: Route | Stray | Group | Unreadable) -> None:
         """Someone else (or the kernel) added a route with our protocol."""
+        if type(found) is Unreadable:
+            self.own_route_unreadable(found)
+            return
         if type(found) is Group:  # an IPv6 multipath route, maybe with others' next hops
             file_group(found, self.kernel, self.strays, self.desired)
             dst = found.hops[0][1].text
@@ -341,8 +345,11 @@ class RouteState:
             self.strays.add(found)
             self.dirty.add(found.text)
 
-    def own_route_removed(self, found: Route | Stray | Group) -> None:
+    def own_route_removed(self, found: Route | Stray | Group | Unreadable) -> None:
         """Someone else (or the kernel) removed a route with our protocol."""
+        if type(found) is Unreadable:
+            self.own_route_unreadable(found)
+            return
         if type(found) is Group:  # every next hop of an IPv6 multipath route went (whoever's first)
             for route, hop in found.hops:
                 self.strays.discard(hop)
@@ -361,6 +368,18 @@ class RouteState:
         else:
             self.strays.discard(stray_of(found))
             self.strays.discard(hop_of(found))
+        self.dirty.add(dst)
+
+    def own_route_unreadable(self, found: Unreadable) -> None:
+        """A multipath route whose next hops do not decode changed: our route filed under its
+        (dst, metric) may be among them or gone.  It is restored (an add meeting EEXIST finds
+        whose route holds the key) rather than trusted."""
+        dst = found.text
+        have = self.kernel.get(dst)
+        if have is not None and kernel_metric(have) == found.priority:
+            del self.kernel[dst]
+            if dst in self.desired:
+                self.restoring.add(dst)
         self.dirty.add(dst)
 
     def other_route_replaced(self, dst: str, metric: int) -> None:

@@ -389,6 +389,39 @@ def test_another_protocols_ipv6_multipath_route_deleted_whole_takes_our_next_hop
             assert state.kernel == {V6: want} and state.restoring == set()
 
 
+def test_an_undecodable_ipv6_multipath_route_of_ours_is_never_deleted_whole_and_ours_is_checked(caplog):
+    # RTA_MULTIPATH that does not decode (its last rtnexthop cut short): which next hops it
+    # holds nobody can say.  A delete of the whole would take every one, our desired next hop
+    # (which the state would still hold) and another daemon's: nothing is deleted, the route of
+    # ours it may hold is checked again (restored), and the dst is logged once.
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+    good = multipath_message(V6, RTPROT_AGENTD, [HOP4, HOP2])
+    bad = good._replace(multipath=good.multipath[:-3])
+    want = Route(V6, gateway=HOP2, dev="eth0")
+    caplog.set_level("INFO", logger="agentd.routing")
+    for event in ("added", "removed"):
+        state = RouteState()
+        state.set_desired([want])
+        state.take_work(state.needs_full(True))
+        state.kernel = {V6: want}
+        found = netlink.found_of(bad)
+        getattr(state, f"own_route_{event}")(found)
+        assert V6 not in state.kernel and state.restoring == {V6}
+        plan = state.plan(*state.take_work(state.needs_full(False)))
+        assert (plan.adds, plan.deletes) == ([want], [])
+    # A full re-read files nothing for it: the desired route is added (EEXIST then shows whose
+    # route holds the key), nothing deleted.
+    state = RouteState()
+    state.set_desired([want])
+    state.kernel, state.strays = adopt([netlink.found_of(bad)], state.desired)
+    assert (state.kernel, state.strays) == ({}, set())
+    plan = full_plan(state)
+    assert (plan.adds, plan.deletes) == ([want], [])
+    errors = [r.getMessage() for r in caplog.records if "RTA_MULTIPATH" in r.getMessage()]
+    assert len(errors) == 1 and V6 in errors[0]
+
+
 def test_only_a_link_our_routes_use_makes_the_kernel_be_re_read():
     # IPv4 flushes a dead link's routes silently: a link one of ours goes out of must re-read
     # the kernel; a pod's veth going away (pod churn) must not re-read every route.
