@@ -73,6 +73,10 @@ class RouteState:
         self.restoring: set[str] = set()  # own desired routes someone removed
         self.conflicts: dict[str, str] = {}  # dst -> reason
         self.failures: dict[str, str] = {}  # dst -> reason
+        # Next hops in our IPv6 multipath routes whose delete met ESRCH: another daemon's (the
+        # kernel deleted only a next hop of our protocol).  Not filed as strays while a full
+        # re-read finds them (agentd.kernel.route_adopt.adopt drops the rest).
+        self.foreign_hops: set[Stray] = set()
 
     # --- the caller's declarations ---------------------------------------------------------
 
@@ -319,6 +323,17 @@ class RouteState:
                 strays.discard(target)
             removed.append(dst)
 
+    def gone(self, targets: list[Route | Stray]) -> None:
+        """Deletes the kernel answered ESRCH: nothing of ours by that name is there.  A next
+        hop deleted by its gateway is then another daemon's: remembered, and not deleted again
+        at every full resync."""
+        for target in targets:
+            if type(target) is Stray and target.gateway is not None:
+                if len(self.foreign_hops) > 4096:
+                    self.foreign_hops.clear()
+                self.foreign_hops.add(target)
+        self.deleted(targets, [])
+
     # --- what the monitor saw others do ------------------------------------------------------
 
     def own_route_added(self, found: Route | Stray | Group | Unreadable) -> None:
@@ -327,7 +342,7 @@ class RouteState:
             self.own_route_unreadable(found)
             return
         if type(found) is Group:  # an IPv6 multipath route, maybe with others' next hops
-            file_group(found, self.kernel, self.strays, self.desired)
+            file_group(found, self.kernel, self.strays, self.desired, self.foreign_hops)
             dst = found.hops[0][1].text
             self.dirty.add(dst)
             want, have = self.desired.get(dst), self.kernel.get(dst)
@@ -353,6 +368,7 @@ class RouteState:
         if type(found) is Group:  # every next hop of an IPv6 multipath route went (whoever's first)
             for route, hop in found.hops:
                 self.strays.discard(hop)
+                self.foreign_hops.discard(hop)
                 if route is not None:
                     self.own_route_removed(route)
             return
@@ -368,6 +384,8 @@ class RouteState:
         else:
             self.strays.discard(stray_of(found))
             self.strays.discard(hop_of(found))
+        if self.foreign_hops:
+            self.foreign_hops.discard(hop_of(found))
         self.dirty.add(dst)
 
     def own_route_unreadable(self, found: Unreadable) -> None:
@@ -392,6 +410,10 @@ class RouteState:
     def other_route_removed(self, dst: str) -> None:
         if dst in self.conflicts:
             self.dirty.add(dst)  # the route in our way is gone: try again
+        if self.foreign_hops:
+            # Maybe another daemon's next hop in our route: a next hop of ours by the same
+            # gateway may follow, and must be deleted.
+            self.foreign_hops = {hop for hop in self.foreign_hops if hop.text != dst}
 
     def retry_failures(self) -> None:
         """A device appeared or an address changed: failed routes may work now."""

@@ -315,7 +315,7 @@ class RouteProgrammer:
         state = self.state
         if code == DELETE:
             return await self.netlink.execute(code, targets, lambda done: state.deleted(done, outcome.removed),
-                                              lambda gone: state.deleted(gone, []))
+                                              state.gone)
         report = outcome.added if code == ADD else outcome.replaced
         return await self.netlink.execute(code, targets, lambda done: state.installed(done, report))
 
@@ -332,7 +332,7 @@ class RouteProgrammer:
                 self._links_stale = False
                 await self.netlink.dump_links()
             found = await self.netlink.dump_own()
-            self.state.kernel, self.state.strays = adopt(found, self.state.desired)
+            self.state.kernel, self.state.strays = adopt(found, self.state.desired, self.state.foreign_hops)
         finally:
             if paused:
                 self.netlink.monitor.resume()

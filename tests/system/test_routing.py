@@ -698,6 +698,8 @@ async def test_a_foreign_ipv6_next_hop_appended_to_ours_survives_a_full_resync(l
     again = await programmer.reconcile(full=True)
     assert (again.added, again.replaced, again.removed, again.failed) == ((), (), (), ())
     assert await _hops(lab, dst) == [f"via {gw} dev v0" for gw in (GW6, foreign)]
+    # The kernel refused the foreign next hop's delete (ESRCH) once: it is not tried again.
+    assert [hop.gateway for hop in programmer.state.foreign_hops] == [foreign] and not programmer.state.strays
     # Each next hop still has its owner's protocol (a delete naming a protocol takes only its routes).
     await lab.ip("-6", "route", "del", dst, "via", foreign, "dev", "v0", "proto", "bird")
     assert await _hops(lab, dst) == [f"via {GW6} dev v0"]

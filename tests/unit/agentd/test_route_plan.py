@@ -422,6 +422,46 @@ def test_an_undecodable_ipv6_multipath_route_of_ours_is_never_deleted_whole_and_
     assert len(errors) == 1 and V6 in errors[0]
 
 
+def test_another_daemons_next_hop_whose_delete_met_esrch_is_not_deleted_again():
+    # Another daemon's next hop (HOP3) appended to ours: the first full resync cannot tell it
+    # from ours and deletes it by gateway, which the kernel refuses (ESRCH: not our protocol).
+    # Later resyncs leave it alone while it keeps appearing, and it is no stray: upserts of its
+    # dst need no re-read of the kernel.
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+    want = Route(V6, gateway=HOP2, dev="eth0")
+    state = RouteState()
+    state.set_desired([want])
+    dump = [netlink.found_of(multipath_message(V6, RTPROT_AGENTD, [HOP2, HOP3]))]
+    state.kernel, state.strays = adopt(dump, state.desired, state.foreign_hops)
+    plan = full_plan(state)
+    assert deletes_sent(netlink, plan.deletes) == [(HOP3, 2, RTPROT_AGENTD, 1024)]
+    state.gone(plan.deletes)  # ESRCH
+    assert state.strays == set()
+    for _resync in range(2):
+        state.kernel, state.strays = adopt(dump, state.desired, state.foreign_hops)
+        assert state.strays == set()
+        assert full_plan(state) == ([], [], [], [])
+    state.upsert(Route(V6, gateway=HOP2, dev="eth0", mtu=1400))
+    assert not state.full_pending
+    state.set_desired([want])
+    assert not state.full_pending
+    # Reported by the monitor again (a next hop appended to the route): still left alone.
+    state.own_route_added(netlink.found_of(multipath_message(V6, RTPROT_AGENTD, [HOP2, HOP3, HOP4])))
+    assert [s.gateway for s in state.strays] == [HOP4]
+    # Gone from the kernel: forgotten, so a next hop of ours by that gateway later is deleted.
+    state.kernel, state.strays = adopt([netlink.found_of(route_message(want, RTPROT_AGENTD)._replace(priority=1024))],
+                                       state.desired, state.foreign_hops)
+    assert state.foreign_hops == set()
+    state.kernel, state.strays = adopt(dump, state.desired, state.foreign_hops)
+    assert [s.gateway for s in state.strays] == [HOP3]
+    # Another protocol's route for the dst deleted (their next hop, maybe): forgotten too.
+    state.gone(list(state.strays))
+    assert state.foreign_hops and not state.strays
+    state.other_route_removed(V6)
+    assert state.foreign_hops == set()
+
+
 def test_only_a_link_our_routes_use_makes_the_kernel_be_re_read():
     # IPv4 flushes a dead link's routes silently: a link one of ours goes out of must re-read
     # the kernel; a pod's veth going away (pod churn) must not re-read every route.
