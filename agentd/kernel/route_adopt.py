@@ -13,7 +13,7 @@ says whose it is: ours (adopt it, then replace it if it differs) or another prot
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Callable, Container, Iterable
 from typing import NamedTuple
 
 from agentd.kernel import netlink as nl
@@ -49,7 +49,7 @@ def file_route(route: Route, kernel: dict[str, Route], strays: set[Stray], desir
 
 
 def file_group(group: Group, kernel: dict[str, Route], strays: set[Stray], desired: dict[str, Route],
-               foreign: Set[Stray] = frozenset()) -> None:
+               foreign: Container[Stray] = frozenset()) -> None:
     """File an IPv6 multipath route of ours, next hop by next hop: one becomes the route for
     its dst (the desired one if it is there, else the one already filed, else the first, the
     one the message's protocol is certainly of); every other one is a stray deleted by its
