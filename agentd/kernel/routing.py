@@ -355,7 +355,7 @@ class RouteProgrammer:
             if mtype == nl.RTM_NEWROUTE and mflags & nl.NLM_F_REPLACE:
                 state.other_route_replaced(dst, msg.priority or 0)
             elif mtype == nl.RTM_DELROUTE:
-                if msg.family == socket.AF_INET6 and msg.multipath is not None:
+                if msg.family == socket.AF_INET6 and msg.multipath is not None and msg.nh_id is None and not msg.tos:
                     # A delete naming no gateway (``ip -6 route del DST proto static``, BIRD's
                     # nl_delete_rte) takes every next hop of the multipath route, ours appended
                     # to theirs too, and says so once, with the first next hop's protocol.
