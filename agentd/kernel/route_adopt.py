@@ -13,7 +13,7 @@ says whose it is: ours (adopt it, then replace it if it differs) or another prot
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import NamedTuple
 
 from agentd.kernel import netlink as nl
@@ -24,9 +24,11 @@ from agentd.kernel.route_model import (
     Group,
     Route,
     Stray,
+    Unreadable,
     kernel_metric,
     same_route,
     stray_of,
+    stray_of_own,
     takes,
 )
 
@@ -43,15 +45,17 @@ def file_route(route: Route, kernel: dict[str, Route], strays: set[Stray], desir
     want = desired.get(dst)
     if want is not None and kernel_metric(want) == kernel_metric(route):
         kernel[dst], route = route, have
-    strays.add(stray_of(route))
+    strays.add(stray_of_own(route))
 
 
-def file_group(group: Group, kernel: dict[str, Route], strays: set[Stray], desired: dict[str, Route]) -> None:
+def file_group(group: Group, kernel: dict[str, Route], strays: set[Stray], desired: dict[str, Route],
+               foreign: Container[Stray] = frozenset()) -> None:
     """File an IPv6 multipath route of ours, next hop by next hop: one becomes the route for
     its dst (the desired one if it is there, else the one already filed, else the first, the
     one the message's protocol is certainly of); every other one is a stray deleted by its
     gateway and device, which the kernel does only if that next hop is ours: another
-    daemon's appended to our route stays (Felix/BIRD coexistence)."""
+    daemon's appended to our route stays (Felix/BIRD coexistence).  Next hops in ``foreign``
+    (their delete met ESRCH: another daemon's) are not filed at all."""
     routes = [route for route, _hop in group.hops if route is not None]
     chosen = None
     if routes:
@@ -67,22 +71,33 @@ def file_group(group: Group, kernel: dict[str, Route], strays: set[Stray], desir
         if route is not None and route is chosen:
             strays.discard(hop)  # filed as a stray by an earlier report of the group
             file_route(route, kernel, strays, desired)
-        else:
+        elif hop not in foreign:
             strays.add(hop)
 
 
-def adopt(found: Iterable[Route | Stray | Group],
-          desired: dict[str, Route]) -> tuple[dict[str, Route], set[Stray]]:
-    """Our routes as a dump of the kernel found them -> (route per dst, strays)."""
+def adopt(found: Iterable[Route | Stray | Group | Unreadable], desired: dict[str, Route],
+          foreign: set[Stray] | None = None) -> tuple[dict[str, Route], set[Stray]]:
+    """Our routes as a dump of the kernel found them -> (route per dst, strays).  An
+    Unreadable is filed as nothing: never deleted, and a desired route for its key is added
+    (EEXIST then says whose route holds the key).  ``foreign``: other daemons' next hops in
+    our multipath routes, not filed as strays; the ones the dump no longer holds are dropped
+    from it (in place)."""
     kernel: dict[str, Route] = {}
     strays: set[Stray] = set()
+    seen: set[Stray] = set()
     for item in found:
         if type(item) is Route:
             file_route(item, kernel, strays, desired)
         elif type(item) is Group:
-            file_group(item, kernel, strays, desired)
-        else:
+            if foreign:
+                file_group(item, kernel, strays, desired, foreign)
+                seen.update(hop for _route, hop in item.hops)
+            else:
+                file_group(item, kernel, strays, desired)
+        elif type(item) is not Unreadable:
             strays.add(item)
+    if foreign:
+        foreign &= seen
     return kernel, strays
 
 

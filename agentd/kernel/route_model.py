@@ -222,18 +222,35 @@ class Stray(NamedTuple):
 
 
 class Group(NamedTuple):
-    """An IPv6 multipath route whose first next hop is ours, as the kernel reports it: one
-    message for routes sharing (dst, metric), with the first one's protocol and attributes.
-    The others may be ours or another daemon's (BIRD's, an operator's ``ip -6 route append``):
-    nobody can tell.  ``hops``: per next hop, the Route it is (None if the Route model cannot
-    say it) and the Stray that deletes just it; the first is certainly ours."""
+    """An IPv6 multipath route as the kernel reports it: one message for routes sharing
+    (dst, metric), with the first one's protocol and attributes.  Behind a first next hop of
+    ours, the others may be ours or another daemon's (BIRD's, an operator's ``ip -6 route
+    append``): nobody can tell.  ``hops``: per next hop, the Route it is (None if the Route
+    model cannot say it) and the Stray that deletes just it.  (Another daemon's multipath
+    route deleted whole is reported so too: with their protocol, our next hops among its.)"""
 
     hops: tuple[tuple[Route | None, Stray], ...]
+
+
+class Unreadable(NamedTuple):
+    """An IPv6 multipath route whose next hops do not decode: which are ours nobody can say,
+    and a delete naming no gateway would take them all, another daemon's and our desired one
+    too.  It is never deleted; a route of ours filed under its (dst, metric) is checked again."""
+
+    text: str  # its destination
+    priority: int  # its metric
 
 
 def hop_of(route: Route) -> Stray:
     """The Stray that deletes just this next hop of ours (an IPv6 gateway route)."""
     return stray_of(route)._replace(gateway=route.gateway, dev=route.dev)
+
+
+def stray_of_own(route: Route) -> Stray:
+    """The Stray that deletes just this route of ours when it is not the route for its dst
+    (a second metric): an IPv6 gateway route by its next hop, as another daemon's next hop may
+    be appended to it; any other by its key."""
+    return hop_of(route) if route.gateway is not None and ":" in route.dst else stray_of(route)
 
 
 def takes(gone: Route, current: Route) -> bool:

@@ -32,12 +32,12 @@ from agentd.kernel.route_model import (
     Route,
     RouteCounters,
     Stray,
+    Unreadable,
     Unresolved,
     gateway_text,
-    hop_of,
     kernel_route,
-    stray_of,
     stray_of_message,
+    stray_of_own,
 )
 
 log = logging.getLogger("agentd.routing")
@@ -155,6 +155,7 @@ class RouteNetlink:
         self._seq = 0
         self._templates: dict[tuple, nl.RouteTemplate] = {}
         self._seen: dict[bytes, Route] = {}  # message bytes of the last dump -> Route
+        self._unreadable: set[str] = set()  # dsts whose undecodable RTA_MULTIPATH was logged
 
     # --- sockets -------------------------------------------------------------------------------
 
@@ -263,29 +264,34 @@ class RouteNetlink:
             msg.mtu or None, None if msg.prefsrc is None else ntop(family, msg.prefsrc),
         )
 
-    def found_of(self, msg: nl.RouteMessage) -> Route | Stray | Group:
+    def found_of(self, msg: nl.RouteMessage) -> Route | Stray | Group | Unreadable:
         """A route of ours as a Route, or as a Stray when Route cannot say it; an IPv6
-        multipath route as a Group of its next hops (each may be another daemon's)."""
+        multipath route as a Group of its next hops (each may be another daemon's), or as
+        Unreadable if they do not decode."""
         route = self.route_of(msg)
         if route is not None:
             return route
         if msg.family == AF_INET6 and msg.multipath is not None and msg.nh_id is None and not msg.tos:
-            group = self.group_of(msg)
+            whole = stray_of_message(msg)
+            try:
+                hops = nl.decode_nexthops(msg.family, msg.multipath)
+            except nl.NetlinkDecodeError as exc:
+                if whole.text not in self._unreadable:  # a dump a minute must not log it a minute
+                    if len(self._unreadable) > 1024:
+                        self._unreadable.clear()
+                    self._unreadable.add(whole.text)
+                    log.error("%s: undecodable RTA_MULTIPATH (%s): left alone, our route for it checked", whole.text, exc)
+                return Unreadable(whole.text, msg.priority or 0)
+            group = self.group_of(msg, whole, hops)
             if group is not None:
                 return group
         return stray_of_message(msg)
 
-    def group_of(self, msg: nl.RouteMessage) -> Group | None:
+    def group_of(self, msg: nl.RouteMessage, whole: Stray, hops: list[nl.NextHop]) -> Group | None:
         """An IPv6 multipath message's next hops (None if one has no gateway: then it is no
         group of sibling routes, and only a delete of the whole can name it)."""
-        try:
-            hops = nl.decode_nexthops(msg.family, msg.multipath)
-        except nl.NetlinkDecodeError as exc:
-            log.error("undecodable RTA_MULTIPATH: %s", exc)
-            return None
         if not hops or any(hop.gateway is None for hop in hops):
             return None
-        whole = stray_of_message(msg)
         dst, family, ntop = whole.text, msg.family, socket.inet_ntop
         kind = KIND_OF_RTN.get(msg.type)
         metric = None if msg.priority == DEFAULT_METRIC[family] else msg.priority
@@ -303,7 +309,7 @@ class RouteNetlink:
             group.append((route, whole._replace(gateway=gateway, dev=dev)))
         return Group(tuple(group))
 
-    async def dump_own(self) -> list[Route | Stray | Group]:
+    async def dump_own(self) -> list[Route | Stray | Group | Unreadable]:
         """Every route of ours (our protocol, our table) in the kernel.
 
         A route whose message bytes are exactly those of the last dump is the same Route
@@ -341,7 +347,7 @@ class RouteNetlink:
                 break
         if any(msg.oif and msg.oif not in self.ifname for _body, msg in fresh):
             await self.dump_links()
-        found: list[Route | Stray | Group] = list(known)
+        found: list[Route | Stray | Group | Unreadable] = list(known)
         for count, (body, msg) in enumerate(fresh, 1):
             item = self.found_of(msg)
             if type(item) is Route:
@@ -470,7 +476,7 @@ class RouteNetlink:
             # An IPv6 gateway route may share its (dst, metric) with other daemons' next hops
             # (a multipath route is one route per next hop there): naming ours by its gateway
             # and device deletes just it.  An IPv4 multipath route is one route: by its key.
-            target = hop_of(target) if target.gateway is not None and ":" in target.dst else stray_of(target)
+            target = stray_of_own(target)
         family, raw, plen, tos, priority, _text, src_len, src, gateway, dev = target
         key = ("delete", family, tos, priority, src_len, src, gateway, dev)
         template = self._templates.get(key)

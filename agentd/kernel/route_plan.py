@@ -25,11 +25,13 @@ from agentd.kernel.route_model import (
     Route,
     RouteCounters,
     Stray,
+    Unreadable,
     canonical_dst,
     hop_of,
     kernel_metric,
     same_route,
     stray_of,
+    stray_of_own,
     takes,
 )
 
@@ -71,6 +73,10 @@ class RouteState:
         self.restoring: set[str] = set()  # own desired routes someone removed
         self.conflicts: dict[str, str] = {}  # dst -> reason
         self.failures: dict[str, str] = {}  # dst -> reason
+        # Next hops in our IPv6 multipath routes whose delete met ESRCH: another daemon's (the
+        # kernel deleted only a next hop of our protocol).  Not filed as strays while a full
+        # re-read finds them (agentd.kernel.route_adopt.adopt drops the rest).
+        self.foreign_hops: set[Stray] = set()
 
     # --- the caller's declarations ---------------------------------------------------------
 
@@ -287,7 +293,7 @@ class RouteState:
             dst = route.dst
             previous = kernel.get(dst)
             if previous is not None and kernel_metric(previous) != kernel_metric(route):
-                strays.add(stray_of(previous))  # metric changed: deleted later in this sync
+                strays.add(stray_of_own(previous))  # metric changed: deleted later in this sync
             kernel[dst] = route
             report.append(dst)
         if self.failures or self.conflicts or self.restoring:
@@ -317,12 +323,26 @@ class RouteState:
                 strays.discard(target)
             removed.append(dst)
 
+    def gone(self, targets: list[Route | Stray]) -> None:
+        """Deletes the kernel answered ESRCH: nothing of ours by that name is there.  A next
+        hop deleted by its gateway is then another daemon's: remembered, and not deleted again
+        at every full resync."""
+        for target in targets:
+            if type(target) is Stray and target.gateway is not None:
+                if len(self.foreign_hops) > 4096:
+                    self.foreign_hops.clear()
+                self.foreign_hops.add(target)
+        self.deleted(targets, [])
+
     # --- what the monitor saw others do ------------------------------------------------------
 
-    def own_route_added(self, found: Route | Stray | Group) -> None:
+    def own_route_added(self, found: Route | Stray | Group | Unreadable) -> None:
         """Someone else (or the kernel) added a route with our protocol."""
+        if type(found) is Unreadable:
+            self.own_route_unreadable(found)
+            return
         if type(found) is Group:  # an IPv6 multipath route, maybe with others' next hops
-            file_group(found, self.kernel, self.strays, self.desired)
+            file_group(found, self.kernel, self.strays, self.desired, self.foreign_hops)
             dst = found.hops[0][1].text
             self.dirty.add(dst)
             want, have = self.desired.get(dst), self.kernel.get(dst)
@@ -340,11 +360,15 @@ class RouteState:
             self.strays.add(found)
             self.dirty.add(found.text)
 
-    def own_route_removed(self, found: Route | Stray | Group) -> None:
+    def own_route_removed(self, found: Route | Stray | Group | Unreadable) -> None:
         """Someone else (or the kernel) removed a route with our protocol."""
-        if type(found) is Group:  # every next hop of an IPv6 multipath route went
+        if type(found) is Unreadable:
+            self.own_route_unreadable(found)
+            return
+        if type(found) is Group:  # every next hop of an IPv6 multipath route went (whoever's first)
             for route, hop in found.hops:
                 self.strays.discard(hop)
+                self.foreign_hops.discard(hop)
                 if route is not None:
                     self.own_route_removed(route)
             return
@@ -360,6 +384,20 @@ class RouteState:
         else:
             self.strays.discard(stray_of(found))
             self.strays.discard(hop_of(found))
+        if self.foreign_hops:
+            self.foreign_hops.discard(hop_of(found))
+        self.dirty.add(dst)
+
+    def own_route_unreadable(self, found: Unreadable) -> None:
+        """A multipath route whose next hops do not decode changed: our route filed under its
+        (dst, metric) may be among them or gone.  It is restored (an add meeting EEXIST finds
+        whose route holds the key) rather than trusted."""
+        dst = found.text
+        have = self.kernel.get(dst)
+        if have is not None and kernel_metric(have) == found.priority:
+            del self.kernel[dst]
+            if dst in self.desired:
+                self.restoring.add(dst)
         self.dirty.add(dst)
 
     def other_route_replaced(self, dst: str, metric: int) -> None:
@@ -372,6 +410,10 @@ class RouteState:
     def other_route_removed(self, dst: str) -> None:
         if dst in self.conflicts:
             self.dirty.add(dst)  # the route in our way is gone: try again
+        if self.foreign_hops:
+            # Maybe another daemon's next hop in our route: a next hop of ours by the same
+            # gateway may follow, and must be deleted.
+            self.foreign_hops = {hop for hop in self.foreign_hops if hop.text != dst}
 
     def retry_failures(self) -> None:
         """A device appeared or an address changed: failed routes may work now."""

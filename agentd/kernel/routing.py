@@ -315,7 +315,7 @@ class RouteProgrammer:
         state = self.state
         if code == DELETE:
             return await self.netlink.execute(code, targets, lambda done: state.deleted(done, outcome.removed),
-                                              lambda gone: state.deleted(gone, []))
+                                              state.gone)
         report = outcome.added if code == ADD else outcome.replaced
         return await self.netlink.execute(code, targets, lambda done: state.installed(done, report))
 
@@ -332,7 +332,7 @@ class RouteProgrammer:
                 self._links_stale = False
                 await self.netlink.dump_links()
             found = await self.netlink.dump_own()
-            self.state.kernel, self.state.strays = adopt(found, self.state.desired)
+            self.state.kernel, self.state.strays = adopt(found, self.state.desired, self.state.foreign_hops)
         finally:
             if paused:
                 self.netlink.monitor.resume()
@@ -355,6 +355,11 @@ class RouteProgrammer:
             if mtype == nl.RTM_NEWROUTE and mflags & nl.NLM_F_REPLACE:
                 state.other_route_replaced(dst, msg.priority or 0)
             elif mtype == nl.RTM_DELROUTE:
+                if msg.family == socket.AF_INET6 and msg.multipath is not None and msg.nh_id is None and not msg.tos:
+                    # A delete naming no gateway (``ip -6 route del DST proto static``, BIRD's
+                    # nl_delete_rte) takes every next hop of the multipath route, ours appended
+                    # to theirs too, and says so once, with the first next hop's protocol.
+                    state.own_route_removed(netlink.found_of(msg))
                 state.other_route_removed(dst)
         elif mtype == nl.RTM_NEWLINK or mtype == nl.RTM_DELLINK:
             link = nl.decode_link(buf, start, end)

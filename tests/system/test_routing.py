@@ -698,6 +698,8 @@ async def test_a_foreign_ipv6_next_hop_appended_to_ours_survives_a_full_resync(l
     again = await programmer.reconcile(full=True)
     assert (again.added, again.replaced, again.removed, again.failed) == ((), (), (), ())
     assert await _hops(lab, dst) == [f"via {gw} dev v0" for gw in (GW6, foreign)]
+    # The kernel refused the foreign next hop's delete (ESRCH) once: it is not tried again.
+    assert [hop.gateway for hop in programmer.state.foreign_hops] == [foreign] and not programmer.state.strays
     # Each next hop still has its owner's protocol (a delete naming a protocol takes only its routes).
     await lab.ip("-6", "route", "del", dst, "via", foreign, "dev", "v0", "proto", "bird")
     assert await _hops(lab, dst) == [f"via {GW6} dev v0"]
@@ -709,3 +711,24 @@ async def test_a_foreign_ipv6_next_hop_appended_to_ours_survives_a_full_resync(l
     assert (result.removed, result.failed) == ((dst,), ())
     assert await _hops(lab, dst) == [f"via {foreign} dev v0"]
     assert await lab.own("-6") == []
+
+
+async def test_our_ipv6_next_hop_deleted_with_another_daemons_multipath_route_is_restored(lab, start):
+    # `ip -6 route del DST proto bird` names no gateway (BIRD's nl_delete_rte): the kernel
+    # deletes every next hop of the multipath route, ours appended to BIRD's too, and says so
+    # once, with BIRD's protocol.  Ours is put back at once, not at the next full resync.
+    dst, foreign = "2001:db8:58::/64", "2001:db8::3"
+    programmer = await start(resync_interval=3600)
+    programmer.set_desired([Route(dst, gateway=GW6, dev="v0")])
+    assert (await programmer.reconcile()).added == (dst,)
+    await lab.ip("-6", "route", "append", dst, "via", foreign, "dev", "v0", "proto", "bird")
+    assert await _hops(lab, dst) == [f"via {gw} dev v0" for gw in (GW6, foreign)]
+    resyncs = programmer.counters.full_resyncs
+    await lab.ip("-6", "route", "del", dst, "proto", "bird")
+
+    async def restored():
+        return programmer.counters.routes_restored == 1 and await _hops(lab, dst) == [f"via {GW6} dev v0"]
+
+    await eventually(restored, what="our next hop put back")
+    assert programmer.counters.full_resyncs == resyncs
+    assert programmer.programmed() == [Route(dst, gateway=GW6, dev="v0")]

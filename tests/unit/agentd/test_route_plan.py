@@ -19,6 +19,7 @@ from agentd.kernel.route_model import (
 )
 from agentd.kernel.route_netlink import RouteNetlink
 from agentd.kernel.route_plan import RouteState, dst_of
+from agentd.kernel.routing import RouteProgrammer
 
 A = Route("10.0.1.0/24", gateway="192.0.2.2")
 A_OTHER_GW = Route("10.0.1.0/24", gateway="192.0.2.3")
@@ -245,13 +246,14 @@ V6 = "2001:db8:57::/64"
 HOP2, HOP3, HOP4 = "2001:db8::2", "2001:db8::3", "2001:db8::4"
 
 
-def multipath_message(dst: str, protocol: int, gateways: list[str], oif: int = 2) -> nl.RouteMessage:
+def multipath_message(dst: str, protocol: int, gateways: list[str], oif: int = 2,
+                      priority: int = 1024) -> nl.RouteMessage:
     """An IPv6 multipath route as the kernel reports it: one message with RTA_MULTIPATH and
     the first next hop's protocol (each next hop is a route of its own, its own protocol)."""
     addr, _, plen = dst.partition("/")
     hops = nl.encode_nexthops([(0, oif, socket.inet_pton(socket.AF_INET6, gw)) for gw in gateways])
     return nl.RouteMessage(socket.AF_INET6, int(plen), nl.RT_TABLE_MAIN, protocol, 0, nl.RTN_UNICAST,
-                           dst=socket.inet_pton(socket.AF_INET6, addr), priority=1024, multipath=hops)
+                           dst=socket.inet_pton(socket.AF_INET6, addr), priority=priority, multipath=hops)
 
 
 def deletes_sent(netlink: RouteNetlink, targets: list) -> list[tuple]:
@@ -322,6 +324,142 @@ def test_an_ipv6_multipath_route_of_ours_files_the_desired_next_hop_as_the_route
     state.kernel, state.strays = adopt([group], state.desired)
     state.own_route_removed(netlink.found_of(route_message(Route(V6, gateway=HOP3), RTPROT_AGENTD)._replace(priority=1024)))
     assert state.kernel == {V6: Route(V6, gateway=HOP2, dev="eth0")} and state.strays == set()
+
+
+def test_our_ipv6_next_hop_at_a_second_metric_goes_by_its_gateway():
+    # Our route moved to metric 100; at the old metric our old next hop (HOP4) still has
+    # another daemon's (HOP3) appended.  The old one is filed as a stray of a second metric:
+    # deleted by its gateway, or the delete would take the whole multipath route, HOP3 too.
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+    single = route_message(Route(V6, gateway=HOP2, dev="eth0", metric=100), RTPROT_AGENTD)
+    group = multipath_message(V6, RTPROT_AGENTD, [HOP4, HOP3])
+    for desired_metric, order in ((100, (single, group)), (100, (group, single)), (None, (group, single))):
+        want = Route(V6, gateway=HOP2, dev="eth0", metric=desired_metric)
+        messages = order if desired_metric == 100 else (group._replace(priority=100), single._replace(priority=1024))
+        state = RouteState()
+        state.set_desired([want])
+        state.kernel, state.strays = adopt([netlink.found_of(m) for m in messages], state.desired)
+        assert state.kernel == {V6: want}
+        plan = full_plan(state)
+        assert (plan.adds, plan.replaces) == ([], [])
+        old = 1024 if desired_metric == 100 else 100
+        assert deletes_sent(netlink, plan.deletes) == [(HOP3, 2, RTPROT_AGENTD, old), (HOP4, 2, RTPROT_AGENTD, old)]
+    # Our route changing metric: the old next hop is deleted by its gateway too.
+    state = RouteState()
+    old = Route(V6, gateway=HOP2, dev="eth0")
+    state.kernel = {V6: old}
+    new = Route(V6, gateway=HOP2, dev="eth0", metric=100)
+    state.set_desired([new])
+    plan = full_plan(state)
+    assert (plan.adds, plan.deletes) == ([new], [old])
+    state.installed([new], [])
+    assert deletes_sent(netlink, list(state.strays)) == [(HOP2, 2, RTPROT_AGENTD, 1024)]
+    state.deleted(plan.deletes, [])
+    assert state.kernel == {V6: new} and state.strays == set()
+
+
+def test_another_protocols_ipv6_multipath_route_deleted_whole_takes_our_next_hop_with_it():
+    # `ip -6 route del V6 proto static` (BIRD's nl_delete_rte) names no gateway: the kernel
+    # deletes every next hop of the multipath route, ours appended to theirs too, and says so
+    # in one RTM_DELROUTE with their protocol and RTA_MULTIPATH [theirs, ours].  Our route is
+    # gone: it is restored, not kept in the kernel view until the next full resync.
+    def delroute(gateways: list[str], protocol: int = nl.RTPROT_STATIC) -> bytes:
+        msg = multipath_message(V6, protocol, gateways)
+        attrs = (nl.attr(nl.RTA_MULTIPATH, msg.multipath) + nl.attr_u32(nl.RTA_PRIORITY, 1024)
+                 + nl.attr_u32(nl.RTA_TABLE, nl.RT_TABLE_MAIN))
+        template = nl.RouteTemplate(socket.AF_INET6, nl.RT_TABLE_MAIN, protocol, 0, nl.RTN_UNICAST, 0, 0, attrs)
+        return nl.encode_route(nl.RTM_DELROUTE, 0, 0, msg.dst, 64, template)
+
+    for theirs, gone in (([HOP3, HOP2], True), ([HOP3, HOP4], False)):
+        prog = RouteProgrammer()
+        prog.netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+        want = Route(V6, gateway=HOP2, dev="eth0")
+        state = prog.state
+        state.set_desired([want])
+        state.take_work(state.needs_full(True))
+        state.kernel = {V6: want}
+        buf = delroute(theirs)
+        prog._on_event(nl.RTM_DELROUTE, 0, buf, nl.NLMSG_HDRLEN, len(buf))
+        if gone:
+            assert state.kernel == {} and state.restoring == {V6} and state.has_work()
+            plan = state.plan(*state.take_work(state.needs_full(False)))
+            assert plan.adds == [want]
+        else:  # their multipath route without our next hop: ours stays
+            assert state.kernel == {V6: want} and state.restoring == set()
+
+
+def test_an_undecodable_ipv6_multipath_route_of_ours_is_never_deleted_whole_and_ours_is_checked(caplog):
+    # RTA_MULTIPATH that does not decode (its last rtnexthop cut short): which next hops it
+    # holds nobody can say.  A delete of the whole would take every one, our desired next hop
+    # (which the state would still hold) and another daemon's: nothing is deleted, the route of
+    # ours it may hold is checked again (restored), and the dst is logged once.
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+    good = multipath_message(V6, RTPROT_AGENTD, [HOP4, HOP2])
+    bad = good._replace(multipath=good.multipath[:-3])
+    want = Route(V6, gateway=HOP2, dev="eth0")
+    caplog.set_level("INFO", logger="agentd.routing")
+    for event in ("added", "removed"):
+        state = RouteState()
+        state.set_desired([want])
+        state.take_work(state.needs_full(True))
+        state.kernel = {V6: want}
+        found = netlink.found_of(bad)
+        getattr(state, f"own_route_{event}")(found)
+        assert V6 not in state.kernel and state.restoring == {V6}
+        plan = state.plan(*state.take_work(state.needs_full(False)))
+        assert (plan.adds, plan.deletes) == ([want], [])
+    # A full re-read files nothing for it: the desired route is added (EEXIST then shows whose
+    # route holds the key), nothing deleted.
+    state = RouteState()
+    state.set_desired([want])
+    state.kernel, state.strays = adopt([netlink.found_of(bad)], state.desired)
+    assert (state.kernel, state.strays) == ({}, set())
+    plan = full_plan(state)
+    assert (plan.adds, plan.deletes) == ([want], [])
+    errors = [r.getMessage() for r in caplog.records if "RTA_MULTIPATH" in r.getMessage()]
+    assert len(errors) == 1 and V6 in errors[0]
+
+
+def test_another_daemons_next_hop_whose_delete_met_esrch_is_not_deleted_again():
+    # Another daemon's next hop (HOP3) appended to ours: the first full resync cannot tell it
+    # from ours and deletes it by gateway, which the kernel refuses (ESRCH: not our protocol).
+    # Later resyncs leave it alone while it keeps appearing, and it is no stray: upserts of its
+    # dst need no re-read of the kernel.
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+    want = Route(V6, gateway=HOP2, dev="eth0")
+    state = RouteState()
+    state.set_desired([want])
+    dump = [netlink.found_of(multipath_message(V6, RTPROT_AGENTD, [HOP2, HOP3]))]
+    state.kernel, state.strays = adopt(dump, state.desired, state.foreign_hops)
+    plan = full_plan(state)
+    assert deletes_sent(netlink, plan.deletes) == [(HOP3, 2, RTPROT_AGENTD, 1024)]
+    state.gone(plan.deletes)  # ESRCH
+    assert state.strays == set()
+    for _resync in range(2):
+        state.kernel, state.strays = adopt(dump, state.desired, state.foreign_hops)
+        assert state.strays == set()
+        assert full_plan(state) == ([], [], [], [])
+    state.upsert(Route(V6, gateway=HOP2, dev="eth0", mtu=1400))
+    assert not state.full_pending
+    state.set_desired([want])
+    assert not state.full_pending
+    # Reported by the monitor again (a next hop appended to the route): still left alone.
+    state.own_route_added(netlink.found_of(multipath_message(V6, RTPROT_AGENTD, [HOP2, HOP3, HOP4])))
+    assert [s.gateway for s in state.strays] == [HOP4]
+    # Gone from the kernel: forgotten, so a next hop of ours by that gateway later is deleted.
+    state.kernel, state.strays = adopt([netlink.found_of(route_message(want, RTPROT_AGENTD)._replace(priority=1024))],
+                                       state.desired, state.foreign_hops)
+    assert state.foreign_hops == set()
+    state.kernel, state.strays = adopt(dump, state.desired, state.foreign_hops)
+    assert [s.gateway for s in state.strays] == [HOP3]
+    # Another protocol's route for the dst deleted (their next hop, maybe): forgotten too.
+    state.gone(list(state.strays))
+    assert state.foreign_hops and not state.strays
+    state.other_route_removed(V6)
+    assert state.foreign_hops == set()
 
 
 def test_only_a_link_our_routes_use_makes_the_kernel_be_re_read():
