@@ -59,7 +59,9 @@ class LeaseKeeper:
         self.renewals = 0  # successful keepalives
         self.lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
-        self._reported_conflicts: set[tuple[bytes, int]] = set()
+        # Our keys held under another lease, by key: the revision last logged (one entry a key,
+        # however often the other agent rewrites it: logged again at each new revision).
+        self._reported_conflicts: dict[bytes, int] = {}
 
     @property
     def subnet(self) -> SubnetLease | None:
@@ -203,6 +205,8 @@ class LeaseKeeper:
         keys = [node_key(self.prefix, node.name)] if node else []
         keys += [subnet_key(self.prefix, lease.subnet) for _v, lease in held]
         _, found = await self._bounded(client.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[]))
+        for gone in self._reported_conflicts.keys() - set(keys):  # a subnet no longer held
+            del self._reported_conflicts[gone]
         node_kvs = found[0] if node else []
         for (_v, lease), kvs in zip(held, found[1 if node else 0:]):
             if self.lease_id != lease_id:
@@ -270,9 +274,9 @@ class LeaseKeeper:
         self.connection.notify("on_subnet_lost", self.subnet_lost_callback(), subnet)
 
     def _report_conflict(self, key: bytes, mod_revision: int, what: str) -> None:
-        if (key, mod_revision) in self._reported_conflicts:
+        if self._reported_conflicts.get(key) == mod_revision:
             return
-        self._reported_conflicts.add((key, mod_revision))
+        self._reported_conflicts[key] = mod_revision
         log.error("%s %s is held under another etcd lease than ours (%x): is another agent running "
                   "with the same node name? leaving it alone", what, key.decode(errors="replace"),
                   self.lease_id or 0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +54,10 @@ class PodPublisher:
         self.endpoints: dict[str, endpoints.Endpoint] = {}  # this node's endpoint files, by container
         self.have_local = False  # the files were read at least once
         self.wake = asyncio.Event()  # something changed: publish now rather than at the interval
-        self._reported: set[str] = set()
+        self._reported: set[str] = set()  # problems logged once (until they are over)
+        # The endpoint files whose read failure was logged: only while they still fail (a file
+        # read again, or gone with its pod, leaves; its next problem is logged anew).
+        self._unreadable_logged: set[str] = set()
         # Container IDs whose endpoint file is there but has never been read (bad permissions,
         # damaged from its first write): their pods are unknown to policy -- no isolation and
         # no source check on their bridge ports, which cannot even be named without the file.
@@ -67,10 +71,13 @@ class PodPublisher:
         nothing changed)."""
         unreadable: set[str] = set()
         try:
-            found = endpoints.read_all(self.data_dir, self._reported, unreadable)
+            found = endpoints.read_all(self.data_dir, self._unreadable_logged, unreadable)
         except OSError as err:  # the directory itself (EMFILE, EIO): no pod is known to be gone
             self._report(f"endpoints:{err.errno}", "cannot read the endpoint files: %s; keeping this node's pods as they were", err)
             return None
+        self._reported = {tag for tag in self._reported if not tag.startswith("endpoints:")}  # read again: over
+        directory = endpoints.endpoints_dir(self.data_dir)
+        self._unreadable_logged &= {os.path.join(directory, cid + endpoints.SUFFIX) for cid in unreadable}
         # A file still there that cannot be read now (EMFILE, EIO, a half-written copy) is no
         # pod gone: it keeps what it was, in the tables and in etcd (fail closed, not open).
         for cid in unreadable & self.endpoints.keys():
@@ -128,11 +135,13 @@ class PodPublisher:
         # Of two files of one pod (a sandbox recreated after a DEL that never came), the newer,
         # as in the tables (local()).
         wanted = {key: ep for key in {ep.key for ep in self.endpoints.values()} if (ep := self.local(key))}
+        conflicts: set[str] = set()
         for key, ep in wanted.items():
             if self.endpoints.get(ep.container_id) != ep:
                 continue  # changed or gone while this round awaited etcd: the rescan woke the next round
             record = self.records.get(key)
             if record is not None and record["spec"].get("nodeName") != self.node:
+                conflicts.add(f"conflict:{key}")
                 self._report(f"conflict:{key}", "pod %s/%s is recorded for node %s; not overwriting it",
                              key[0], key[1], record["spec"].get("nodeName"))  # fmt: skip
                 continue
@@ -162,6 +171,8 @@ class PodPublisher:
                         new["metadata"][field] = record["metadata"][field]
             if not await self.store.put_owned(new, lease=lease, expect=expect):
                 self._retry_later()  # changed meanwhile: the watch brings it, try again
+        # A conflict over (the pod gone, the record ours again) is logged anew if it comes back.
+        self._reported = {tag for tag in self._reported if not tag.startswith("conflict:") or tag in conflicts}
         for key, record in list(self.records.items()):
             if record["spec"].get("nodeName") == self.node and key not in wanted:
                 log.info("removing the record of pod %s/%s: no such pod on this node any more", *key)

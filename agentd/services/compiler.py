@@ -718,6 +718,11 @@ class Table:
             base = self._rs.objects.get((name[0], TABLE, "set", name[1]))
             if not isinstance(base, NftSet):
                 continue
+            # Only one step back: plan() takes the delta when the kernel holds ``base`` itself
+            # (the object, as applied() keeps it), never an older version -- so ``base`` lets go
+            # of its own, or every version of a set that keeps changing would stay reachable.
+            if base.delta is not None:
+                object.__setattr__(base, "delta", None)
             self._rs.add(NftSet(base.family, base.table, base.name, base.type, map=base.map,
                                 elements=frozenset(self.elements.get(name, ())),
                                 delta=(base, frozenset(added), frozenset(removed))))  # fmt: skip

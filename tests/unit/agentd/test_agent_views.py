@@ -280,6 +280,74 @@ def test_an_endpoint_file_that_cannot_be_read_keeps_its_pod(tmp_path, monkeypatc
     assert pub.local(("x", "a")) == endpoint("c1", "a")
 
 
+def test_endpoint_files_that_failed_to_read_are_not_remembered_after_they_read_or_go(tmp_path, caplog, monkeypatch):
+    """Each file that once could not be read (caught half-written, say) was remembered for the
+    agent's lifetime -- one entry per container the node ever ran -- and a later problem with the
+    same file was never logged.  Remembered only while it still fails; the directory too."""
+    import errno
+    import os
+
+    pub = publisher(tmp_path)
+    directory = endpoints.endpoints_dir(tmp_path)
+    os.makedirs(directory, exist_ok=True)
+    for i in range(1000):
+        path = os.path.join(directory, f"{i:064x}{endpoints.SUFFIX}")
+        with open(path, "w") as f:
+            f.write('{"container_id": "')  # torn
+        pub.rescan()
+        os.unlink(path)  # the pod's DEL
+        pub.rescan()
+    assert sum(len(v) for v in vars(pub).values() if isinstance(v, set)) == 0  # nothing remembered
+    # A file that reads again and later fails again: both failures logged.
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    pub.rescan()
+    path = os.path.join(directory, "c1.json")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            with open(path, "w") as f:
+                f.write("{torn")
+            pub.rescan()
+            pub.rescan()  # still failing: not logged again
+            endpoints.write(tmp_path, endpoint("c1", "a"))
+            pub.rescan()
+    assert sum("cannot read endpoint file" in r.getMessage() for r in caplog.records) == 2
+    # The directory unreadable, then readable, then unreadable again: each time said.
+    caplog.clear()
+    with caplog.at_level("ERROR"):
+        for _ in range(2):
+            monkeypatch.setattr(endpoints.os, "listdir", lambda _: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+            assert pub.rescan() is None
+            assert pub.rescan() is None
+            monkeypatch.undo()
+            pub.rescan()
+    assert sum("cannot read the endpoint files" in r.getMessage() for r in caplog.records) == 2
+    assert pub._reported == set()
+
+
+def test_a_pod_record_conflict_is_not_remembered_once_it_is_over(tmp_path, caplog):
+    """A pod of this node recorded for another node is logged once while that lasts; once the
+    pod is gone the tag goes too (not one per pod name for ever), and a new conflict is logged."""
+    import asyncio
+
+    records: dict = {}
+    pub = publishing(tmp_path, FakeStore(), records)
+    with caplog.at_level("ERROR"):
+        for i in range(50):
+            ep = endpoint(f"c{i}", f"p{i}")
+            rec = record_for(ep, "other-node", {})
+            rec["metadata"]["resourceVersion"] = "5"
+            records[ep.key] = rec
+            pub.endpoints, pub.have_local = {ep.container_id: ep}, True
+            asyncio.run(pub.publish())
+            asyncio.run(pub.publish())  # still in conflict: not logged again
+            del records[ep.key]
+            pub.endpoints = {}
+            asyncio.run(pub.publish())
+    assert pub._reported == set()
+    assert sum("not overwriting it" in r.getMessage() for r in caplog.records) == 50
+
+
 def test_a_del_and_add_within_one_mtime_tick_is_a_change_to_the_rescan(tmp_path):
     """DEL then ADD of one container ID within one tick of the file system's clock: the new
     file has the old one's mtime (and here its content).  The rescan judged by content and

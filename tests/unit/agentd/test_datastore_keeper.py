@@ -208,6 +208,38 @@ async def test_a_node_that_lost_its_subnet_does_not_put_its_record_back_with_it(
 
 
 
+async def test_our_keys_rewritten_by_another_agent_every_round_are_remembered_once_each(caplog):
+    """Another agent with our node name keeps rewriting our node record and subnet key under its
+    own lease: the keeper logs the conflict at each new revision, and remembers only the last
+    one per key -- not every (key, revision) met, which grew with each keepalive round."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    etcd.leases.update({0x11, 0x99})
+    keeper.lease_id = 0x11
+    keeper.node, keeper.subnet = node("A"), lease_of("A", 0x11)
+
+    def rewrite() -> None:  # the other agent, between two of our rounds
+        etcd._put(node_key(PREFIX, "A"), node("A").to_json(), 0x99)
+        etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x99)
+
+    rounds = 20_000
+    etcd.before_transaction += [rewrite] * rounds
+    with caplog.at_level("ERROR", logger="agentd"):
+        async with keeper.lock:
+            for _ in range(rounds):
+                await keeper._restore_keys(etcd)
+            assert len(caplog.records) == 2 * rounds  # each new revision of each key said
+            caplog.clear()
+            await keeper._restore_keys(etcd)  # no rewrite since: nothing new to say
+    assert caplog.records == []
+    assert len(keeper._reported_conflicts) <= 2  # at most one entry per key
+    assert etcd.kvs[node_key(PREFIX, "A")].lease == 0x99  # and left alone
+    keeper.subnets = {}  # the subnet no longer ours: its key forgotten
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+    assert list(keeper._reported_conflicts) == [node_key(PREFIX, "A")]
+
+
 async def test_a_subnet_re_taken_by_a_claim_whose_reply_was_lost_gets_its_backend_data_published():
     """The keepalive re-takes our subnet under the new lease, the reply is lost; the next
     round finds the key ours under that lease.  The subnet must then carry that lease's ID,
