@@ -688,10 +688,13 @@ async def test_a_foreign_ipv6_next_hop_appended_to_ours_survives_a_full_resync(l
     assert (await programmer.reconcile()).added == (dst,)
     await lab.ip("-6", "route", "append", dst, "via", foreign, "dev", "v0", "proto", "bird")
     await lab.ip("-6", "route", "append", dst, "via", extra, "dev", "v0", "proto", str(RTPROT_AGENTD))
-    assert await _hops(lab, dst) == [f"via {gw} dev v0" for gw in (GW6, foreign, extra)]
+    # (The monitor saw our protocol's next hop come and may have had it deleted already: a
+    # reconcile runs in the background.)
+    hops = await _hops(lab, dst)
+    assert hops[:2] == [f"via {gw} dev v0" for gw in (GW6, foreign)] and hops[2:] in ([], [f"via {extra} dev v0"])
     result = await programmer.reconcile(full=True)
     assert (result.added, result.replaced, result.failed, result.conflicts) == ((), (), (), ())
-    assert result.removed == (dst,)  # our extra next hop
+    assert result.removed in ((dst,), ())  # our extra next hop, unless the background reconcile took it
     assert await _hops(lab, dst) == [f"via {gw} dev v0" for gw in (GW6, foreign)]
     assert programmer.programmed() == [Route(dst, gateway=GW6, dev="v0")]
     # Nothing left to do: another full resync sends nothing that changes the table.
