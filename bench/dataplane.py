@@ -387,9 +387,12 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
     ratios = ipv4_ratios(runs)
     x_ipv4 = {name: statistics.median(got) for name, got in ratios.items() if got}
     raw, vx = by.get("raw veth") or float("nan"), by.get(KERNEL_VTEP) or float("nan")
-    for name, gbps in list(by.items()):  # ratios and goals name rows as recorded by default (flows on)
-        if name.endswith(FLOW_SUFFIX[True]):
-            by.setdefault(name.removesuffix(FLOW_SUFFIX[True]), gbps)
+    # Ratios and goals name rows as recorded by default (flows on): with --flows both, a goal's
+    # "host-gw v6" is the "host-gw v6 (flows on)" row, its Gbit/s and its "x IPv4" alike.
+    for table in (by, x_ipv4):
+        for name, value in list(table.items()):
+            if name.endswith(FLOW_SUFFIX[True]):
+                table.setdefault(name.removesuffix(FLOW_SUFFIX[True]), value)
     print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s; median of {args.rounds} interleaved rounds "
           "(pod to pod, but raw veth: node to node); pod fast path "
           + ("off" if args.no_pod_fast_path else "on") + "; iperf3 "

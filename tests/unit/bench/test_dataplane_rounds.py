@@ -75,3 +75,23 @@ def test_a_goal_prints_the_ratio_it_judges(capsys):
     dataplane.report(args, {"raw veth": [r(10.0)], "host-gw": [r(9.46)]}, (0.5, 0.5, 0.5), 0.0)
     goal = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("host-gw") and "met" in line)
     assert "0.946x" in goal and "NOT met" in goal
+
+
+def test_with_flows_both_an_ipv6_goal_judges_the_flows_on_rows_median_of_ratios(capsys):
+    """The review's case: with --flows both the goal "host-gw v6 >= 0.95x host-gw" fell back to
+    a ratio of medians (0.996x, met) while the flows-on row's "x IPv4" column read 0.93."""
+    names = dataplane.expand(["raw veth", "host-gw", "host-gw v6"], "both")
+    assert "host-gw v6 (flows on)" in names and "host-gw v6" not in names
+    v4 = [16.0, 15.0, 14.0, 13.0, 12.0]  # the machine slows down through the run
+    v6 = [x * 0.93 for x in v4]
+    v6[4] = 15.0  # one round with a burst favouring IPv6
+    runs = {"raw veth": [r(20.0)] * 5,
+            "host-gw (flows on)": [r(x) for x in v4], "host-gw v6 (flows on)": [r(x) for x in v6],
+            "host-gw (flows off)": [r(x) for x in v4], "host-gw v6 (flows off)": [r(x) for x in v6]}
+    args = SimpleNamespace(seconds=6, rounds=5, no_pod_fast_path=False, pin=True, node_cpus=False)
+    dataplane.report(args, runs, (0.5, 0.5, 0.5), 0.0)
+    out = capsys.readouterr().out.splitlines()
+    row = next(line for line in out if line.startswith("host-gw v6 (flows on)"))
+    assert " 0.93 " in row
+    goal = next(line for line in out if line.strip().startswith("host-gw v6") and "met" in line)
+    assert "0.930x" in goal and "NOT met" in goal
