@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import bgp_ingest, rr_scale  # noqa: E402
+from bench import bgp_ingest, rr_scale
 
 
 def _rr_goals(capsys, agentd: float, gobgp: float) -> list[str]:

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import convergence as cv  # noqa: E402
+from bench import convergence as cv
 
 
 def row(total: float, agent_side: float = 0.5, cpu: float = 0.5, rss: float = 50.0, nodes: int = 10,
