@@ -577,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.json, {"seconds": args.seconds, "rounds": args.rounds, "flows": args.flows, "pinned": args.pin,
                            "node_cpus": args.node_cpus,
                            "x_ipv4_per_round": ipv4_ratios(runs),
+                           "pod_mtu": {name: pod_mtu(name) for name in runs},
                            "background_busy": background,
                            "load_before": load[0], "load_after": os.getloadavg()[0],
                            "rows": {name: [r._asdict() for r in got] for name, got in runs.items()}})
