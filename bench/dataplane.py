@@ -17,6 +17,11 @@ nodes, plus 20 pings:
                 learning, static FDB, neighbour and onlink routes, as flannel's vxlan backend
                 sets them), a cni0 bridge per node and a pod behind it, MTU 1450), no BPF
                 program anywhere: the kernel anchor of the encapsulating rows
+  kernel VTEP mtu N  the same with pods at MTU N (its underlay N + 50): the anchor a goal over
+                the kernel VTEP judges a row with pods at MTU N against (udp bpf: 1472, ipip
+                bpf: 1480, the lab's 1500 less their 28 and 20 bytes of outer headers), so both
+                carry the same payload per packet and the goal measures the data path, not the
+                size of its headers (1.6-2.1 % more payload a packet than VXLAN's pods)
   agentd vxlan  the lab's vxlan backend: the same kernel VTEP, programmed by agentd, with
                 agentd's programs attached (its BPF member filter on the underlay, the pod
                 fast path)
@@ -47,7 +52,8 @@ interleaved like the rest, and adds the ratio of each pair: what recording costs
 
 Every row runs --rounds times, the rows interleaved (round 1 of every row, then round 2...,
 every other round in the reverse order), so a slow spell of the machine hits all of them
-alike; the table shows each row's median round, its range, and ratios of medians -- but "x
+alike; the table shows each row's median round, its range, its client's MTU and TCP MSS
+(checked against the lab before the rounds), and ratios of medians -- but "x
 IPv4", which is the median of the per-round ratios: an IPv6 row runs right beside its IPv4 row
 in every round (before it in one round, after it in the next), so each round's ratio compares
 two runs a few seconds apart, and the spread of the ratios is printed under the table.  The
@@ -74,6 +80,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import re
 import statistics
@@ -86,13 +93,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import _iperf  # noqa: E402
 from bench._common import BenchError, judged, parse_bench_args, run_main, write_json  # noqa: E402
 
+from agentd.backend_table import mtu_overhead
 from agentd.lab.lab import Lab, LabError, LabSpec  # noqa: E402
 from agentd.lab.netns import Netns, unique_tag, veth  # noqa: E402
 
 ANCHORS = [
     "flannel's UDP backend ~ 0.6x kernel VXLAN in published tests (\"for debugging only\")",
     "Calico IPIP (kernel ipip device) and the Cilium / Calico eBPF data planes: at or above kernel VXLAN",
-    "the BPF data path's design probe on this machine: BPF udp 1.09x, BPF ipip 1.02x the lab's vxlan (medians of 6)",
+    ("the BPF data path's design probe on this machine: BPF udp 1.09x, BPF ipip 1.02x the lab's vxlan (medians of 6; "
+     "each at its own pod MTU, 1472 and 1480 against 1450)"),
 ]
 GOALS = [("udp bpf", "kernel VTEP", 1.0), ("ipip bpf", "kernel VTEP", 1.0), ("host-gw", "raw veth", 0.95), ("udp bpf routed", "vxlan routed", 1.0), ("ipip bpf routed", "vxlan routed", 1.0),
          ("raw veth v6", "raw veth", 0.95), ("host-gw v6", "host-gw", 0.95), ("agentd vxlan v6", "agentd vxlan", 0.95),
@@ -107,7 +116,8 @@ SPECS: dict[str, tuple[str, bool | None]] = {}
 
 def expand(names: list[str], flows: str) -> list[str]:
     """The rows to run: with ``--flows both`` each agentd row twice, flows on then off (the
-    raw veth anchors once, in the flows-on lab)."""
+    raw veth anchors once, in the flows-on lab); after the kernel VTEP, a kernel VTEP at the
+    pod MTU of each row judged against it whose pods have another (:func:`goal_base`)."""
     out = []
     for name in names:
         if name == KERNEL_VTEP:
@@ -116,10 +126,62 @@ def expand(names: list[str], flows: str) -> list[str]:
             continue
         for on in FLOWS[flows]:
             row = name + (FLOW_SUFFIX[on] if flows == "both" and not name.startswith("raw veth") else "")
-            if row not in SPECS:
+            if row not in out:  # raw veth: once, in the flows-on lab
                 SPECS[row] = (name, on)
                 out.append(row)
+    if KERNEL_VTEP in out:
+        anchors = [goal_base(row, base) for row in out for name, base, _ in GOALS
+                   if base == KERNEL_VTEP and SPECS[row][0] == name]
+        at = out.index(KERNEL_VTEP) + 1
+        for anchor in dict.fromkeys(a for a in anchors if a not in out):
+            out.insert(at, anchor)
+            at += 1
     return out
+
+
+# The lab's underlay: veths at the kernel's default MTU; each agentd row's pods have it less
+# their backend's outer headers (agentd.backend_table: vxlan 50, udp 28, ipip 20; the lab's
+# encapsulation runs over its IPv4 underlay, also in a dual-stack lab).
+LAB_UNDERLAY_MTU = 1500
+
+
+def vtep_row(pod_mtu: int) -> str:
+    """The kernel VTEP row whose pods have ``pod_mtu`` (its underlay that plus VXLAN's 50):
+    "kernel VTEP" at the lab's vxlan pods' 1450, "kernel VTEP mtu 1472" beside udp's pods."""
+    name = KERNEL_VTEP if pod_mtu == KernelVtep.MTU else f"{KERNEL_VTEP} mtu {pod_mtu}"
+    SPECS.setdefault(name, (KERNEL_VTEP, None))
+    VTEP_MTU[name] = pod_mtu
+    return name
+
+
+VTEP_MTU: dict[str, int] = {}  # a kernel VTEP row -> its pods' MTU
+
+
+def pod_mtu(name: str) -> int:
+    """The MTU of the interface a row's traffic leaves from: the pods' (the nodes' underlay
+    device for raw veth)."""
+    base, _ = SPECS.get(name, (name, None))
+    if base == KERNEL_VTEP:
+        return VTEP_MTU.get(name, KernelVtep.MTU)
+    backend, _, what, _, _ = ROWS.get(base) or ROUTED[base]
+    return LAB_UNDERLAY_MTU if what == "nodes" else LAB_UNDERLAY_MTU - mtu_overhead(backend, 4)
+
+
+def mss(name: str) -> int:
+    """The TCP MSS a row's connection announces: its MTU less the IP (20 or 40) and TCP (20)
+    headers of its family."""
+    base, _ = SPECS.get(name, (name, None))
+    version = (ROWS.get(base) or ROUTED.get(base) or ("", "", "", 1, 4))[4]
+    return pod_mtu(name) - (40 if version == 4 else 60)
+
+
+def goal_base(name: str, base: str) -> str:
+    """The row ``name`` is judged against for a goal over ``base``: for the kernel VTEP, the
+    kernel VTEP whose pods have ``name``'s MTU, so that both carry the same payload per packet
+    and the goal measures the data path, not the size of its headers (udp's 28 bytes and
+    ipip's 20 leave their pods 1472 and 1480 where VXLAN's 50 leaves 1450: 1.6-2.1 % more
+    payload a packet); any other base as it is."""
+    return vtep_row(pod_mtu(name)) if base == KERNEL_VTEP else base
 
 # name -> (lab backend, [network] datapath, what to measure, L2 segments, IP version); the
 # kernel VTEP row is no agentd lab (KernelVtep below).  A lab with a version 6 row is dual-stack.
@@ -185,10 +247,12 @@ class KernelVtep:
     UNDERLAY = ("192.168.250.1", "192.168.250.2")
     SUBNETS = ("10.99.1", "10.99.2")
     MACS = ("02:ad:00:00:00:01", "02:ad:00:00:00:02")
-    MTU = 1450  # 1500 underlay - 50 of VXLAN, as the lab's vxlan pods have
+    MTU = 1450  # 1500 underlay - 50 of VXLAN, as the lab's vxlan pods have (the default)
 
-    def __init__(self, tag: str) -> None:
+    def __init__(self, tag: str, pod_mtu: int = MTU) -> None:
         self.tag = tag
+        self.pod_mtu = pod_mtu  # the pods', the cni0 bridge's and the VTEP's
+        self.underlay_mtu = pod_mtu + mtu_overhead("vxlan", 4)  # the nodes' eth0, the bridge's ports
         self.namespaces: list[Netns] = []
         self.pods: list[Netns] = []
         self.nodes: list[Netns] = []
@@ -204,19 +268,19 @@ class KernelVtep:
         ul.ip("link", "set", "br0", "up")
         nodes = self.nodes = [self._ns(f"n{i + 1}") for i in range(2)]
         for i, node in enumerate(nodes):
-            veth(node, "eth0", ul, f"n{i + 1}")
+            veth(node, "eth0", ul, f"n{i + 1}", mtu=self.underlay_mtu)
             ul.ip("link", "set", f"n{i + 1}", "master", "br0")
             node.ip("addr", "add", f"{self.UNDERLAY[i]}/24", "dev", "eth0")
             node.sysctl("net.ipv4.ip_forward", 1)
-            node.ip("link", "add", "vxlan0", "address", self.MACS[i], "mtu", str(self.MTU), "type", "vxlan", "id", "1",
+            node.ip("link", "add", "vxlan0", "address", self.MACS[i], "mtu", str(self.pod_mtu), "type", "vxlan", "id", "1",
                     "local", self.UNDERLAY[i], "dev", "eth0", "dstport", "8472", "nolearning")
             node.ip("addr", "add", f"{self.SUBNETS[i]}.0/32", "dev", "vxlan0")
             node.ip("link", "set", "vxlan0", "up")
-            node.ip("link", "add", "cni0", "mtu", str(self.MTU), "type", "bridge")
+            node.ip("link", "add", "cni0", "mtu", str(self.pod_mtu), "type", "bridge")
             node.ip("addr", "add", f"{self.SUBNETS[i]}.1/24", "dev", "cni0")
             node.ip("link", "set", "cni0", "up")
             pod = self._ns(f"p{i + 1}")
-            veth(pod, "eth0", node, "veth0", mtu=self.MTU)
+            veth(pod, "eth0", node, "veth0", mtu=self.pod_mtu)
             node.ip("link", "set", "veth0", "master", "cni0")
             pod.ip("addr", "add", f"{self.SUBNETS[i]}.2/24", "dev", "eth0")
             pod.ip("link", "set", "lo", "up")
@@ -255,7 +319,8 @@ async def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-async def run_row(name: str, lab: Lab | KernelVtep, seconds: int, pin: bool) -> Round:
+def endpoints(name: str, lab: Lab | KernelVtep) -> tuple[Netns, Netns, str]:
+    """(client, server, the server's address) of row ``name``."""
     what, version = ROWS[SPECS[name][0]][2], ROWS[SPECS[name][0]][4]
     if isinstance(lab, KernelVtep):
         client, server, dst = lab.pods[0], lab.pods[1], lab.dst
@@ -266,6 +331,11 @@ async def run_row(name: str, lab: Lab | KernelVtep, seconds: int, pin: bool) -> 
         client, server, dst = lab.pods[0].ns, lab.pods[1].ns, lab.pods[1].address(version)
     if dst is None:
         raise BenchError(f"{name}: the lab has no IPv{version} address to measure")
+    return client, server, dst
+
+
+async def run_row(name: str, lab: Lab | KernelVtep, seconds: int, pin: bool) -> Round:
+    client, server, dst = endpoints(name, lab)
     lat = await ping_avg(client, dst)
     gbps, retr, cores = await iperf(client, server, dst, seconds, name, pin)
     return Round(gbps, retr, lat, cores / gbps)
@@ -291,11 +361,29 @@ def check_datapath(name: str, lab: Lab) -> None:
                              f"{ {p.get('backend_v6') for p in peers} }, not {backend}")
 
 
+def route_mtu(ns: Netns, dst: str) -> int:
+    """The MTU of the device ``ns`` sends to ``dst`` from (a route's own mtu, where it has one)."""
+    route = json.loads(ns.ip("-j", "route", "get", dst).stdout)[0]
+    link = json.loads(ns.ip("-j", "link", "show", "dev", route["dev"]).stdout)[0]
+    given = route.get("metrics") or []
+    metrics = given if isinstance(given, dict) else {k: v for m in given if isinstance(m, dict) for k, v in m.items()}
+    return int(metrics.get("mtu") or link["mtu"])
+
+
+def check_mtu(name: str, lab: Lab | KernelVtep) -> None:
+    """The row's traffic leaves with the MTU its goals are judged with (:func:`pod_mtu`)."""
+    client, _, dst = endpoints(name, lab)
+    got = route_mtu(client, dst)
+    if got != pod_mtu(name):
+        raise BenchError(f"{name}: {client.name} sends to {dst} with MTU {got}, not {pod_mtu(name)}: the goals "
+                         "would compare packets of other sizes")
+
+
 async def bench(args, names: list[str]) -> dict[str, list[Round]]:
     tag = unique_tag("b")
     labs: dict[str, Lab | KernelVtep] = {}
     specs: dict[tuple[str, str, int, bool | None], Lab] = {}
-    vtep = None
+    vteps: list[KernelVtep] = []
     runs: dict[str, list[Round]] = {}
     # A lab with an IPv6 row is dual-stack, and its IPv4 rows run in it too: the two families
     # side by side on one data path.
@@ -304,14 +392,17 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
         for name in names:
             base, flows = SPECS[name]
             backend, datapath, _, segments, _version = ROWS[base]
-            if name == KERNEL_VTEP:
-                print("  the kernel VTEP pair (no agentd) ...", file=sys.stderr, flush=True)
-                vtep = KernelVtep(f"{tag}k")
+            if base == KERNEL_VTEP:
+                mtu = pod_mtu(name)
+                print(f"  the kernel VTEP pair (no agentd), pod MTU {mtu} ...", file=sys.stderr, flush=True)
+                vtep = KernelVtep(f"{tag}k{len(vteps)}", pod_mtu=mtu)
+                vteps.append(vtep)
                 labs[name] = vtep
                 vtep.up()
                 if args.node_cpus:
                     for cpu, node in enumerate(vtep.nodes):
                         steer(node, cpu)
+                check_mtu(name, vtep)
                 continue
             key = (backend, datapath, segments, flows)
             if key not in specs:  # raw veth and host-gw share a lab
@@ -331,6 +422,7 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
                         steer(node.ns, cpu)
             labs[name] = specs[key]
             check_datapath(name, specs[key])
+            check_mtu(name, specs[key])
         for r in range(args.rounds):
             for name in round_order(names, r):
                 got = await run_row(name, labs[name], args.seconds, args.pin)
@@ -338,7 +430,7 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
                 print(f"  round {r + 1}/{args.rounds} {name:<28} {got.gbps:6.2f} Gbit/s, {got.retr} retr, "
                       f"{got.cpu_per_gbit:.3f} cores/Gbit", file=sys.stderr, flush=True)
     finally:
-        if vtep is not None:
+        for vtep in vteps:
             vtep.down()
         for lab in specs.values():
             await lab.down()
@@ -387,9 +479,12 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
     ratios = ipv4_ratios(runs)
     x_ipv4 = {name: statistics.median(got) for name, got in ratios.items() if got}
     raw, vx = by.get("raw veth") or float("nan"), by.get(KERNEL_VTEP) or float("nan")
-    for name, gbps in list(by.items()):  # ratios and goals name rows as recorded by default (flows on)
-        if name.endswith(FLOW_SUFFIX[True]):
-            by.setdefault(name.removesuffix(FLOW_SUFFIX[True]), gbps)
+    # Ratios and goals name rows as recorded by default (flows on): with --flows both, a goal's
+    # "host-gw v6" is the "host-gw v6 (flows on)" row, its Gbit/s and its "x IPv4" alike.
+    for table in (by, x_ipv4):
+        for name, value in list(table.items()):
+            if name.endswith(FLOW_SUFFIX[True]):
+                table.setdefault(name.removesuffix(FLOW_SUFFIX[True]), value)
     print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s; median of {args.rounds} interleaved rounds "
           "(pod to pod, but raw veth: node to node); pod fast path "
           + ("off" if args.no_pod_fast_path else "on") + "; iperf3 "
@@ -402,20 +497,23 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
           + "\n")
     width = max(17, *(len(name) for name, _mid, _spread in results))
     print(f"{'path':<{width}} {'Gbit/s':>7} {'range':>11} {'x raw veth':>10} {'x VTEP':>7} {'x IPv4':>7} {'retr':>6} "
-          f"{'ping ms':>8} {'CPU/Gbit':>9}")
-    print("-" * (width + 73))
+          f"{'ping ms':>8} {'CPU/Gbit':>9} {'MTU':>5} {'MSS':>5}")
+    print("-" * (width + 85))
     for name, mid, spread in results:
         ratio = f"{x_ipv4[name]:7.2f}" if name in x_ipv4 else f"{'':>7}"
         print(f"{name:<{width}} {mid.gbps:7.2f} {spread:>11} {mid.gbps / raw:10.2f} {mid.gbps / vx:7.2f} {ratio} "
-              f"{mid.retr:6d} {mid.ping:8.3f} {mid.cpu_per_gbit:9.3f}")
+              f"{mid.retr:6d} {mid.ping:8.3f} {mid.cpu_per_gbit:9.3f} {pod_mtu(name):5d} {mss(name):5d}")
     pairs = [(base, by[base + FLOW_SUFFIX[True]], by[base + FLOW_SUFFIX[False]]) for base in ROWS
              if base + FLOW_SUFFIX[True] in by and base + FLOW_SUFFIX[False] in by]
     if pairs:
         print("\nflow records on / off (the same row with [flows] enabled = true and false):")
         for base, on, off in pairs:
             print(f"  {base:<17} {on:6.2f} / {off:6.2f} Gbit/s = {on / off:.2f}x")
-    print("\nx VTEP: over the kernel VTEP row (the kernel's VXLAN, no agentd program anywhere); x IPv4: an IPv6 row "
-          "over the IPv4 row of the same lab, the median of the per-round ratios (the two run side by side):")
+    print("\nx VTEP: over the kernel VTEP row (the kernel's VXLAN, no agentd program anywhere, pods at MTU "
+          f"{KernelVtep.MTU} as the lab's vxlan pods); MTU, MSS: the client's, pod (raw veth: node); a goal over the "
+          "kernel VTEP judges a row against a kernel VTEP whose pods have the row's MTU (\"kernel VTEP mtu N\", its "
+          "underlay N + 50); x IPv4: an IPv6 row over the IPv4 row of the same lab, the median of the per-round "
+          "ratios (the two run side by side):")
     for name, got in ratios.items():
         print(f"  {name:<{width}} " + " ".join(f"{x:.3f}" for x in got)
               + (f"   range {min(got):.3f}-{max(got):.3f}" if got else ""))
@@ -424,9 +522,15 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
         print(f"  - {a}")
     print("\ngoals:")
     for name, base, want in GOALS:
-        if name in by and base in by:
-            got = x_ipv4[name] if ipv4_row(name) == base and name in x_ipv4 else by[name] / by[base]
-            print(f"  {name:<17} >= {want:.2f}x {base:<12}: {'  '.join(judged(got, want))}")
+        row = name if name in runs else name + FLOW_SUFFIX[True]  # as judged: the flows-on row
+        if row not in runs:
+            continue
+        against = goal_base(row, base)
+        if against in by:
+            got = x_ipv4[name] if ipv4_row(name) == base and name in x_ipv4 else by[name] / by[against]
+            twin = against if against in runs else against + FLOW_SUFFIX[True]
+            print(f"  {name:<17} >= {want:.2f}x {base:<12}: {'  '.join(judged(got, want))}   "
+                  f"(pod MTU {pod_mtu(row)} / {pod_mtu(twin)}, MSS {mss(row)} / {mss(twin)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.json, {"seconds": args.seconds, "rounds": args.rounds, "flows": args.flows, "pinned": args.pin,
                            "node_cpus": args.node_cpus,
                            "x_ipv4_per_round": ipv4_ratios(runs),
+                           "pod_mtu": {name: pod_mtu(name) for name in runs},
                            "background_busy": background,
                            "load_before": load[0], "load_after": os.getloadavg()[0],
                            "rows": {name: [r._asdict() for r in got] for name, got in runs.items()}})

@@ -14,7 +14,9 @@ off; ...) so that a drift of the machine's load falls on all alike; each run mea
   node: wrk (one thread, 4 connections at once, ``Connection: close``: connect, one HTTP
   request and answer, close) against HAProxy answering every request itself (one thread,
   no backend) in the server pod, for ``--seconds`` (whole seconds); with the CPU seconds both
-  agents used meanwhile (/proc/PID/stat), per 1000 connections; the rate counts the requests
+  agents used meanwhile and until they were done with the run's connections (quiet, as below:
+  the records recording reads after the run are part of the cost) (/proc/PID/stat), per 1000
+  connections, and the machine's busy CPU seconds over the same span; the rate counts the requests
   answered (each its own connection), and a run in which more than 1% failed (socket errors
   and error answers; or none answered) stops the bench; the failed ones are counted under the
   table.  Client and server are in C, whose own work per connection is small beside
@@ -264,11 +266,13 @@ async def measure(lab: Lab, pods: dict[str, Any], seconds: float, placement: str
         out[f"crr_{where}{sfx}"] = got["rps"]
         out[f"crr_failed_{where}{sfx}"] = r["failed"]
         out[f"crr_connections_{where}{sfx}"] = r["connections"]
-        out[f"agent_ms_{where}{sfx}"] = sum(cpu_seconds(p) - a for p, a in zip(pids, agents)) * 1000 * per_k
-        out[f"busy_ms_{where}{sfx}"] = (busy_seconds() - busy) * 1000 * per_k
         # The stream after the agents have done with the connections' records (tens of
         # thousands a run): measured beside that work it would read recording's backlog.
         out[f"settle_s_{where}{sfx}"] = await settled(pids)
+        # The CPU is read once they have: reading the records is part of what the connections
+        # cost (recording defers it past the run), still per 1000 of the connections made.
+        out[f"agent_ms_{where}{sfx}"] = sum(cpu_seconds(p) - a for p, a in zip(pids, agents)) * 1000 * per_k
+        out[f"busy_ms_{where}{sfx}"] = (busy_seconds() - busy) * 1000 * per_k
         run = await _iperf.client(pods[client].ns, server.ip, seconds, port=IPERF_PORTS[placement], prefix=CLIENT_CPU,
                                   what=f"iperf3 {what}")
         out[f"gbps_{where}{sfx}"] = run.gbps

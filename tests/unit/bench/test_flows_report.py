@@ -78,6 +78,40 @@ def test_the_stream_waits_for_the_agents_and_says_how_long(monkeypatch):
     assert got["settle_s_across"] == got["settle_s_same"] == 0.5
 
 
+def test_the_agents_cpu_counts_their_reading_of_the_runs_records(monkeypatch):
+    """The review's fake: 100 ms of agent CPU while wrk runs and 400 ms more while the agents
+    read the connections' records after it (recording defers that work past the run): the
+    connections cost 500 ms per 1000, not 100, and the machine's busy time alike."""
+    clock = {"agent": 0.0, "busy": 0.0}
+
+    async def wrk(ns, url, seconds, **kw):
+        clock["agent"] += 0.1
+        clock["busy"] += 0.3
+        return {"answered": 1000, "failed": 0, "rps": 1000 / seconds, "connect_errors": 0, "timeouts": 0}
+
+    async def settled(pids, **kw):
+        clock["agent"] += 0.4
+        clock["busy"] += 0.6
+        return 2.0
+
+    async def client(ns, dst, seconds, **kw):
+        clock["agent"] += 5.0  # the stream's own: not the connections'
+        clock["busy"] += 5.0
+        return Iperf3Run(9.0, 0)
+
+    monkeypatch.setattr(flows, "cpu_seconds", lambda pid: clock["agent"])
+    monkeypatch.setattr(flows, "busy_seconds", lambda: clock["busy"])
+    monkeypatch.setattr(flows._wrk, "run", wrk)
+    monkeypatch.setattr(flows, "settled", settled)
+    monkeypatch.setattr(flows._iperf, "client", client)
+    lab = SimpleNamespace(nodes=[SimpleNamespace(agent_pid=lambda: 1)])
+    pods = {name: SimpleNamespace(ns=name, ip="10.244.1.2") for name in ("server", "client", "local")}
+    got = asyncio.run(flows.measure(lab, pods, 3.0))
+    assert got["agent_ms_across"] == pytest.approx(500.0) and got["agent_ms_same"] == pytest.approx(500.0)
+    assert got["busy_ms_across"] == pytest.approx(900.0) and got["busy_ms_same"] == pytest.approx(900.0)
+    assert got["settle_s_across"] == 2.0
+
+
 def test_settled_waits_until_the_agents_are_quiet_or_the_limit():
     """Quiet once the agents used under 5 ms in a quarter second; never past the limit; no
     agent to wait for: at once."""
@@ -363,3 +397,13 @@ def test_the_storms_lost_records_are_each_storms_own_added_up():
     assert flows.lost_during(None, {"programs": 7}) == {"programs": 7} and flows.lost_during(3, 5) == 2
     assert flows.lost_total([{"programs": 500}, {"programs": 0}, {"programs": 2}]) == {"programs": 502}
     assert flows.lost_total([1, 2]) == 3
+
+
+def test_the_ratio_judged_is_the_median_of_the_rounds_own_ratios(capsys):
+    """A drifting machine: recording on is 0.96x off within every round, but the machine is
+    slow through round 2's "on" run and round 3 as a whole. The rounds' own ratios are 0.96,
+    0.60, 0.96 (median 0.96x, met); a ratio of the modes' medians (600/1000 = 0.60x, NOT met)
+    would charge the slow spell to recording."""
+    flows.report(ARGS, _result(_run([1000, 1000, 600], [960, 600, 576])))
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("conn/s across nodes"))
+    assert "0.960x" in row and "0.600-0.960" in row and "NOT met" not in row and "met" in row
