@@ -154,6 +154,10 @@ def export_route(path: Path, family_afi: int, to: ExportTarget, local: LocalSett
                 OriginatorId(originator),
                 ClusterList((local.cluster_id, *attrs.cluster_list)),
             )
+            # RFC 4271 §5.1.5: LOCAL_PREF SHALL be in every UPDATE to an internal peer, a
+            # reflected one too (a client may send its route without one).
+            if attrs.local_pref is None:
+                attrs = attrs.replace(LocalPref(DEFAULT_LOCAL_PREF))
             next_hop = path.next_hop  # reflection leaves the next hop alone
         else:
             # Our own routes and eBGP-learned routes entering the AS carry a LOCAL_PREF (§5.1.5).

@@ -8,6 +8,13 @@ from ipaddress import IPv4Address, ip_network
 from bgp import ListenRange, PeerSettings, Speaker, State
 from bgp.settings import LocalSettings
 from bgp.testing import RawHarness, RawPeer
+from proto.capabilities import (
+    GracefulRestart,
+    GracefulRestartFamily,
+    MultiProtocol,
+    RouteRefresh,
+)
+from proto.messages import Open
 from proto.nlri import prefix_from_str, prefix_to_str
 
 RR = "10.1.0.1"
@@ -28,6 +35,9 @@ def announce(h: RawHarness, peer: RawPeer, prefix: str) -> None:
     nh = attr(0x40, 3, IPv4Address(peer.address).packed)
     h.send(peer, update(attr(0x40, 1, b"\x00") + as_path([]) + nh + attr(0x40, 5, b"\x00\x00\x00\x64"),
                         prefix_from_str(prefix)[1]))
+
+
+KEEPALIVE = b"\xff" * 16 + b"\x00\x13\x04"
 
 
 def held(peer: RawPeer) -> set[str]:
@@ -71,12 +81,49 @@ def test_configured_peers_leave_dynamic_ones_alone_and_win_over_the_range():
     assert "10.1.0.7" not in sp.dynamic and "10.1.0.7" in sp.peers
 
 
+class GracefulClient(RawPeer):
+    """A raw peer whose OPEN carries Graceful Restart (restart time 120 s, forwarding state kept
+    for every family it has)."""
+
+    def open_message(self) -> bytes:
+        gr = GracefulRestart(False, 120, tuple(GracefulRestartFamily(a, s, True) for a, s in self.families))
+        caps = [MultiProtocol(a, s) for a, s in self.families] + [RouteRefresh(), gr]
+        return Open.build(self.asn, self.hold_time, self.router_id, caps).encode()
+
+
 def test_graceful_restart_keeps_a_dynamic_peer_until_its_routes_go():
     sp, h = reflector(stale_time=30.0)
-    c = RawPeer("10.1.0.8", 65000, conn=-8)
     other = RawPeer("10.1.0.9", 65000, conn=-9)
     assert h.connect(other)
-    # RawPeer advertises no graceful restart: a plain drop forgets the peer at once.
+    c = GracefulClient("10.1.0.8", 65000, conn=-8)
+    assert h.connect(c)
+    announce(h, c, "10.244.8.0/26")
+    assert "10.244.8.0/26" in held(other)
+    # Its connection drops: graceful restart keeps the peer and its route, stale, for its
+    # restart time (120 s) -- the other client is not told.
+    sp.connection_lost(c.conn, h.now)
+    c.closed = True
+    h.pump()
+    assert "10.1.0.8" in sp.peers and "10.1.0.8" in sp.dynamic
+    assert sp.rib.stale_count("10.1.0.8") == 1
+    assert "10.244.8.0/26" in held(other)
+    for _ in range(119):  # the other client keeps its session up (hold time 90 s)
+        h.advance(1.0)
+        h.send(other, KEEPALIVE)
+    assert "10.1.0.8" in sp.peers and "10.244.8.0/26" in held(other)
+    # It never came back: its route goes, and the peer with it.
+    h.advance(2.0)
+    assert not other.closed
+    assert "10.1.0.8" not in sp.peers and "10.1.0.8" not in sp.dynamic
+    assert sp.rib.stale_count("10.1.0.8") == 0
+    assert "10.244.8.0/26" not in held(other)
+
+
+def test_a_dynamic_peer_without_graceful_restart_is_forgotten_when_its_connection_drops():
+    sp, h = reflector(stale_time=30.0)
+    other = RawPeer("10.1.0.9", 65000, conn=-9)
+    assert h.connect(other)
+    c = RawPeer("10.1.0.8", 65000, conn=-8)  # advertises no graceful restart
     assert h.connect(c)
     announce(h, c, "10.244.8.0/26")
     assert "10.244.8.0/26" in held(other)

@@ -31,7 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bgp import Origination, PeerSettings
-from bgp.testing import MemoryNetwork, make_speaker, speaker_pair
+from bgp.testing import MemoryNetwork, RawHarness, RawPeer, make_speaker, speaker_pair
 from bgp.views import peer_views
 from proto.attributes import (
     AS_SEQUENCE,
@@ -40,15 +40,19 @@ from proto.attributes import (
     NO_EXPORT_SUBCONFED,
     AsPath,
     AsPathSegment,
+    ClusterList,
     Communities,
     LargeCommunities,
     LocalPref,
     MultiExitDisc,
+    NextHop,
     Origin,
+    OriginatorId,
     PathAttributes,
 )
 from proto.errors import ErrorCode
 from proto.messages import (
+    CodecContext,
     MessageReader,
     MessageType,
     Notification,
@@ -620,3 +624,71 @@ def test_route_refresh_read_together_with_a_cease():
     net.run(duration=1)
     assert a.peers["10.0.0.2"].established is None
     assert a.adj_out_count("10.0.0.2") == 0
+
+
+# --------------------------------------------------------------- reflection, by hand
+
+RR_ADDRESS = "10.0.0.1"
+
+
+def _reflector(*peers: tuple[str, bool, str | None]) -> tuple[RawHarness, dict[str, RawPeer]]:
+    """Route reflector 10.0.0.1 (AS 65000, cluster CLUSTER_ID) with raw iBGP peers
+    (address, client?, router ID or None for the address), IPv4 only, all connected."""
+    settings_ = [PeerSettings(IPv4Address(a), 65000, passive=True, rr_client=c) for a, c, _ in peers]
+    sp = make_speaker(RR_ADDRESS, 65000, settings_, cluster_id=CLUSTER_ID, families=((1, 1),))
+    sp.start(0.0)
+    h = RawHarness(sp, RR_ADDRESS)
+    raw = {}
+    for i, (a, _, rid) in enumerate(peers):
+        raw[a] = RawPeer(a, 65000, conn=i + 1, router_id=rid, families=((1, 1),))
+        assert h.connect(raw[a]), a
+    return h, raw
+
+
+def _announce(h: RawHarness, peer: RawPeer, prefix: str, *extra) -> None:
+    attrs = PathAttributes((Origin(0), AsPath(()), NextHop(IPv4Address(peer.address)), *extra))
+    h.send(peer, Update(attributes=attrs, nlri=(prefix_from_str(prefix)[1],)).encode(CodecContext(four_octet_as=True)))
+
+
+def _held(peer: RawPeer) -> dict[str, PathAttributes]:
+    out: dict[str, PathAttributes] = {}
+    for u in peer.updates():
+        assert not u.errors, u.errors
+        for p in u.withdrawn:
+            out.pop(prefix_to_str(1, p), None)
+        for p in u.nlri:
+            out[prefix_to_str(1, p)] = u.attributes
+    return out
+
+
+def test_a_reflected_route_without_local_pref_gets_the_default():
+    """RFC 4271 §5.1.5: LOCAL_PREF SHALL be in every UPDATE sent to an internal peer -- a
+    reflected one too, when the client sent its route without one."""
+    h, raw = _reflector(("10.0.0.11", True, None), ("10.0.0.12", True, None), ("10.0.0.21", False, None))
+    _announce(h, raw["10.0.0.11"], "10.1.0.0/16")
+    for other in ("10.0.0.12", "10.0.0.21"):
+        got = _held(raw[other])["10.1.0.0/16"]
+        assert got.local_pref == DEFAULT_LOCAL_PREF, (other, got)
+        assert got.originator_id == IPv4Address("10.0.0.11") and got.cluster_list == (CLUSTER_ID,)
+    # One that carries a LOCAL_PREF keeps it.
+    _announce(h, raw["10.0.0.11"], "10.2.0.0/16", LocalPref(250))
+    assert _held(raw["10.0.0.21"])["10.2.0.0/16"].local_pref == 250
+
+
+def test_a_route_reflected_a_second_time_keeps_its_originator_and_gets_our_cluster_id_first():
+    """RFC 4456 §8: a route that already carries ORIGINATOR_ID keeps it; our cluster ID is
+    prepended to its CLUSTER_LIST; and it is never sent to the router whose ID is the
+    ORIGINATOR_ID -- here a non-client of ours (the client of another tier's reflector)."""
+    x = IPv4Address("10.0.0.99")  # the router that first announced it, two tiers down
+    c2 = IPv4Address("2.2.2.2")  # the lower tier's reflector's cluster
+    h, raw = _reflector(
+        ("10.0.0.11", True, None), ("10.0.0.12", True, None), ("10.0.0.21", False, None),
+        ("10.0.0.22", False, str(x)),
+    )  # fmt: skip
+    _announce(h, raw["10.0.0.11"], "10.1.0.0/16", LocalPref(100), OriginatorId(x), ClusterList((c2,)))
+    for other in ("10.0.0.12", "10.0.0.21"):
+        got = _held(raw[other])["10.1.0.0/16"]
+        assert got.originator_id == x, (other, got)
+        assert got.cluster_list == (CLUSTER_ID, c2), (other, got)
+    assert "10.1.0.0/16" not in _held(raw["10.0.0.22"]), "sent back to its originator"
+    assert "10.1.0.0/16" not in _held(raw["10.0.0.11"])

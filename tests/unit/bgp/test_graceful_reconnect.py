@@ -114,3 +114,56 @@ def test_an_ipv4_end_of_rib_leaves_the_stale_ipv6_routes_until_the_ipv6_one():
     h.send(after, end_of_rib(6))
     h.advance(1.0)
     assert not held6("fd00:9::/64")
+
+
+def test_a_peer_back_without_an_end_of_rib_has_its_stale_routes_purged_after_stale_time():
+    """RFC 4724 §4.2: the peer returns but never sends End-of-RIB: our stale timer (stale_time)
+    ends the wait -- its routes not announced again go, and the other peers are told."""
+    from proto.nlri import prefix_to_str
+
+    b = "10.0.0.10"
+    keepalive = Keepalive().encode()
+
+    def held_by(peer: RawPeer) -> set[str]:
+        out: set[str] = set()
+        for u in peer.updates():
+            out.difference_update(prefix_to_str(1, p) for p in u.withdrawn)
+            out.update(prefix_to_str(1, p) for p in u.nlri)
+        return out
+
+    def wait(seconds: int, *peers: RawPeer) -> None:  # keeping the sessions up (hold time 90 s)
+        for _ in range(seconds):
+            h.advance(1.0)
+            for p in peers:
+                h.send(p, keepalive)
+
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address(LOCAL), stale_time=30.0), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings(A, 65001, passive=True), 0.0)
+    sp.add_peer(PeerSettings(b, 65002, passive=True), 0.0)
+    sp.start(0.0)
+    h = RawHarness(sp, LOCAL)
+    other = RawPeer(b, 65002, conn=-10)
+    assert h.connect(other)
+    before = GracefulPeer(conn=-1)
+    assert h.connect(before)
+    h.send(before, update("10.244.1.0/24") + update("10.244.9.0/24"))
+    assert held_by(other) == {"10.244.1.0/24", "10.244.9.0/24"}
+
+    sp.connection_lost(before.conn, h.now)  # gracefully: its routes stay, stale
+    before.closed = True
+    h.pump()
+    assert sp.rib.stale_count(A) == 2
+    wait(10, other)
+    after = GracefulPeer(conn=-2, restarted=True)
+    assert h.connect(after)
+    h.send(after, update("10.244.1.0/24"))  # ... and never an End-of-RIB
+    assert sp.rib.stale_count(A) == 1
+    wait(29, other, after)
+    assert held(sp, "10.244.9.0/24") and held_by(other) == {"10.244.1.0/24", "10.244.9.0/24"}
+    wait(2, other, after)
+    assert sp.rib.stale_count(A) == 0
+    assert not held(sp, "10.244.9.0/24"), "a stale route outlived stale_time without End-of-RIB"
+    assert held(sp, "10.244.1.0/24")
+    assert not other.closed and not after.closed
+    assert held_by(other) == {"10.244.1.0/24"}
+    assert A not in sp.graceful
