@@ -24,7 +24,8 @@ them in place: into the pinned links, or the cls_bpf filters, as the data path d
 The program needs conntrack's TCP tracking to be liberal about windows in this namespace (it
 does not see the packets it carries: see podpath.c), so :meth:`PodFastPath.open` sets
 ``net.netfilter.nf_conntrack_tcp_be_liberal`` to 1 and notes the value it found, which
-:func:`remove_pinned_fast_path` puts back.  Blocking calls: run them off the event loop.
+:func:`remove_pinned_fast_path` puts back (in ``agentd_podcfg``: a pin of an older layout,
+replaced at open, has its note read first and carried into the new map).  Blocking calls: run them off the event loop.
 """
 
 from __future__ import annotations
