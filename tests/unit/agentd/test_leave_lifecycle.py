@@ -128,7 +128,8 @@ def test_an_older_layouts_config_pin_replaced_at_open_keeps_the_operators_be_lib
             return (podpath.lb.MAP_TYPE_ARRAY, 4, podpath.CONFIG_VALUE.size, 1, 0)
 
     class Obj:
-        maps = {podpath.CONFIG: Map()}
+        def __init__(self):
+            self.maps = {podpath.CONFIG: Map()}
 
         def pin_maps_in(self, _directory): pass
         def load(self): pass
