@@ -134,9 +134,10 @@ def remove_conflist(cfg: Config) -> bool:
     """``agentd leave`` (``[cni] write_conflist``): remove ``<[cni] conf_dir>/10-agentd.conflist``
     -- left, the runtime would go on choosing agentd's network (its name sorts first) and every
     new pod's ADD fail with "agent not running" instead of falling through to another network.
-    Only the file the agent writes goes (the configuration's, at any MTU); an operator's own of
-    that name stays (:class:`ValueError` says so).  False where there is none; an OSError says
-    why it stays."""
+    Only a file agentd writes goes (:func:`is_agentds_conflist`: whatever version or settings
+    wrote it -- an older agent's has fewer plugins, one of other ``[cni]`` paths other keys);
+    an operator's own of that name stays (:class:`ValueError` says so).  False where there is
+    none; an OSError says why it stays."""
     path = Path(cfg.cni.conf_dir) / cni_config.CONFLIST_NAME
     try:
         text = path.read_text(encoding="utf-8")
@@ -146,13 +147,26 @@ def remove_conflist(cfg: Config) -> bool:
         text = ""
     try:
         found = json.loads(text)
-        mtu = found["plugins"][0]["delegate"].get("mtu")
-    except (ValueError, LookupError, TypeError, AttributeError):
-        found, mtu = None, None
-    if found != cni_config.conflist(mtu=mtu, **_conflist_settings(cfg)):
-        raise ValueError(f"{path} is not the one this agent writes ([cni] write_conflist): left as it is")
+    except ValueError:
+        found = None
+    if not is_agentds_conflist(found):
+        raise ValueError(f"{path} is not one agentd writes ([cni] write_conflist: its first plugin "
+                         f"{cni_config.PLUGIN_TYPE} with subnetFile and dataDir): left as it is")
     path.unlink()
     return True
+
+
+def is_agentds_conflist(doc: Any) -> bool:
+    """Whether a conflist is one agentd wrote: its first plugin is ``agentd-cni`` with the keys
+    every version of it has written (``subnetFile``, ``dataDir``).  Not compared with what this
+    agent would write: one an older agentd wrote (before ``binDir``, before the bandwidth
+    plugin) or one written under other ``[cni]`` paths is agentd's network all the same."""
+    try:
+        first = doc["plugins"][0]
+        return (first["type"] == cni_config.PLUGIN_TYPE and isinstance(first["subnetFile"], str)
+                and isinstance(first["dataDir"], str))
+    except (LookupError, TypeError):
+        return False
 
 
 def node_record(cfg: Config, name: str, underlay: Underlay, leases: Mapping[int, SubnetLease],

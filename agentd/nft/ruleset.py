@@ -17,9 +17,12 @@ commands of ONE transaction that gets there incrementally:
   masquerading's members before the node list is read) keeps what the kernel holds, and is
   refilled once it is wanted with its contents.
 
-The order inside the transaction keeps every reference valid: tables, then new sets,
-counters and (empty) chains, then chain contents, then elements (verdict maps jump to
-chains that exist by then), then what is no longer wanted, flushed before deleted.
+The order inside the transaction keeps every reference valid: first an object wanted in
+another shape under its name (a set's type, a chain's hook changed: upgrades) is deleted,
+the chains and verdict maps that may refer to it flushed before (and refilled below) -- the
+kernel refuses to add a name it still holds; then tables, new sets, counters and (empty)
+chains, then chain contents, then elements (verdict maps jump to chains that exist by
+then), then what is no longer wanted, flushed before deleted.
 """
 
 from __future__ import annotations
@@ -265,15 +268,33 @@ def plan(current: Ruleset, desired: Ruleset, keys: Iterable[ObjKey] | None = Non
     for table in sorted(desired.tables - current.tables):
         adds.append({"add": {"table": {"family": table[0], "name": table[1]}}})
 
+    # Objects of another shape under the same name (a set's type, a chain's hook changed:
+    # upgrades only) go FIRST, the new one is declared after: the kernel refuses to add a name
+    # it still holds (EEXIST), and refuses to delete a set a rule uses or a chain something
+    # jumps to (EBUSY).  So the chains and verdict maps that may refer to one (their contents
+    # unknown, or naming it) are flushed before it goes, and refilled below from ``desired``,
+    # all in this one transaction.
+    replaced = _replaced(want_items, current)
+    refill = _referring(current, replaced)
+    early = [{"flush": _obj_ref(current.objects[k])} for k in sorted(refill)]
+    early += [{"flush": _obj_ref(current.objects[k])} for k in sorted(replaced) if k[2] == "chain"]
+    early += [{"delete": _obj_ref(current.objects[k])} for k in sorted(replaced) if k[2] == "set"]
+    early += [{"delete": _obj_ref(current.objects[k])} for k in sorted(replaced) if k[2] == "chain"]
+    for key in sorted(refill):
+        again = desired.objects.get(key)
+        if isinstance(again, NftChain):
+            contents += _rules(again)
+        elif isinstance(again, NftSet) and again.elements:
+            element_adds.append({"add": _elements(again, again.elements)})
+
     for key, want in want_items:
         have = current.objects.get(key)
+        if key in refill:
+            continue  # flushed above, refilled above
+        if key in replaced:
+            have = None  # deleted above: declared again like a new one
         if isinstance(want, NftSet):
-            replaced = isinstance(have, NftSet) and not want.same_shape(have)
-            if have is None or replaced:
-                if replaced:
-                    # A set whose type changed: delete and re-create (only happens on upgrades).
-                    flushes.append({"flush": _obj_ref(have)})  # type: ignore[arg-type]
-                    deletes.append({"delete": _obj_ref(have)})  # type: ignore[arg-type]
+            if have is None:
                 adds.append({"add": want.declaration()})
                 if want.elements:
                     element_adds.append({"add": _elements(want, want.elements)})
@@ -304,12 +325,6 @@ def plan(current: Ruleset, desired: Ruleset, keys: Iterable[ObjKey] | None = Non
                     element_adds.append({"add": _elements(want, new)})
         elif isinstance(want, NftChain):
             if have is None:
-                adds.append({"add": want.declaration()})
-                contents += _rules(want)
-            elif not isinstance(have, NftChain) or have.hook != want.hook:
-                # A base chain whose hook changed: recreate it (upgrades only).
-                flushes.append({"flush": {"chain": _obj_ref(have)["chain"]}})
-                deletes.append({"delete": {"chain": _obj_ref(have)["chain"]}})
                 adds.append({"add": want.declaration()})
                 contents += _rules(want)
             elif not have.contents_known or have.rules != want.rules:
@@ -344,7 +359,48 @@ def plan(current: Ruleset, desired: Ruleset, keys: Iterable[ObjKey] | None = Non
         element_dels = [c for c in element_dels if _table_of(c) not in gone_tables]
         deletes += [{"delete": {"table": {"family": f, "name": n}}} for f, n in gone_tables]
 
-    return adds + contents + element_dels + element_adds + flushes + deletes
+    return early + adds + contents + element_dels + element_adds + flushes + deletes
+
+
+def _replaced(want_items: Iterable[tuple[ObjKey, NftObject]], current: Ruleset) -> set[ObjKey]:
+    """The objects wanted under a name the kernel holds an object of another shape under."""
+    out = set()
+    for key, want in want_items:
+        have = current.objects.get(key)
+        if isinstance(want, NftSet) and isinstance(have, NftSet):
+            other = not want.same_shape(have)
+        else:
+            other = isinstance(want, NftChain) and isinstance(have, NftChain) and have.hook != want.hook
+        if other:
+            out.add(key)
+    return out
+
+
+def _referring(current: Ruleset, replaced: set[ObjKey]) -> set[ObjKey]:
+    """The chains and verdict maps of ``current`` that may refer to a replaced object: a rule
+    using a set (``@name``) or jumping to a chain, a verdict map's element jumping to it.
+    Contents the agent does not know may refer to anything.  Erring towards more costs a
+    chain flushed and refilled in the same transaction; a base chain is never a jump's
+    target (the kernel refuses that), so only a regular chain being replaced has any."""
+    out: set[ObjKey] = set()
+    for gone in sorted(replaced):
+        family, table, kind, name = gone
+        if kind == "chain" and current.objects[gone].hook is not None:  # type: ignore[union-attr]
+            continue
+        # As JSON text: the set's reference ("@name"), the chain's name (a jump's target).
+        needle = json.dumps("@" + name if kind == "set" else name)
+        for key, obj in current.objects.items():
+            if key in replaced or key[:2] != (family, table):
+                continue
+            if isinstance(obj, NftChain):
+                refers = any(needle in r for r in obj.rules)
+            elif kind == "chain" and isinstance(obj, NftSet) and obj.map == "verdict":
+                refers = any(isinstance(v, tuple) and v[1:] == (name,) for _k, v in obj.elements)
+            else:
+                continue
+            if refers or not obj.contents_known:
+                out.add(key)
+    return out
 
 
 def _table_of(cmd: dict[str, Any]) -> tuple[str, str]:

@@ -5,20 +5,24 @@ kernel exactly as libnftables would have put them: every key layout the tables u
 (address, interface name, interface . address, address . protocol . port, each with IPv4
 and IPv6 addresses: the pods are dual-stack) and map data (verdict jumps, MAC addresses) is
 written, then read back with `nft -j list` and compared with the wanted ruleset.  A second programmer adopts the tables (same handles, no delete)
-and rewrites them in one transaction; removing deletes both tables.
+and rewrites them in one transaction; removing deletes both tables.  An upgrade that
+changed a chain's hook (db7790c: the no-route chain) or a set's type syncs, the kernel the judge.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import logging
+from dataclasses import replace
 
+from agentd.nft.expr import DropLog, jump, match, meta, ref
+from agentd.nft.libnftables import Nft
+from agentd.nft.programmer import NftProgrammer
+from agentd.nft.ruleset import NftChain, NftSet, Ruleset, rule_text
 from agentd.policy import compiler
 from agentd.policy.engine import PolicyEngine
-from agentd.nft.libnftables import Nft
 from agentd.policy.model import LocalPort, NamedPort, Pod, Policy
-from agentd.nft.programmer import NftProgrammer
-from agentd.nft.ruleset import NftSet
 from agentd.resources import kinds
 
 
@@ -26,8 +30,8 @@ def _ips(i: int, net: int = 1) -> tuple:
     return (ipaddress.IPv4Address(f"10.244.{net}.{i + 2}"), ipaddress.IPv6Address(f"fd00:10:244:{net}::{i + 2}"))
 
 
-def _engine() -> PolicyEngine:
-    eng = PolicyEngine("node1", families=(4, 6))
+def _engine(drop_log: DropLog | None = None) -> PolicyEngine:
+    eng = PolicyEngine("node1", families=(4, 6), drop_log=drop_log)
     ports = (NamedPort("http", 80, "TCP"), NamedPort("dns", 53, "UDP"))
     for i in range(6):
         local = LocalPort(f"veth{i}", f"02:00:00:00:00:{i:02x}", "cni0") if i < 3 else None
@@ -126,6 +130,71 @@ async def test_element_batches_land_as_libnftables_would_put_them(netns_factory)
             assert "agentd-policy" not in ns.exec("nft", "list", "tables")
         finally:
             nft2.close()
+    finally:
+        nft.close()
+
+
+def _chain_in_kernel(ns, family: str, table: str, name: str) -> dict:
+    listing = json.loads(ns.exec("nft", "-j", "list", "chain", family, table, name))["nftables"]
+    return next(item["chain"] for item in listing if "chain" in item)
+
+
+async def test_an_upgrade_that_changed_a_chains_hook_or_a_sets_type_syncs(netns_factory, caplog):
+    """The tables as an older agentd left them, then this version's: the object of another
+    shape goes before it is declared again, in one transaction the kernel takes (it refused
+    the add while the old one was there: EEXIST, and the programmer retried forever)."""
+    caplog.set_level(logging.WARNING, logger="agentd.nft")
+    ns = netns_factory("nftup")
+    eng = _engine(DropLog(group=7))
+    new = eng.build()
+    key = ("inet", compiler.TABLE, "chain", "prerouting")
+    pre = new.objects[key]
+    assert isinstance(pre, NftChain) and pre.hook == ("nat", "prerouting", compiler.NO_ROUTE_PRIORITY, "accept")
+    # Before db7790c: a filter chain at priority 0, its rule asking ct state new.
+    old = Ruleset(new.tables, dict(new.objects))
+    old.add(replace(pre, hook=("filter", "prerouting", 0, "accept"), rules=(rule_text([
+        match(meta("iifname"), ref(compiler.BRIDGES)), match({"ct": {"key": "state"}}, "new", "in"),
+        match({"fib": {"result": "type", "flags": ["daddr"]}}, {"set": ["local", "broadcast", "multicast"]}, "!="),
+        match({"fib": {"result": "oif", "flags": ["daddr"]}}, False), jump(compiler.NO_ROUTE)]),)))  # fmt: skip
+    nft = Nft(netns=ns.path)
+    try:
+        await NftProgrammer(nft, compiler.TABLES, "policy").sync(old)
+        assert _chain_in_kernel(ns, "inet", compiler.TABLE, "prerouting")["type"] == "filter"
+        # The new version starts: it adopts the old tables (contents unknown) and syncs its own.
+        upgraded = NftProgrammer(nft, compiler.TABLES, "policy")
+        await upgraded.adopt()
+        await upgraded.sync(new)
+        chain = _chain_in_kernel(ns, "inet", compiler.TABLE, "prerouting")
+        assert (chain["type"], chain["hook"], chain["prio"]) == ("nat", "prerouting", compiler.NO_ROUTE_PRIORITY)
+        assert _elements_in_kernel(ns) == _wanted(new)
+        # Membership changes go through again (the policy is not frozen).
+        eng.remove_pod(("x", "p5"))
+        await upgraded.sync(eng.build(), eng.touched())
+        assert _elements_in_kernel(ns) == _wanted(eng.build())
+
+        # A set whose type changed, a rule of a chain using it (contents known: the same
+        # programmer, no adoption in between).
+        table = ("inet", "agentd-upgrade-test")
+        uses = [{"payload": {"protocol": "ip", "field": "saddr"}}]
+        def shape(types: tuple, elements: frozenset, key: list) -> Ruleset:
+            rs = Ruleset(frozenset({table}))
+            rs.add(NftSet(*table, "x", types, elements=elements))
+            rs.add(NftChain(*table, "in", (rule_text([match(key[0] if len(key) == 1 else {"concat": key}, ref("x")),
+                                                      {"accept": None}]),),
+                            hook=("filter", "input", 0, "accept")))  # fmt: skip
+            return rs
+        prog = NftProgrammer(nft, frozenset({table}), "test")
+        await prog.sync(shape(("ipv4_addr",), frozenset({"10.0.0.1"}), uses))
+        await prog.sync(shape(("ipv4_addr", "inet_service"), frozenset({("10.0.0.1", 80)}),
+                              [*uses, {"payload": {"protocol": "tcp", "field": "dport"}}]))  # fmt: skip
+        listing = json.loads(ns.exec("nft", "-j", "list", "set", *table, "x"))["nftables"]
+        body = next(item["set"] for item in listing if "set" in item)
+        assert body["type"] == ["ipv4_addr", "inet_service"] and body["elem"] == [{"concat": ["10.0.0.1", 80]}]
+        assert "10.0.0.1 . 80" not in ns.exec("nft", "list", "chain", *table, "in")  # the rule, not the set
+        assert "ip saddr . tcp dport @x accept" in ns.exec("nft", "list", "chain", *table, "in")
+        # Neither took the programmer's fallback (a refused transaction, a full rewrite).
+        assert not [r for r in caplog.records if "refused" in r.getMessage()]
+        assert await prog.remove() and await upgraded.remove()
     finally:
         nft.close()
 

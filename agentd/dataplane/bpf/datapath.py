@@ -477,11 +477,16 @@ def open_checked(path: Path, check: Callable[[lb.BpfObject], None]) -> lb.BpfObj
     return obj
 
 
-def adopt_pins(obj: lb.BpfObject, directory: str | os.PathLike) -> list[str]:
+def adopt_pins(
+    obj: lb.BpfObject, directory: str | os.PathLike, replacing: Callable[[str, int, dict], None] | None = None,
+) -> list[str]:
     """Point the object's pinned-by-name maps at ``directory``.  Those pinned there already
     with the shape the object gives them (type, key and value sizes, entries, flags) are what
     libbpf will reuse at load: their names are returned.  A pin of another shape (an older
-    agent's layout) is removed, so that libbpf makes that map afresh instead of refusing it."""
+    agent's layout) is removed, so that libbpf makes that map afresh instead of refusing it;
+    ``replacing`` is called first with its name, its map (an fd, open for the call) and that
+    map's :func:`libbpf.map_info`: what the old map notes that the new one must go on noting
+    (the pod fast path's ``agentd_podcfg``: conntrack's be_liberal as the operator had it)."""
     obj.pin_maps_in(directory)
     adopted = []
     for name, mdef in obj.maps.items():
@@ -493,11 +498,14 @@ def adopt_pins(obj: lb.BpfObject, directory: str | os.PathLike) -> list[str]:
             fd = lb.obj_get(str(path))
             try:
                 info = lb.map_info(fd)
+                if (info["type"], info["key_size"], info["value_size"], info["max_entries"],
+                        info["flags"]) == mdef.shape():  # fmt: skip
+                    adopted.append(name)
+                    continue
+                if replacing is not None:
+                    replacing(name, fd, info)
             finally:
                 os.close(fd)
-            if (info["type"], info["key_size"], info["value_size"], info["max_entries"], info["flags"]) == mdef.shape():
-                adopted.append(name)
-                continue
         except lb.BpfError as err:  # not a map (or not one we may open): replaced as well
             what = f"cannot be opened as a map ({os.strerror(err.errno)}) nor removed"
         try:

@@ -24,7 +24,8 @@ them in place: into the pinned links, or the cls_bpf filters, as the data path d
 The program needs conntrack's TCP tracking to be liberal about windows in this namespace (it
 does not see the packets it carries: see podpath.c), so :meth:`PodFastPath.open` sets
 ``net.netfilter.nf_conntrack_tcp_be_liberal`` to 1 and notes the value it found, which
-:func:`remove_pinned_fast_path` puts back.  Blocking calls: run them off the event loop.
+:func:`remove_pinned_fast_path` puts back (in ``agentd_podcfg``: a pin of an older layout,
+replaced at open, has its note read first and carried into the new map).  Blocking calls: run them off the event loop.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
 # struct pod_config: flags, established_ms, liberal_before, cluster_net, cluster_mask, wire_ifindex
 CONFIG_VALUE = struct.Struct("<III4s4sI")
 CONFIG6_VALUE = struct.Struct("<16s16s")  # struct pod_config6: cluster_net, cluster_mask
+# What every layout struct pod_config has had first (12 bytes before 19135cf, 24 since):
+# flags (CFG_ON the one flag they all mean alike), established_ms, liberal_before.
+CONFIG_NOTE = struct.Struct("<III")
 U32 = struct.Struct("<I")
 VERDICTS = ("carried", "no_conntrack", "not_established", "nat", "no_route")  # enum pod_verdict, in order
 CFG_ON, CFG_ROUTE, CFG_COUNT, CFG_RECORD, CFG_RECORD_REMOTE = 1, 2, 4, 8, 16
@@ -201,6 +205,9 @@ class PodFastPath:
         self.pods: dict[str, int] = {}  # pod address (IPv4 or IPv6) -> ifindex of its veth's host side, as in the maps
         self.attached: set[int] = set()  # veths our program is on (this run)
         self.adopted = False
+        # (flags, liberal_before) an agentd_podcfg of another layout (an older agent's) held
+        # when open replaced it: the be_liberal value it noted goes on being the one noted.
+        self.replaced_config: tuple[int, int] | None = None
         self.ncpus = 0
         self.pins = tc.Pins(self.dir)  # read at open: how our programs on the hooks are known
         self.unidentified: set[str] = set()  # programs on our hooks we could not take over, and why
@@ -222,7 +229,7 @@ class PodFastPath:
             self.pins = tc.Pins.read(self.dir)  # the previous agent's programs, before ours replace the pins
             tc.sweep(self.pins)  # links of veths that went while no agent ran
             self.ncpus = lb.possible_cpus()
-            self.adopted = bool(adopt_pins(obj, self.dir))
+            self.adopted = bool(adopt_pins(obj, self.dir, self._replacing))
             try:
                 obj.load()
             except lb.BpfError as err:  # a kfunc, nf_conn's fields, or the verifier
@@ -282,11 +289,32 @@ class PodFastPath:
             return
         self.wire = None
 
+    def _replacing(self, name: str, fd: int, info: dict) -> None:
+        """A pin of another shape :func:`adopt_pins` is about to remove: an older agent's
+        ``agentd_podcfg`` is the only record of ``nf_conntrack_tcp_be_liberal`` as the operator
+        had it (the agent set it to 1), read here before it goes; :meth:`_configure` notes
+        it in the new map, which a leave puts back."""
+        if name != CONFIG or info["value_size"] < CONFIG_NOTE.size:
+            return
+        try:
+            raw = lb.map_lookup(fd, U32.pack(0), info["value_size"])
+        except lb.BpfError as err:
+            log.warning("could not read %s of an older layout (%s): net.netfilter.nf_conntrack_tcp_be_liberal "
+                        "as it was before the agent is not known", self.dir / CONFIG, explain(err))
+            return
+        if raw:
+            flags, _ms, before = CONFIG_NOTE.unpack_from(raw)
+            self.replaced_config = (flags, before)
+
     def _configure(self, route: bool | None = None) -> None:
         """Liberal TCP windows in this namespace (noting what was there), and the programs' config."""
         key = U32.pack(0)
         raw = lb.map_lookup(self.maps[CONFIG], key, CONFIG_VALUE.size)
         flags, _ms, before, _net, _mask, _wire = CONFIG_VALUE.unpack(raw) if raw else (0, 0, 0, b"", b"", 0)
+        if not flags & CFG_ON and self.replaced_config is not None and self.replaced_config[0] & CFG_ON:
+            # Made afresh (the pin had an older layout): that pin's note stands.  Only CFG_ON
+            # is taken of its flags; the others meant other things in other layouts.
+            flags, before = CFG_ON, self.replaced_config[1]
         try:
             liberal = _read_int(BE_LIBERAL)
             if not flags & CFG_ON:  # not set by an earlier run: what we find is the operator's

@@ -8,6 +8,7 @@ import asyncio
 import errno
 import json
 import os
+import struct
 
 import pytest
 
@@ -103,3 +104,66 @@ def test_a_leave_that_cannot_read_the_value_found_fails_and_keeps_it(tmp_path, m
     with pytest.raises(OSError, match=r"could not read .*nf_conntrack_tcp_be_liberal as it was before"):
         podpath.remove_pinned_fast_path(tmp_path, liberal=True)
     assert pinned.pins() == [podpath.CONFIG] and pinned.liberal.read_text() == "1\n"
+
+
+def test_an_older_layouts_config_pin_replaced_at_open_keeps_the_operators_be_liberal(tmp_path, monkeypatch):
+    """An agent from before 19135cf noted be_liberal as the operator had it (0) in a 12-byte
+    ``agentd_podcfg`` and set it to 1.  This version's open replaces that pin (another shape):
+    the note is read before it goes and carried into the new map, so the leave puts back 0 --
+    not the 1 the old agent left, taken for the operator's."""
+    fp = podpath.PodFastPath(tmp_path)
+    fp.dir.mkdir()
+    (fp.dir / podpath.CONFIG).write_text("an older agent's map")
+    liberal = tmp_path / "nf_conntrack_tcp_be_liberal"
+    liberal.write_text("1\n")
+    established = tmp_path / "nf_conntrack_tcp_timeout_established"
+    established.write_text("432000\n")
+    old = struct.pack("<III", podpath.CFG_ON, 432000 * 1000, 0)  # flags, established_ms, liberal_before
+    new: dict[str, bytes] = {}  # this version's maps as load makes them (arrays: zeros), by name
+
+    class Map:
+        pinned = True
+
+        def shape(self):
+            return (podpath.lb.MAP_TYPE_ARRAY, 4, podpath.CONFIG_VALUE.size, 1, 0)
+
+    class Obj:
+        def __init__(self):
+            self.maps = {podpath.CONFIG: Map()}
+
+        def pin_maps_in(self, _directory): pass
+        def load(self): pass
+        def map_fd(self, name): return name
+        def prog_fd(self, _name): return 7
+        def close(self): pass
+
+    def lookup(fd, _key, size):
+        if isinstance(fd, str):
+            return new.get(fd, bytes(size))
+        return old[:size]  # the old pin's map, opened by adopt_pins
+
+    monkeypatch.setattr(podpath, "resolve_hook", lambda _attach: "tcx")
+    monkeypatch.setattr(podpath, "open_checked", lambda _path, _check: Obj())
+    monkeypatch.setattr(podpath, "ensure_dir", lambda _bpf_dir, _directory: None)
+    monkeypatch.setattr(podpath, "pin", lambda *_args: None)
+    monkeypatch.setattr(podpath.tc, "sweep", lambda _pins: 0)
+    monkeypatch.setattr(podpath, "BE_LIBERAL", liberal)
+    monkeypatch.setattr(podpath, "ESTABLISHED_TIMEOUT", established)
+    monkeypatch.setattr(podpath.lb, "possible_cpus", lambda: 1)
+    def obj_get(path):
+        if not os.path.isfile(path):
+            raise podpath.lb.BpfError(errno.ENOENT, f"bpf_obj_get {path}")
+        return os.open(path, os.O_RDONLY)
+
+    monkeypatch.setattr(podpath.lb, "obj_get", obj_get)
+    monkeypatch.setattr(podpath.lb, "map_info", lambda _fd: {"type": podpath.lb.MAP_TYPE_ARRAY, "key_size": 4,
+                                                              "value_size": len(old), "max_entries": 1, "flags": 0})
+    monkeypatch.setattr(podpath.lb, "map_lookup", lookup)
+    monkeypatch.setattr(podpath.lb, "map_update", lambda fd, _key, value: new.__setitem__(fd, value))
+    monkeypatch.setattr(podpath.lb, "map_keys", lambda _fd, _size: [])
+    monkeypatch.setattr(podpath.lb, "prog_info", lambda _fd: {"id": 1})
+    fp.open()
+    assert not (fp.dir / podpath.CONFIG).exists()  # the old pin went (libbpf pins the new map at load)
+    flags, _ms, before, *_rest = podpath.CONFIG_VALUE.unpack(new[podpath.CONFIG])
+    assert flags & podpath.CFG_ON and before == 0  # the operator's value, not the old agent's 1
+    assert liberal.read_text() == "1\n"

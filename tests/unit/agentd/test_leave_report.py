@@ -550,11 +550,12 @@ def test_a_leave_removes_the_conflist_the_agent_wrote(tmp_path, host, monkeypatc
 
 def test_a_leave_keeps_an_operators_own_file_of_that_name(tmp_path, host, monkeypatch):
     cfg = _cfg(tmp_path)
-    conflist = _write_conflist(cfg, data_dir="/var/lib/other")
+    conflist = _write_conflist(cfg)
+    conflist.write_text(json.dumps({"cniVersion": "1.0.0", "name": "mine", "plugins": [{"type": "bridge"}]}))
     monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
     report = asyncio.run(agent_module.leave(cfg))
     steps = {s.name: s for s in report.steps}
-    assert steps[CONFLIST_STEP].result == SKIPPED and "not the one this agent writes" in steps[CONFLIST_STEP].reason
+    assert steps[CONFLIST_STEP].result == SKIPPED and "not one agentd writes" in steps[CONFLIST_STEP].reason
     assert conflist.exists()
     conflist.write_text("{not json")
     report = asyncio.run(agent_module.leave(cfg))

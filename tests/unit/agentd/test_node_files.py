@@ -108,3 +108,70 @@ def test_a_lost_subnet_is_remembered_for_the_next_starts_warning(tmp_path):
     assert asyncio.run(main()) == 1
     assert not os.path.exists(cfg.cni.subnet_file)
     assert node_files.previous_subnets(cfg) == {4: lost}
+
+
+# ------------------------------------------------------------------ the conflist at leave
+
+
+def _agentds(cfg, **changed) -> dict:
+    from agentd.cni import netconf
+
+    return netconf.conflist(mtu=1450, **{**node_files._conflist_settings(cfg), **changed})
+
+
+def _conflist_path(cfg):
+    from agentd.cni import netconf
+
+    cfg.cni.conf_dir.mkdir(parents=True, exist_ok=True)
+    return cfg.cni.conf_dir / netconf.CONFLIST_NAME
+
+
+def _older_layout(doc: dict) -> dict:
+    """As an agentd before 29c8a8b (no bandwidth plugin) and 1f570b7 (no binDir) wrote it."""
+    doc["plugins"] = doc["plugins"][:2]
+    doc["plugins"][0].pop("binDir", None)
+    return doc
+
+
+@pytest.mark.parametrize("variant", ["this version", "older layout", "other data_dir", "other subnet_file",
+                                     "other bin_dir", "no mtu"])
+def test_a_leave_removes_agentds_conflist_whichever_version_or_settings_wrote_it(tmp_path, variant):
+    """After an upgrade where the agent does not come back, the runtime kept choosing agentd's
+    network (10-agentd.conflist) and every ADD failed: a file an older agentd wrote, or one
+    written under other [cni] paths, was taken for an operator's and left."""
+    cfg = agent_cfg(tmp_path, **{"cni.write_conflist": "true"})
+    doc = {"this version": lambda: _agentds(cfg),
+           "older layout": lambda: _older_layout(_agentds(cfg)),
+           "other data_dir": lambda: _agentds(cfg, data_dir="/var/lib/agentd-old/cni"),
+           "other subnet_file": lambda: _agentds(cfg, subnet_file="/run/flannel-ish/subnet.env"),
+           "other bin_dir": lambda: _agentds(cfg, bin_dir=["/usr/libexec/cni"]),
+           "no mtu": lambda: {**_agentds(cfg), "plugins": [
+               {k: v for k, v in _agentds(cfg)["plugins"][0].items() if k != "delegate"}]}}[variant]()
+    path = _conflist_path(cfg)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    assert node_files.remove_conflist(cfg) is True
+    assert not os.path.exists(path)
+    assert node_files.remove_conflist(cfg) is False  # none left
+
+
+@pytest.mark.parametrize("text", [
+    json.dumps({"cniVersion": "1.0.0", "name": "mine", "plugins": [{"type": "bridge", "bridge": "br0"}]}),
+    # agentd-cni chained after an operator's own first plugin: the operator's network
+    json.dumps({"cniVersion": "1.0.0", "name": "mine", "plugins": [
+        {"type": "bridge"}, {"type": "agentd-cni", "subnetFile": "/run/agentd/subnet.env", "dataDir": "/x"}]}),
+    json.dumps({"cniVersion": "1.0.0", "name": "mine", "plugins": [{"type": "agentd-cni"}]}),  # no agentd keys
+    json.dumps({"cniVersion": "1.0.0", "name": "mine", "plugins": []}),
+    json.dumps({"cniVersion": "1.0.0", "name": "mine", "type": "agentd-cni", "subnetFile": "/s", "dataDir": "/d"}),
+    json.dumps(["plugins"]),
+    "{not json",
+])
+def test_a_leave_keeps_an_operators_file_of_that_name(tmp_path, text):
+    cfg = agent_cfg(tmp_path, **{"cni.write_conflist": "true"})
+    path = _conflist_path(cfg)
+    with open(path, "w") as f:
+        f.write(text)
+    with pytest.raises(ValueError, match="is not one agentd writes.*left as it is"):
+        node_files.remove_conflist(cfg)
+    with open(path) as f:
+        assert f.read() == text
