@@ -341,6 +341,68 @@ def test_the_c_ipip_loop_takes_packets_of_a_jumbo_frame_mtu():
         s.close()
 
 
+# -- an inner IPv4 header shorter than 20 bytes -------------------------------------------------
+
+
+def _python_receive(kind: str, offload: bool, datagram: bytes, monkeypatch):
+    """What the Python worker's transport hands its coalescer of ``datagram`` from a member,
+    and its malformed count."""
+    c, d = counters()
+    if kind == "ipip":
+        _udp_as_raw(monkeypatch)
+        t = ipip_mod.IpipTransport(LOCAL, offload=offload, counters=c, drops=d, mtu=1480)
+    else:
+        t = UdpTransport(LOCAL, 0, offload=offload, counters=c, drops=d)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.bind((LOCAL, 0))
+        if kind == "udp":
+            t.port = s.getsockname()[1]  # a member's worker sends from the cluster's udp_port
+        t.set_members(frozenset({LOCAL}))
+        s.sendto(datagram, t.sock.getsockname())
+        _ready(t.sock)
+        got = Collect()
+        t.receive(bytearray(_RX_BUF), got, 64)
+        return got.packets, d["malformed"]
+    finally:
+        t.close()
+        s.close()
+
+
+def _c_receive(kind: str, datagram: bytes):
+    """What the C loop writes to the TUN of ``datagram`` from a member, and its malformed count."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind((LOCAL, 0))
+        s.bind((LOCAL, 0))
+        with c_path(kind, sock, mtu=1480 if kind == "ipip" else 1472, port=s.getsockname()[1]) as (fp, writes, _t):
+            fp.set_members({LOCAL})
+            s.sendto(datagram, sock.getsockname())
+            _ready(sock)
+            assert fp.run((), 0) == 0
+            return writes(), fp.counters()["drop:malformed"]
+    finally:
+        sock.close()
+        s.close()
+
+
+@pytest.mark.parametrize("ihl", range(6))
+@pytest.mark.parametrize("kind", ["udp", "ipip"])
+def test_an_inner_ipv4_header_shorter_than_20_bytes_is_malformed_on_every_path(monkeypatch, kind, ihl):
+    """An inner IPv4 packet whose IHL says less than 5 words (its total length right): the C
+    loop's inner_ok drops it as malformed, and so do the Python workers (udp's inner_packet_ok,
+    ipip's _one), with offloads or without; IHL 5 goes through on all of them."""
+    inner = bytearray(tcp(b"h" * 100))
+    inner[0] = 0x40 | ihl
+    inner = bytes(inner)
+    datagram = P.ipip_encapsulate(inner, LOCAL, LOCAL) if kind == "ipip" else inner
+    want = ([inner], 0) if ihl == 5 else ([], 1)
+    assert _c_receive(kind, datagram) == want
+    for offload in (True, False):
+        assert _python_receive(kind, offload, datagram, monkeypatch) == want, offload
+
+
 # -- a refused UDP GSO send ---------------------------------------------------------------------
 
 
