@@ -286,8 +286,10 @@ class IpipTransport:
             return False
         if np.count_nonzero((outer ^ outer[0]) & _OUTER_MASK):
             return False
-        # IPv4 inside only (RFC 2003); the coalescer would take IPv6 too (udp carries it).
-        if np.count_nonzero(arr[20 : got * slot : slot] >> 4 != 4):
+        # IPv4 inside only (RFC 2003); the coalescer would take IPv6 too (udp carries it), and
+        # an IHL below 5 (_one counts it malformed).  Version and IHL: 0x45 to 0x4F.
+        first = arr[20 : got * slot : slot]
+        if np.count_nonzero((first < 0x45) | (first > 0x4F)):
             return False
         inner = np.subtract(lens, 20, dtype=np.int64)
         if not add_batch(arr, 20, slot, inner):
