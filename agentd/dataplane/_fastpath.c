@@ -710,7 +710,8 @@ static ssize_t read_slots(struct fp_state *st, uint8_t *o, int *nv)
     return readv(st->tun_fd, iov, rows + 2);
 }
 
-/* Copy the len packet bytes read_slots scattered over its iovecs to st->in + VNET_LEN. */
+/* Copy the len packet bytes read_slots scattered over its iovecs to st->in + VNET_LEN (len is
+ * at most IN_SIZE - VNET_LEN: fp_tx drops longer reads). */
 static uint8_t *gather(struct fp_state *st, int nv, int len)
 {
     uint8_t *p = st->in + VNET_LEN;
@@ -760,7 +761,10 @@ static int fp_tx(struct fp_state *st, int budget)
         /* The packet: contiguous at o when it fits slot 0, else gathered (copied) to st->in. */
         uint8_t *p = len <= stride ? o : NULL;
         int version = o[0] >> 4;
-        if (len < 20 || (version == 6 && len < 40)) {
+        /* Longer than st->in holds after the header (gather copies there): longer than an
+         * IPv4 packet or an IPv6 one without a jumbo payload can be, and than a stock TUN
+         * reads -- but a BIG TCP super-packet is, and the slots and st->ovf take more. */
+        if (len < 20 || len > IN_SIZE - VNET_LEN || (version == 6 && len < 40)) {
             st->counters[D_MALFORMED]++;
             continue;
         }

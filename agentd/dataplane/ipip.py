@@ -286,8 +286,10 @@ class IpipTransport:
             return False
         if np.count_nonzero((outer ^ outer[0]) & _OUTER_MASK):
             return False
-        # IPv4 inside only (RFC 2003); the coalescer would take IPv6 too (udp carries it).
-        if np.count_nonzero(arr[20 : got * slot : slot] >> 4 != 4):
+        # IPv4 inside only (RFC 2003); the coalescer would take IPv6 too (udp carries it), and
+        # an IHL below 5 (_one counts it malformed).  Version and IHL: 0x45 to 0x4F.
+        first = arr[20 : got * slot : slot]
+        if np.count_nonzero((first < 0x45) | (first > 0x4F)):
             return False
         inner = np.subtract(lens, 20, dtype=np.int64)
         if not add_batch(arr, 20, slot, inner):
@@ -310,7 +312,7 @@ class IpipTransport:
             return
         v = mv[off + ihl : off + n]
         ln = n - ihl
-        if ln < 20 or v[0] >> 4 != 4 or ((v[2] << 8) | v[3]) != ln:
+        if ln < 20 or v[0] >> 4 != 4 or (v[0] & 0x0F) < 5 or ((v[2] << 8) | v[3]) != ln:  # as _fastpath.c's inner_ok
             drops["malformed"] += 1
             return
         c["rx_packets"] += 1

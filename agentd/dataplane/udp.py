@@ -67,12 +67,20 @@ def check_bound(sock: socket.socket, local_ip: str, port: int) -> None:
 
 
 def inner_packet_ok(v, n: int) -> bool:
-    """Whether the ``n`` bytes ``v`` are exactly one IP packet: IPv4 whose total length is
-    ``n``, or IPv6 whose payload length plus its 40-byte header is ``n`` (flannel's format: one
-    inner packet per datagram; a jumbogram's payload length 0 is not one)."""
+    """Whether the ``n`` bytes ``v`` are exactly one IP packet: IPv4 whose header length is at
+    least 20 and whose total length is ``n``, or IPv6 whose payload length plus its 40-byte
+    header is ``n`` (flannel's format: one inner packet per datagram; a jumbogram's payload
+    length 0 is not one).  As the C loop's inner_ok (_fastpath.c)."""
     if n >= 20 and v[0] >> 4 == 4:
-        return (v[2] << 8 | v[3]) == n
+        return (v[0] & 0x0F) >= 5 and (v[2] << 8 | v[3]) == n
     return n >= 40 and v[0] >> 4 == 6 and (v[4] << 8 | v[5]) + 40 == n
+
+
+def no_short_ipv4_header(first: np.ndarray) -> bool:
+    """Whether no packet whose first byte is one of ``first`` is IPv4 with an IHL below 5
+    (0x40 to 0x44): a batch's check of that part of inner_packet_ok, which the coalescer's
+    batch paths leave out."""
+    return not np.count_nonzero((first >= 0x40) & (first < 0x45))
 
 
 class _GsoQueue:
@@ -391,7 +399,7 @@ class UdpTransport:
             if n == 0:  # an empty datagram carries no packet
                 drops["malformed"] += 1
                 continue
-            if n >= VECTOR_MIN * seg and add_segments(arr, 0, seg, n):
+            if n >= VECTOR_MIN * seg and no_short_ipv4_header(arr[0:n:seg]) and add_segments(arr, 0, seg, n):
                 # One GRO read of equal-sized datagrams: checked and merged in one go.
                 c["rx_packets"] += -(-n // seg)
                 c["rx_bytes"] += n

@@ -367,22 +367,26 @@ static int set_layout(struct layout *l, PyObject *mask, PyObject *want)
 }
 
 PyDoc_STRVAR(configure_doc, "configure(ports_mask, ports_want, icmp_mask, icmp_want, lifetime_mask, lifetime_want)\n\n"
-	     "The layouts of agentd.kernel.netlink_ct (bytes from the first attribute on).");
+	     "The layouts of agentd.kernel.netlink_ct (bytes from the first attribute on).  Refused\n"
+	     "(ValueError), it changes nothing: the layouts before it stay, or none if there were none.");
 
 static PyObject *configure(PyObject *self, PyObject *args)
 {
 	PyObject *pm, *pw, *im, *iw, *lm, *lw;
+	struct layout p, i, l;
 
 	if (!PyArg_ParseTuple(args, "SSSSSS", &pm, &pw, &im, &iw, &lm, &lw))
 		return NULL;
-	if (set_layout(&ports, pm, pw) < 0 || set_layout(&icmp, im, iw) < 0 || set_layout(&lifetime, lm, lw) < 0)
+	/* Into locals first: event() reads at fixed offsets as far as the installed layouts
+	 * reach, so one installed only in part (a later one refused) would be read past. */
+	if (set_layout(&p, pm, pw) < 0 || set_layout(&i, im, iw) < 0 || set_layout(&l, lm, lw) < 0)
 		return NULL;
 	/* The offsets above are these layouts' (netlink_ct's _PORTS_FIELDS, _ICMP_FIELDS, _LIFETIME_FIELDS). */
-	if (ports.len != 104 || icmp.len != 120 || lifetime.len != 212) {
-		configured = 0;
+	if (p.len != 104 || i.len != 120 || l.len != 212) {
 		PyErr_SetString(PyExc_ValueError, "the layouts are not the ones this file reads at fixed offsets");
 		return NULL;
 	}
+	ports = p, icmp = i, lifetime = l;
 	configured = 1;
 	Py_RETURN_NONE;
 }

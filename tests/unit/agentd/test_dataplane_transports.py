@@ -341,6 +341,132 @@ def test_the_c_ipip_loop_takes_packets_of_a_jumbo_frame_mtu():
         s.close()
 
 
+# -- an inner IPv4 header shorter than 20 bytes -------------------------------------------------
+
+
+def _python_receive(kind: str, offload: bool, datagram: bytes, monkeypatch):
+    """What the Python worker's transport hands its coalescer of ``datagram`` from a member,
+    and its malformed count."""
+    c, d = counters()
+    if kind == "ipip":
+        _udp_as_raw(monkeypatch)
+        t = ipip_mod.IpipTransport(LOCAL, offload=offload, counters=c, drops=d, mtu=1480)
+    else:
+        t = UdpTransport(LOCAL, 0, offload=offload, counters=c, drops=d)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.bind((LOCAL, 0))
+        if kind == "udp":
+            t.port = s.getsockname()[1]  # a member's worker sends from the cluster's udp_port
+        t.set_members(frozenset({LOCAL}))
+        s.sendto(datagram, t.sock.getsockname())
+        _ready(t.sock)
+        got = Collect()
+        t.receive(bytearray(_RX_BUF), got, 64)
+        return got.packets, d["malformed"]
+    finally:
+        t.close()
+        s.close()
+
+
+def _c_receive(kind: str, datagram: bytes):
+    """What the C loop writes to the TUN of ``datagram`` from a member, and its malformed count."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind((LOCAL, 0))
+        s.bind((LOCAL, 0))
+        with c_path(kind, sock, mtu=1480 if kind == "ipip" else 1472, port=s.getsockname()[1]) as (fp, writes, _t):
+            fp.set_members({LOCAL})
+            s.sendto(datagram, sock.getsockname())
+            _ready(sock)
+            assert fp.run((), 0) == 0
+            return writes(), fp.counters()["drop:malformed"]
+    finally:
+        sock.close()
+        s.close()
+
+
+@pytest.mark.parametrize("ihl", range(6))
+@pytest.mark.parametrize("kind", ["udp", "ipip"])
+def test_an_inner_ipv4_header_shorter_than_20_bytes_is_malformed_on_every_path(monkeypatch, kind, ihl):
+    """An inner IPv4 packet whose IHL says less than 5 words (its total length right): the C
+    loop's inner_ok drops it as malformed, and so do the Python workers (udp's inner_packet_ok,
+    ipip's _one), with offloads or without; IHL 5 goes through on all of them."""
+    inner = bytearray(tcp(b"h" * 100))
+    inner[0] = 0x40 | ihl
+    inner = bytes(inner)
+    datagram = P.ipip_encapsulate(inner, LOCAL, LOCAL) if kind == "ipip" else inner
+    want = ([inner], 0) if ihl == 5 else ([], 1)
+    assert _c_receive(kind, datagram) == want
+    for offload in (True, False):
+        assert _python_receive(kind, offload, datagram, monkeypatch) == want, offload
+
+
+def _short_header_run() -> list[bytes]:
+    """Eight segments of one flow; the fourth's IHL is 4 (its header checksum made right for
+    20 bytes, so only the IHL is wrong)."""
+    run = [bytearray(P.tcp_packet("10.244.1.2", "10.244.2.2", P.TcpHeader(40000, 5201, 1000 + i * 1000, 777,
+                                                                          P.TCP_ACK, 502), bytes([i]) * 1000))
+           for i in range(8)]
+    run[3][0] = 0x44
+    run[3][10:12] = b"\0\0"
+    run[3][10:12] = P.checksum(bytes(run[3][:20])).to_bytes(2, "big")
+    return [bytes(p) for p in run]
+
+
+def _send_run(kind: str, s: socket.socket, to, run: list[bytes]) -> None:
+    """The run as one recvmmsg batch (ipip) or one UDP GRO read (udp: one UDP GSO send)."""
+    if kind == "ipip":
+        for pkt in run:
+            s.sendto(P.ipip_encapsulate(pkt, LOCAL, LOCAL), to)
+    else:
+        s.sendmsg([b"".join(run)], [(17, 103, struct.pack("=H", len(run[0])))], 0, to)  # UDP_SEGMENT
+
+
+@pytest.mark.parametrize("kind", ["udp", "ipip"])
+def test_an_inner_ipv4_header_shorter_than_20_bytes_in_a_batch_is_malformed_on_every_path(monkeypatch, kind):
+    """The same in a batch the Python worker takes in one go (a recvmmsg of ipip packets, a
+    UDP GRO read): that packet is counted malformed and the rest written as the C loop writes
+    them."""
+    run = _short_header_run()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind((LOCAL, 0))
+        s.bind((LOCAL, 0))
+        sock.setsockopt(17, UDP_GRO, 1)
+        with c_path(kind, sock, mtu=1480 if kind == "ipip" else 1472, udp_gro=True,
+                    port=s.getsockname()[1]) as (fp, writes, _tun):
+            fp.set_members({LOCAL})
+            _send_run(kind, s, sock.getsockname(), run)
+            _ready(sock)
+            assert fp.run((), 0) == 0
+            c_writes, c_malformed = writes(), fp.counters()["drop:malformed"]
+    finally:
+        sock.close()
+    c, d = counters()
+    if kind == "ipip":
+        _udp_as_raw(monkeypatch)
+        t = ipip_mod.IpipTransport(LOCAL, offload=True, counters=c, drops=d, mtu=1480)
+    else:
+        t = UdpTransport(LOCAL, 0, offload=True, counters=c, drops=d)
+        t.port = s.getsockname()[1]
+    try:
+        t.set_members(frozenset({LOCAL}))
+        _send_run(kind, s, t.sock.getsockname(), run)
+        _ready(t.sock)
+        py_writes = []
+        coalescer = Coalescer(lambda parts: py_writes.append(b"".join(bytes(p) for p in parts)[10:]))
+        t.receive(bytearray(_RX_BUF), coalescer, 64)
+        assert c["rx_syscalls"] == 1  # one batch
+    finally:
+        t.close()
+        s.close()
+    assert (c_malformed, d["malformed"]) == (1, 1)
+    assert py_writes == c_writes and run[3] not in c_writes and len(c_writes) >= 2
+
+
 # -- a refused UDP GSO send ---------------------------------------------------------------------
 
 

@@ -240,6 +240,31 @@ def test_c_transmit_loop_rate_limits_its_icmp_errors_and_keeps_forwarding():
     assert counters["drop:ttl_exceeded"] + counters["drop:no_route"] == n
 
 
+def test_c_transmit_loop_drops_a_read_longer_than_its_gather_buffer_as_malformed():
+    """A read longer than a stock TUN gives (a BIG TCP super-packet; the SOCK_SEQPACKET stand-in
+    gives any length): the slots and the overflow iovec take it, but the packet is not
+    copied into the gather buffer (65,590 bytes after the virtio-net header) -- it is dropped
+    as malformed, and the loop goes on.  One of exactly that length still is handed back."""
+    limit = 65536 + 64 - 10
+    with c_sender(mtu=1472) as (fp, tun, received):
+        fp.set_routes(_fast.NextHopTable({"10.244.2.0/24": "127.0.0.1"}))
+        # (an IPv4 total length cannot say so much: the headers of shorter packets, padded)
+        unrouted = bytearray(super_packet(b"u" * 5000))
+        unrouted[16:20] = bytes([192, 0, 2, 1])  # no route: handed back, gathered first
+        unrouted += b"u" * (limit - len(unrouted))
+        tun.send(P.VNET_HDR_NONE + bytes(unrouted))
+        assert fp.run((), 0) == 1
+        assert fp.slow_packet() == (_fast.SLOW_NET_UNREACHABLE, bytes(unrouted[: _fast.SLOW_MAX]))
+        tun.send(P.VNET_HDR_NONE + bytes(unrouted) + b"u" * (70000 - limit))
+        tso = super_packet(b"t" * 5000, flags=P.TCP_ACK)  # MSS 1000: not the slots' geometry, gathered
+        tun.send(vnet_tso(tso + b"t" * (70000 - len(tso)), 1000))
+        tun.send(P.VNET_HDR_NONE + seg(1))
+        assert fp.run((), 0) == 0
+        assert received(1) == expected_wire([("plain", None, bytes(seg(1)), 0)])  # the loop went on
+        c = fp.counters()
+    assert (c["drop:malformed"], c["drop:no_route"], c["tun_reads"], c["tso_frames"]) == (2, 1, 4, 0)
+
+
 # -- IPv6 inner packets (udp): the same loops, byte for byte the Python reference ------------------
 
 SRC6, DST6 = "fd00:10:244:1::2", "fd00:10:244:2::2"

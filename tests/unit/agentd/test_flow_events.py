@@ -565,6 +565,40 @@ def test_the_c_loop_reads_what_the_python_loop_reads(counting):
         assert carries == []
 
 
+def netlink_ct_layouts() -> list[bytes]:
+    """configure()'s arguments as agentd.kernel.netlink_ct gives them at import."""
+    return [v.to_bytes(n, "little") for n, m, w in (
+        (ct._PORTS_LEN, ct._PORTS_MASK, ct._PORTS_WANT), (ct._ICMP_LEN, ct._ICMP_MASK, ct._ICMP_WANT),
+        (ct._LIFETIME_LEN, ct._LIFETIME_MASK, ct._LIFETIME_WANT)) for v in (m, w)]
+
+
+def test_a_refused_configure_keeps_the_layouts_it_had():
+    """configure() refused -- a later layout too long, or layouts of other lengths than the
+    C loop's fixed offsets -- changes nothing: the layouts before it stay, never one installed
+    in part (an 8-byte ports layout would let a 28-byte message be read 40 bytes past its
+    end).  The 28-byte message and the captured events read as before."""
+    short = bytearray(28)
+    short[0:4] = (28).to_bytes(4, "little")
+    short[4:6] = ct.MSG_NEW.to_bytes(2, "little")
+    short[16] = socket.AF_INET
+    batch = [ICMP_NEW, TCP_NEW, UDP_NEW, TCP_DESTROY, bytes(short)]
+
+    def decode():
+        return _ctevents.decode(batch, {}, lambda a: "named", [PODS], True)
+
+    before = decode()
+    assert before[-1] == bytes(short)  # laid out otherwise: for Python to read (and count)
+    try:
+        with pytest.raises(ValueError):  # the icmp layout's 300 bytes: refused after ports was read
+            _ctevents.configure(b"\0" * 8, b"\0" * 8, b"\0" * 300, b"\0" * 300, b"", b"")
+        assert decode() == before
+        with pytest.raises(ValueError):  # each accepted, but not the lengths of the fixed offsets
+            _ctevents.configure(*[b"\0" * 8] * 6)
+        assert decode() == before
+    finally:
+        _ctevents.configure(*netlink_ct_layouts())  # as netlink_ct left it, whatever happened
+
+
 class Nobody(Directory):
     """Names no address at all: a pod whose record has not come yet, one gone already."""
 
