@@ -93,6 +93,9 @@ class IpipTransport:
         self.fd = sock.fileno()
         self._names: dict[str, ctypes.Array] = {}
         self._name_ptr: dict[str, int] = {}
+        self._peer_of: dict[int, str] = {}  # a sockaddr's address -> its peer (a refused message's)
+        self._member_texts: frozenset[str] = frozenset()
+        self._forget_pending = False  # set_members came while messages were queued
         self._tx = self._rx = None
         self._q = 0
         self._tx_base = 0
@@ -124,6 +127,21 @@ class IpipTransport:
 
     def set_members(self, members: frozenset[str]) -> None:
         self.members = frozenset(socket.inet_aton(m) for m in members)
+        self._member_texts = frozenset(members)
+        # The departed nodes' sockaddrs go once no queued message points at them (at once if
+        # none is queued, else at the end of the next flush).
+        self._forget_pending = True
+        if not self._q:
+            self._forget_gone_peers()
+
+    def _forget_gone_peers(self) -> None:
+        """Drop the sockaddr of peers that are not members (nodes gone), kept for the
+        worker's life otherwise."""
+        self._forget_pending = False
+        members = self._member_texts
+        for peer in [p for p in self._names if p not in members]:
+            del self._names[peer]
+            self._peer_of.pop(self._name_ptr.pop(peer), None)
 
     def bind_tx_buffer(self, buf: bytearray) -> None:
         """The worker's staging buffer: queued iovecs point into it until :meth:`flush`."""
@@ -135,6 +153,7 @@ class IpipTransport:
         if ptr is None:
             sa = self._names[peer] = sockaddr_in(peer)
             ptr = self._name_ptr[peer] = ctypes.addressof(sa)
+            self._peer_of[ptr] = peer
         return ptr
 
     # -- transmit -----------------------------------------------------------------------------
@@ -182,6 +201,13 @@ class IpipTransport:
             self._q = q + m
 
     def flush(self) -> None:
+        try:
+            self._flush()
+        finally:
+            if self._forget_pending:  # nothing queued any more points at a sockaddr
+                self._forget_gone_peers()
+
+    def _flush(self) -> None:
         q = self._q
         if not q:
             return
@@ -210,7 +236,7 @@ class IpipTransport:
         """Queued message ``i`` is over the path MTU: hand it to ``too_big`` with its peer."""
         off, n = int(self._tx_iov[i, 0]) - self._tx_base, int(self._tx_iov[i, 1])
         name = int(self._tx_msg[i, 0])
-        peer = next((p for p, ptr in self._name_ptr.items() if ptr == name), None)
+        peer = self._peer_of.get(name)
         if peer is not None and 0 <= off and off + n <= len(self._tx_buf):
             self.too_big(self._tx_buf[off : off + n], peer)
 

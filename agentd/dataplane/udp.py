@@ -173,6 +173,7 @@ class UdpTransport:
         self._tx_base = 0
         self._tx_buf: memoryview | None = None
         self._names: dict[str, ctypes.Array] = {}
+        self._forget_pending = False  # set_members came while messages were queued
         self._rx_np: np.ndarray | None = None
 
     def fileno(self) -> int:
@@ -183,6 +184,20 @@ class UdpTransport:
 
     def set_members(self, members: frozenset[str]) -> None:
         self.members = members
+        # The departed nodes' cached addresses go, once no queued message points at their
+        # sockaddr (at once if none is queued, else at the end of the next flush).
+        self._forget_pending = True
+        if self._txq is None or not self._txq.meta:
+            self._forget_gone_peers()
+
+    def _forget_gone_peers(self) -> None:
+        """Drop the cached addresses of peers that are not members (nodes gone): one tuple
+        and one sockaddr_in each, kept for the worker's life otherwise."""
+        self._forget_pending = False
+        members = self.members
+        for cache in (self._names, self._addr_cache):
+            for peer in [p for p in cache if p not in members]:
+                del cache[peer]
 
     def peer_address(self, peer: str) -> tuple[str, int]:
         addr = self._addr_cache.get(peer)
@@ -239,6 +254,13 @@ class UdpTransport:
         self._send_now(buf, off, seglen, count, total, peer)
 
     def flush(self) -> None:
+        try:
+            self._flush()
+        finally:
+            if self._forget_pending:  # nothing queued any more points at a sockaddr
+                self._forget_gone_peers()
+
+    def _flush(self) -> None:
         q = self._txq
         if q is None or not q.meta:
             return

@@ -729,3 +729,35 @@ def test_a_packet_over_the_path_mtu_kept_by_a_hand_backs_flush_is_handed_back_wi
             assert fp.run((), 0) == 0
     finally:
         sock.close()
+
+
+def _cycle_peers(t, peers: int) -> None:
+    """Nodes come and go: each a member for a while, sent to (queued and flushed), then gone."""
+    buf = bytearray(1 << 16)
+    t.bind_tx_buffer(buf)
+    for i in range(peers):
+        peer = f"127.0.{i // 250}.{i % 250 + 2}"
+        t.set_members(frozenset({LOCAL, peer}))
+        t.queue_run(memoryview(buf), 0, 100, 1, 100, peer)
+        t.flush()
+    t.set_members(frozenset({LOCAL}))
+
+
+def test_the_udp_workers_peer_caches_forget_the_nodes_that_went():
+    # Every underlay address ever sent to kept a tuple and a sockaddr_in for the worker's
+    # life (455 B a departed node): months of node churn.
+    with udp_transport(offload=True) as (t, _c, _d):
+        t.port = 9  # (discard: nothing listens, the sends go nowhere)
+        _cycle_peers(t, 600)
+        assert set(t._names) <= {LOCAL} and set(t._addr_cache) <= {LOCAL}
+
+
+def test_the_ipip_workers_peer_caches_forget_the_nodes_that_went(monkeypatch):
+    _udp_as_raw(monkeypatch)
+    c, d = counters()
+    t = ipip_mod.IpipTransport(LOCAL, offload=True, counters=c, drops=d, mtu=1480)
+    try:
+        _cycle_peers(t, 600)
+        assert set(t._names) <= {LOCAL} and set(t._name_ptr) <= {LOCAL}
+    finally:
+        t.close()
