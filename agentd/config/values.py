@@ -448,7 +448,7 @@ def parse_etcd_prefix(s: str) -> str:
 
 
 def parse_endpoints(v: list[Any], _base: Path) -> tuple[str, ...]:
-    seen: list[str] = []
+    seen: set[str] = set()  # a set: a list's `in` made thousands of endpoints quadratic
     for url in v:
         if not isinstance(url, str):
             raise BadValue(f"must be an array of URLs, not of {type_name(url)}s")
@@ -466,7 +466,7 @@ def parse_endpoints(v: list[Any], _base: Path) -> tuple[str, ...]:
             raise BadValue(f"{shown} must be scheme://host:port only (no path, query or credentials)")
         if url.strip().lower() in seen:
             raise BadValue(f"{shown} is listed twice")
-        seen.append(url.strip().lower())
+        seen.add(url.strip().lower())
     if not seen:
         raise BadValue("needs at least one endpoint")
     return tuple(u.strip() for u in v)
@@ -525,12 +525,15 @@ def parse_bin_dir(v: str | list[Any], base: Path) -> tuple[Path, ...]:
 
 def parse_originate(v: list[Any], _base: Path) -> tuple[IPNetwork, ...]:
     nets: list[IPNetwork] = []
+    seen: set[IPNetwork] = set()  # the duplicate check by hash: a list's `in` took 28 s for 16,000
+    # prefixes, at a SIGHUP reload on the agent's loop
     for s in v:
         if not isinstance(s, str):
             raise BadValue(f"must be an array of prefixes, not of {type_name(s)}s")
         net = parse_network(s, v4_only=False)
-        if net in nets:
+        if net in seen:
             raise BadValue(f"{net} is listed twice")
+        seen.add(net)
         nets.append(net)
     return tuple(nets)
 
