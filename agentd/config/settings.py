@@ -283,11 +283,13 @@ _RANGE_KINDS: dict[str, Kind] = {
 }
 RANGE_KEYS: tuple[str, ...] = tuple(_RANGE_KINDS)
 # The keys that hold arrays of tables: their kinds and required fields.
-# What agentd writes into the subnet file (agentd.cni.netconf._KEYS, held equal by a unit test):
-# a shell that sourced it, as flannel's users do with subnet.env, has them in its environment.
+# What agentd writes into the subnet file (agentd.cni.netconf._KEYS, and the two lines saying how
+# the agent runs, agentd.daemon.node_files; held equal by a unit test): a shell that sourced it, as
+# flannel's users do with subnet.env (or a unit's EnvironmentFile=), has them in its environment.
 SUBNET_FILE_NAMES = frozenset(("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_IPV6_NETWORK", "AGENTD_IPV6_SUBNET",
                                "AGENTD_MTU", "AGENTD_IPMASQ", "AGENTD_BACKEND", "AGENTD_DNS", "AGENTD_DNS_V6",
-                               "AGENTD_CLUSTER_DOMAIN"))
+                               "AGENTD_CLUSTER_DOMAIN",
+                               "AGENTD_WRITE_CONFLIST", "AGENTD_MASQUERADE"))  # agentd.cni.docker_opts reads these
 
 # The AGENTD_* variables of the project's tools and scripts, not of the configuration; an agent
 # a lab starts inherits them (agentd/lab, compose.yaml, docker/, scripts/dev, the dataplane's

@@ -128,12 +128,29 @@ def test_a_listen_range_password_is_never_shown(capsys, monkeypatch, tmp_path):
 
 
 def test_a_shell_that_sourced_the_subnet_file_can_run_every_command(capsys, monkeypatch, tmp_path):
-    from agentd.cni import netconf
-    from agentd.config.settings import SUBNET_FILE_NAMES
+    """Every line the agent writes into the subnet file (write_cni_files: netconf's keys, then
+    AGENTD_WRITE_CONFLIST and AGENTD_MASQUERADE) is taken for no configuration key: a shell
+    that sourced it (or a unit's EnvironmentFile=) was refused every command ("unknown
+    section [write]")."""
+    from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
-    assert SUBNET_FILE_NAMES == set(netconf._KEYS)
-    for name, value in (("AGENTD_NETWORK", "10.244.0.0/16"), ("AGENTD_DNS_V6", "fd00:169:254:20::10"),
-                        ("AGENTD_IPV6_SUBNET", "fd00:10:244:3::1/64"), ("AGENTD_CLUSTER_DOMAIN", "cluster.local")):
+    from agent_config import agent_cfg
+
+    from agentd.cni import docker_opts, netconf
+    from agentd.config.settings import SUBNET_FILE_NAMES
+    from agentd.daemon import node_files
+    from agentd.datastore.records import ClusterConfig, SubnetLease
+
+    assert SUBNET_FILE_NAMES == set(netconf._KEYS) | {docker_opts.WRITE_CONFLIST_KEY, docker_opts.MASQUERADE_KEY}
+    cfg = agent_cfg(tmp_path, **{"cni.write_conflist": False, "dns.enabled": True})
+    cluster = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "host-gw", "always", ip_family="dual",
+                            cidr_v6=IPv6Network("fd00:10:244::/56"), subnet_len_v6=64)
+    node_files.write_cni_files(cfg, cluster, {
+        4: SubnetLease(IPv4Network("10.244.3.0/24"), "n1", IPv4Address("10.1.1.1"), "host-gw"),
+        6: SubnetLease(IPv6Network("fd00:10:244:3::/64"), "n1", IPv6Address("fd00::1"), "host-gw")}, 1450)
+    written = dict(line.split("=", 1) for line in Path(cfg.cni.subnet_file).read_text().splitlines())
+    assert {"AGENTD_WRITE_CONFLIST", "AGENTD_MASQUERADE", "AGENTD_IPV6_SUBNET"} <= set(written), written
+    for name, value in written.items():
         monkeypatch.setenv(name, value)
     (tmp_path / "agentd.toml").write_text("")
     code, _, err = run(capsys, "check-config", "--config", str(tmp_path / "agentd.toml"))
