@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import stat
 import difflib
 import urllib.parse
 from collections.abc import Callable
@@ -513,6 +514,21 @@ def parse_tls_file(s: str, base: Path) -> Path | None:
         raise BadValue(f"{p}: {e.strerror or e}") from None
     if not os.access(p, os.R_OK):
         raise BadValue(f"{p} is not readable")
+    return p
+
+
+def parse_token_path(s: str, base: Path) -> Path:
+    """``[api] token_file``: a path the agent writes its API token to (renaming a new file over
+    what is there) and the commands read it from: what is there already must be a regular file.
+    A device (/dev/zero), a FIFO or a directory is refused: the commands would read for ever or
+    block, and the agent would rename its file over a device node."""
+    p = parse_path(s, base)
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:  # none yet (the agent writes it), or not ours to look at
+        return p
+    if not stat.S_ISREG(mode):
+        raise BadValue(f"{p} exists and is not a regular file (the agent writes its API token there)")
     return p
 
 

@@ -512,3 +512,25 @@ def test_etcd_refusing_a_resource_command_is_one_line_not_a_traceback(capsys, mo
     assert code == 1 and "Traceback" not in err, err
     (line,) = err.splitlines()
     assert line.startswith(f"agentd {argv[0]}: etcd refused the request") and str(exc) in line, line
+
+
+def test_check_config_refuses_a_token_file_that_is_no_regular_file(capsys, monkeypatch, tmp_path):
+    """[api] token_file /dev/zero or a FIFO was "configuration OK", then hung or ate memory in
+    leave, flows and ui (and the agent renames its token file over whatever is there)."""
+    from blocking import unblock, within
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    fifo = tmp_path / "api.token"
+    os.mkfifo(fifo)
+    config = tmp_path / "agentd.toml"
+    for token_file in ("/dev/zero", fifo, tmp_path):
+        config.write_text(f'[api]\ntoken_file = "{token_file}"\n')
+        try:
+            code, _, err = within(5, run, capsys, "check-config", "--config", str(config))
+        finally:
+            unblock(fifo)
+        assert code == 1 and err.startswith(f"{config}:2: [api] token_file = ") and err.endswith(
+            f": {token_file} exists and is not a regular file (the agent writes its API token there)\n"), err
+        assert err.count("\n") == 1
+    config.write_text(f'[api]\ntoken_file = "{tmp_path / "none-yet"}"\n')
+    assert run(capsys, "check-config", "--config", str(config))[0] == 0

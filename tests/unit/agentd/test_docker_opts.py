@@ -66,6 +66,26 @@ def test_the_command_reads_the_file_and_refuses_bad_input(tmp_path, capsys):
     assert err.count("\n") == 1 and "AGENTD_MTU 'big' is not an integer" in err
 
 
+def test_a_subnet_file_that_is_no_regular_file_is_refused_at_once(tmp_path, capsys):
+    """A FIFO blocked the command for ever, /dev/zero was read until memory ran out: the
+    subnet file is read as the configuration file is (no waiting, a regular file, bounded)."""
+    from blocking import unblock, within
+
+    fifo = tmp_path / "subnet.env"
+    os.mkfifo(fifo)
+    try:
+        assert within(1, main, ["docker-opts", "--subnet-file", str(fifo)]) == 1
+    finally:
+        unblock(fifo)
+    assert capsys.readouterr().err == f"agentd docker-opts: cannot read subnet file {fifo}: not a regular file\n"
+    assert main(["docker-opts", "--subnet-file", "/dev/zero"]) == 1
+    assert capsys.readouterr().err == "agentd docker-opts: cannot read subnet file /dev/zero: not a regular file\n"
+    big = tmp_path / "big.env"
+    big.write_text(render_subnet_file(SF) + "#" * 70_000 + "\n")
+    assert main(["docker-opts", "--subnet-file", str(big)]) == 1
+    assert "over 65536 bytes" in capsys.readouterr().err
+
+
 def test_the_subnet_file_is_the_configurations_by_default(tmp_path, capsys, monkeypatch):
     """No --subnet-file: [cni] subnet_file of the configuration, found by the one rule
     (--config, $AGENTD_CONFIG, the default file) and the AGENTD_CNI_SUBNET_FILE variable."""
