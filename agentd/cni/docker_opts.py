@@ -45,6 +45,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import stat
 import sys
 from typing import Any
@@ -191,13 +192,17 @@ def run(args: argparse.Namespace, agent_masquerades: bool | None = None, cni: An
     except SubnetFileError as err:
         print(f"agentd docker-opts: {err}", file=sys.stderr)
         return 1
-    if not args.key.isidentifier():
-        print(f"agentd docker-opts: --key {args.key!r} is not a variable name", file=sys.stderr)
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.key):  # a shell's name (str.isidentifier took é)
+        print(f"agentd docker-opts: --key {args.key!r} is not a variable name (letters A-Z, a-z, digits and _)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.output is not None and not args.output.strip():
+        print("agentd docker-opts: --output: empty path (leave it out for standard output)", file=sys.stderr)
         return 2
     if agent_masquerades is False:
         print(IP_MASQ_OFF, file=sys.stderr)
     text = render(docker_options(sf, args.allow_direct_routing), args.format, args.key)
-    if args.output:
+    if args.output is not None:
         try:
             atomic_write(args.output, text, mode=0o644)
         except OSError as err:

@@ -242,3 +242,18 @@ def test_what_the_agent_runs_with_decides_not_the_configuration_file(tmp_path, c
     path.write_text(path.read_text().replace("AGENTD_MASQUERADE=false", "AGENTD_MASQUERADE=maybe"))
     assert main(["docker-opts", "--config", str(config)]) == 1
     assert "AGENTD_MASQUERADE 'maybe' is not true or false" in capsys.readouterr().err
+
+
+def test_a_key_a_shell_cannot_take_or_an_empty_output_is_refused(tmp_path, capsys):
+    """--key took any Python identifier (é: no shell sources DOCKER_OPTé=...); -o "" wrote to
+    standard output without a word."""
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF))
+    for key in ("DOCKER_OPTé", "1X", "A-B", "", "ＡＢ"):
+        assert main(["docker-opts", "--subnet-file", str(path), "--key", key]) == 2, key
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"agentd docker-opts: --key {key!r} is not a variable name"), err
+    assert main(["docker-opts", "--subnet-file", str(path), "-o", ""]) == 2
+    assert capsys.readouterr() == ("", "agentd docker-opts: --output: empty path (leave it out for standard output)\n")
+    assert main(["docker-opts", "--subnet-file", str(path), "--key", "_docker_opts2"]) == 0
+    assert capsys.readouterr().out.startswith('_docker_opts2="--bip=10.244.3.1/24 ')
