@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import errno
 import gc
+import http.client  # (imported by what the CLI imports anyway)
 import json
 import logging
 import os
@@ -844,13 +845,7 @@ class AnswerTooLarge(ValueError):
     """An answer longer than the command reads (:data:`API_BODY_MAX`); the message says so."""
 
 
-def _http_exception() -> type[Exception]:
-    import http.client
-
-    return http.client.HTTPException
-
-
-class AnswerBrokeOff(_http_exception()):  # type: ignore[misc]
+class AnswerBrokeOff(http.client.HTTPException):
     """An answer cut short (:func:`cut_short`); the message says how."""
 
 
@@ -912,8 +907,6 @@ def api_open(req: Any, timeout: float | None, *, deadline: float | None = None) 
     ``deadline`` (time.monotonic), for http:// URLs: the connection, the answer's head and
     every read of its body end by then (:class:`TimeoutError`), not only each read within
     ``timeout``."""
-    import functools
-    import http.client
     import urllib.error
     import urllib.request
 
@@ -936,7 +929,7 @@ def api_open(req: Any, timeout: float | None, *, deadline: float | None = None) 
 
         class DeadlineHandler(urllib.request.HTTPHandler):
             def http_open(self, req: Any) -> Any:
-                return self.do_open(functools.partial(Connection), req)
+                return self.do_open(Connection, req)
 
         handlers.append(DeadlineHandler())
     opener = urllib.request.build_opener(*handlers)
