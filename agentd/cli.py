@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import errno
 import gc
+import http.client  # (imported by what the CLI imports anyway)
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, HostFacts, check_config, config_warnings, load_config
+from agentd.config.values import one_line, shorten
 from agentd.kernel.netinfo import LocalHost
 from agentd.tables import render_table
 
@@ -171,7 +174,7 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
                     help="return once the node has left etcd; the agent goes on cleaning the host up (GET /leave)")
 
     sp = sub.add_parser("status", help="peer table, subnet, backend and routes of a running agent")
-    sp.add_argument("--api", default=os.environ.get("AGENTD_STATUS_URL", DEFAULT_API), help="agent API URL")
+    sp.add_argument("--api", help=f"agent API URL (default $AGENTD_STATUS_URL, else {DEFAULT_API})")
     sp.add_argument("--json", action="store_true", help="print the raw /status JSON")
 
     sp = sub.add_parser("check-config", help="report every problem in a configuration without touching the system")
@@ -342,10 +345,14 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else:
             print(f"{path}: no such file; the defaults and the environment make a valid configuration")
         return 0
+    named = "--api"
+    if cmd in ("status", "flows") and args.api is None:  # the variable's, else the default
+        env = os.environ.get("AGENTD_STATUS_URL")
+        args.api, named = (DEFAULT_API, named) if env is None else (env, "AGENTD_STATUS_URL")
     if getattr(args, "api", None) is not None:
         problem = api_url_problem(args.api)
         if problem is not None:
-            sys.stderr.write(f"agentd {cmd}: --api {args.api!r}: {problem}\n")
+            sys.stderr.write(f"agentd {cmd}: {named} {args.api!r}: {problem}\n")
             return 2
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
@@ -469,7 +476,8 @@ def _reason(reason: object) -> str:
 
 
 def _closed_on_us(url: str, err: object) -> str:
-    return (f"the agent's API at {url} took the connection but closed it without an answer ({_reason(err) or 'busy?'}): "
+    return (f"the agent's API at {url} took the connection but closed it without an answer "
+            f"({server_text(_reason(err), 200) or 'busy?'}): "
             "all its connections taken? try again (nothing was done without the agent)")
 
 
@@ -528,10 +536,11 @@ def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: floa
         req = urllib.request.Request(url, method="POST", data=b"", headers=bearer_header(token) if token else {})
         # The agent answers once the node has left etcd (or could not): its releases and
         # removals wait up to 10 s each while etcd is unreachable.
-        with api_open(req, timeout=timeout) as resp:
-            answer = json.load(resp)
+        with api_open(req, timeout=timeout, deadline=deadline) as resp:
+            answer = json.loads(read_answer(resp))
     except urllib.error.HTTPError as err:
         if unreadable is not None:
+            err.close()
             raise LeaveRefused(f"an agent runs at {url}, but {unreadable}") from None
         raise LeaveRefused(f"the agent at {url} refused: {_api_error(err)}") from None
     except TimeoutError:  # connected, asked, no answer (a connect timeout is a URLError)
@@ -545,15 +554,18 @@ def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: floa
         if why is not None:
             raise LeaveRefused(f"nothing answered at {url} ({_reason(err.reason)}), but {why}") from None
         return None
+    except (AnswerBrokeOff, http.client.IncompleteRead) as err:  # an answer cut short
+        raise LeaveRefused(f"the answer of the agent at {url} broke off ({server_text(err)}): "
+                           f"it may be leaving; see GET {url}") from None
     except (OSError, http.client.HTTPException) as err:  # accepted, then closed or reset before an answer
         raise LeaveRefused(_closed_on_us(url, err)) from None
-    except ValueError as err:  # an answer that is no JSON
-        raise LeaveRefused(f"the agent at {url} answered, but not as an agent taking a leave: {err}") from None
+    except (ValueError, RecursionError) as err:  # an answer that is no JSON, or too long (AnswerTooLarge)
+        raise LeaveRefused(f"the agent at {url} answered, but not as an agent taking a leave: {server_text(err)}") from None
     if not isinstance(answer, dict) or answer.get("leaving") is not True:
-        raise LeaveRefused(f"the agent at {url} answered, but not as an agent taking a leave: {str(answer)[:200]}")
+        raise LeaveRefused(f"the agent at {url} answered, but not as an agent taking a leave: {server_text(answer, 200)}")
 
     def say(line: str) -> None:
-        out.write(line + "\n")
+        out.write(server_text(line, 2000) + "\n")  # the agent's words: one line each
         out.flush()
 
     etcd_error = answer.get("etcd_error")
@@ -567,11 +579,11 @@ def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: floa
         health = url[: -len("/leave")] + "/healthz"
         while wait and time.monotonic() < deadline:
             try:
-                with api_open(health, timeout=1) as resp:
-                    resp.read()
-            except urllib.error.HTTPError:
-                pass  # it answers (not healthy while stopping): still there
-            except (urllib.error.URLError, OSError, ValueError):
+                with api_open(health, timeout=1, deadline=min(deadline, time.monotonic() + 1)) as resp:
+                    read_answer(resp, API_ERROR_MAX)
+            except urllib.error.HTTPError as err:
+                err.close()  # it answers (not healthy while stopping): still there
+            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
                 break
             time.sleep(LEAVE_POLL)
         say("the agent reports none of its other steps (an older agentd): see its log for them")
@@ -584,11 +596,12 @@ def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: floa
 
     def from_api() -> lr.LeaveReport | None:
         """The report so far from GET /leave; None once the API no longer answers it."""
+        now = time.monotonic()
         try:
-            with api_open(url, timeout=max(0.5, min(5.0, deadline - time.monotonic()))) as resp:
-                return lr.LeaveReport.from_json(json.load(resp))
-        except (urllib.error.URLError, OSError, ValueError):  # an HTTPError too (404: not leaving any more)
-            return None
+            with api_open(url, timeout=5.0, deadline=max(now + 0.5, min(now + 5.0, deadline))) as resp:
+                return lr.LeaveReport.from_json(json.loads(read_answer(resp)))
+        except (urllib.error.URLError, OSError, ValueError, RecursionError, http.client.HTTPException):
+            return None  # an HTTPError too (404: not leaving any more)
 
     printed, report, problem = 0, None, None
     while True:
@@ -630,7 +643,7 @@ FLOW_FILTERS = ("pod", "from-pod", "to-pod", "namespace", "label", "verdict", "p
 
 
 def add_flow_arguments(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--api", default=os.environ.get("AGENTD_STATUS_URL", DEFAULT_API), help="agent API URL")
+    sp.add_argument("--api", help=f"agent API URL (default $AGENTD_STATUS_URL, else {DEFAULT_API})")
     sp.add_argument("--last", type=int, default=20, metavar="N", help="the last N matching records (default 20)")
     sp.add_argument("-f", "--follow", action="store_true", help="then every new one, until interrupted")
     sp.add_argument("-A", "--cluster", action="store_true", help="every node's records (the agent gathers them)")
@@ -692,31 +705,47 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
     if why is not None:
         sys.stderr.write(f"agentd flows: {why}\n")
         return 1
+    # Without -f, the whole stream within FLOWS_WAIT; followed, it has no end (the agent sends an
+    # empty line every 10 s on a quiet one).
+    deadline = None if args.follow else time.monotonic() + FLOWS_WAIT
     try:
         req = urllib.request.Request(url, headers=headers)
-        resp = api_open(req, timeout=None if args.follow else 30)
+        resp = api_open(req, timeout=None if args.follow else 30, deadline=deadline)
     except urllib.error.HTTPError as err:
-        body = err.read().decode(errors="replace")
+        try:
+            body = read_answer(err, API_ERROR_MAX).decode(errors="replace")
+        except (OSError, ValueError, http.client.HTTPException):
+            body = ""
+        finally:
+            err.close()
         try:
             body = json.loads(body).get("error", body)
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             pass
         if err.code == 401 and unreadable is not None:
             body = f"other nodes' records need the API token, and {unreadable}"
-        sys.stderr.write(f"agentd flows: {url}: {err.code} {body}\n")
+        sys.stderr.write(f"agentd flows: {url}: {err.code} {server_text(body)}\n")
+        return 1
+    except TimeoutError:  # (one in connecting is a URLError: below)
+        sys.stderr.write(f"agentd flows: {args.api} did not answer within {FLOWS_WAIT:g} s\n")
         return 1
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
-        sys.stderr.write(f"agentd flows: cannot reach the agent at {args.api}: {getattr(err, 'reason', err)}\n")
+        sys.stderr.write(f"agentd flows: cannot reach the agent at {args.api}: "
+                         f"{server_text(getattr(err, 'reason', err))}\n")
         return 1
     errors = 0
     try:
         with resp:
-            for raw in resp:
+            while raw := resp.readline(FLOW_LINE_MAX + 1):
+                if len(raw) > FLOW_LINE_MAX:
+                    sys.stderr.write(f"agentd flows: {url} answered with a line of more than {FLOW_LINE_MAX} bytes: "
+                                     "is that an agentd API?\n")
+                    return 1
                 if not raw.strip():
                     continue  # a keep-alive
                 try:
                     record = json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):
                     sys.stderr.write(f"agentd flows: {url} answered, but not with JSON lines: is that an agentd API?\n")
                     return 1
                 what = notice(record) if isinstance(record, dict) else None
@@ -725,10 +754,17 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
                     sys.stderr.write(f"agentd flows: {what}\n")
                     continue
                 print(json.dumps(record) if args.output == "json" else line(record), flush=args.follow)
+            broke = cut_short(resp)  # the agent died mid-stream: what was printed is not all
     except BrokenPipeError:  # our reader went (`| head`): main() ends quietly, 141
         raise
+    except TimeoutError:
+        sys.stderr.write(f"agentd flows: the stream from {args.api} broke: not whole within {FLOWS_WAIT:g} s\n")
+        return 1
     except (http.client.HTTPException, OSError) as err:  # Ctrl-C is main()'s too: 130
-        sys.stderr.write(f"agentd flows: the stream from {args.api} broke: {err}\n")
+        sys.stderr.write(f"agentd flows: the stream from {args.api} broke: {server_text(err)}\n")
+        return 1
+    if broke is not None:
+        sys.stderr.write(f"agentd flows: the stream from {args.api} broke: {broke}\n")
         return 1
     return 1 if errors else 0  # some node could not be asked: what was printed is not everything
 
@@ -752,11 +788,16 @@ def ui_command(cfg: Any) -> int:
 
 
 def _api_error(err: Any) -> str:
-    """What an agent's error answer says (its JSON "error"), else the HTTP status."""
+    """What an agent's error answer says (its JSON "error"), else the HTTP status: one line,
+    at most :data:`API_ERROR_MAX` bytes of the answer read."""
+    import http.client
+
     try:
-        return str(json.loads(err.read())["error"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"HTTP {err.code} {err.reason}"
+        return server_text(json.loads(read_answer(err, API_ERROR_MAX))["error"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, http.client.HTTPException):
+        return f"HTTP {err.code} {server_text(err.reason, 100)}"
+    finally:
+        err.close()  # its connection, with what is left unread
 
 
 # ---------------------------------------------------------------- agentd status
@@ -782,25 +823,125 @@ def api_url_problem(url: str) -> str | None:
     return None
 
 
-def api_open(req: Any, timeout: float | None) -> Any:
+# What the commands read of an agent's answers.  Whatever answers at --api may be no agent: a
+# body that never ends (4.5 GB read by `agentd status` before these), one that drips a byte at a
+# time (each under the socket's timeout), text with newlines and escape sequences for the terminal.
+API_BODY_MAX = 8 << 20  # bytes of an answer read whole (/status, /leave); a longer one is refused
+API_ERROR_MAX = 64 << 10  # bytes of an error answer read (its JSON "error")
+FLOW_LINE_MAX = 1 << 20  # bytes of one line of a /flows stream
+SERVER_TEXT_MAX = 400  # characters of one text from a server shown (an error, a cell)
+STATUS_WAIT = 10.0  # seconds `agentd status` waits for the whole /status answer
+FLOWS_WAIT = 90.0  # seconds `agentd flows` (without -f) waits for the whole stream (the agent gathers
+# from other nodes for 60 s at most: agentd.daemon.cluster.GATHER_TOTAL)
+
+
+def server_text(value: Any, limit: int = SERVER_TEXT_MAX) -> str:
+    """Text a server sent, fit for one line of the terminal: control characters (newlines,
+    escape sequences) shown escaped, shortened to ``limit`` characters."""
+    return shorten(one_line("" if value is None else str(value)), limit)
+
+
+class AnswerTooLarge(ValueError):
+    """An answer longer than the command reads (:data:`API_BODY_MAX`); the message says so."""
+
+
+class AnswerBrokeOff(http.client.HTTPException):
+    """An answer cut short (:func:`cut_short`); the message says how."""
+
+
+def cut_short(resp: Any) -> str | None:
+    """How a response whose reading has ended was cut short, or None: a chunked body whose last
+    (empty) chunk never came, or one shorter than its Content-Length.  (http.client ends the
+    reading quietly there: a stream cut by a dying agent looked whole.)"""
+    if getattr(resp, "chunked", False) and getattr(resp, "chunk_left", None) is not None:
+        return "it ended before its last chunk"
+    left = getattr(resp, "length", None)
+    if isinstance(left, int) and left > 0:
+        return f"it ended {left} bytes short of its Content-Length"
+    return None
+
+
+def read_answer(resp: Any, limit: int = API_BODY_MAX) -> bytes:
+    """A response's whole body, at most ``limit`` bytes (:class:`AnswerTooLarge` beyond), not
+    cut short (:class:`AnswerBrokeOff`)."""
+    length = getattr(resp, "length", None)
+    if isinstance(length, int) and length > limit:
+        raise AnswerTooLarge(f"{length} bytes, more than the {limit} read")
+    data = resp.read(limit + 1)
+    if len(data) > limit:
+        raise AnswerTooLarge(f"more than {limit} bytes")
+    if (why := cut_short(resp)) is not None:
+        raise AnswerBrokeOff(f"{why} ({len(data)} bytes read)")
+    return data
+
+
+class _DeadlineSocket(socket.socket):
+    """A connected socket whose every receive waits only until ``deadline`` (time.monotonic):
+    the whole answer -- status line, headers, body -- within one bound, however slowly it
+    trickles in.  http.client reads through ``recv_into`` (its socket file)."""
+
+    def __init__(self, sock: Any, deadline: float) -> None:
+        super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        self._deadline = deadline
+        self.settimeout(max(0.001, deadline - time.monotonic()))  # sending the request too
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self.settimeout(left)
+        return super().recv_into(buffer, nbytes, flags)
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self.settimeout(left)
+        return super().recv(bufsize, flags)
+
+
+def api_open(req: Any, timeout: float | None, *, deadline: float | None = None) -> Any:
     """``urlopen`` for an agent's API: straight to the address given, never through
     ``http_proxy`` (the API token must not go to a proxy), and no redirect followed (urllib
-    would send the Authorization header on to wherever it points): a 3xx is an HTTPError."""
+    would send the Authorization header on to wherever it points): a 3xx is an HTTPError.
+    ``deadline`` (time.monotonic), for http:// URLs: the connection, the answer's head and
+    every read of its body end by then (:class:`TimeoutError`), not only each read within
+    ``timeout``."""
     import urllib.error
     import urllib.request
 
     class NoRedirect(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
-            raise urllib.error.HTTPError(req.full_url, code, f"a redirect to {newurl}, not followed "
-                                         "(an agent's API does not redirect)", headers, fp)
+            raise urllib.error.HTTPError(req.full_url, code, f"a redirect to {server_text(newurl, 100)}, not "
+                                         "followed (an agent's API does not redirect)", headers, fp)
 
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), NoRedirect())
+    handlers: list[Any] = [urllib.request.ProxyHandler({}), NoRedirect()]
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        timeout = left if timeout is None else min(timeout, left)
+
+        class Connection(http.client.HTTPConnection):
+            def connect(self) -> None:
+                super().connect()
+                self.sock = _DeadlineSocket(self.sock, deadline)
+
+        class DeadlineHandler(urllib.request.HTTPHandler):
+            def http_open(self, req: Any) -> Any:
+                return self.do_open(Connection, req)
+
+        handlers.append(DeadlineHandler())
+    opener = urllib.request.build_opener(*handlers)
     return opener.open(req, timeout=timeout)
 
 
-def fetch_json(url: str, timeout: float = 5.0) -> Any:
-    with api_open(url, timeout=timeout) as resp:
-        return json.load(resp)
+def fetch_json(url: str, timeout: float = 5.0, *, wait: float | None = None) -> Any:
+    """GET ``url``'s JSON: each read within ``timeout``, the whole answer within ``wait``
+    seconds (:data:`STATUS_WAIT` by default), at most :data:`API_BODY_MAX` bytes."""
+    deadline = time.monotonic() + (STATUS_WAIT if wait is None else wait)
+    with api_open(url, timeout=timeout, deadline=deadline) as resp:
+        return json.loads(read_answer(resp))
 
 
 def status_command(api: str, *, as_json: bool = False) -> int:
@@ -811,11 +952,24 @@ def status_command(api: str, *, as_json: bool = False) -> int:
     try:
         status = fetch_json(url)
     except (json.JSONDecodeError, RecursionError) as err:  # (JSON nested too deep to read)
-        sys.stderr.write(f"agentd status: {url} answered, but not with JSON ({err}): is that an agentd API?\n")
+        sys.stderr.write(f"agentd status: {url} answered, but not with JSON ({server_text(err)}): "
+                         "is that an agentd API?\n")
+        return 1
+    except AnswerTooLarge as err:
+        sys.stderr.write(f"agentd status: {url} answered with {err}: is that an agentd API?\n")
+        return 1
+    except TimeoutError:  # (one in connecting is a URLError: below)
+        sys.stderr.write(f"agentd status: {url} did not answer whole within {STATUS_WAIT:g} s\n")
+        return 1
+    except (AnswerBrokeOff, http.client.IncompleteRead) as err:  # (IncompleteRead: a chunk cut)
+        sys.stderr.write(f"agentd status: the answer from {url} broke off: {server_text(err)}\n")
+        return 1
+    except urllib.error.HTTPError as err:
+        sys.stderr.write(f"agentd status: {url}: {_api_error(err)}\n")
         return 1
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
         reason = getattr(err, "reason", err)
-        sys.stderr.write(f"agentd status: cannot reach the agent at {url}: {reason}\n")
+        sys.stderr.write(f"agentd status: cannot reach the agent at {url}: {server_text(reason)}\n")
         return 1
     if as_json:
         print(json.dumps(status, indent=2))
@@ -826,16 +980,18 @@ def status_command(api: str, *, as_json: bool = False) -> int:
         text = render_status(status)
     except (TypeError, KeyError, AttributeError, ValueError, OverflowError, OSError) as err:  # OSError: a time
         # localtime cannot give (EOVERFLOW)
-        sys.stderr.write(f"agentd status: {url} did not answer with an agentd status ({type(err).__name__}: {err})\n")
+        sys.stderr.write(f"agentd status: {url} did not answer with an agentd status "
+                         f"({type(err).__name__}: {server_text(err)})\n")
         return 1
     print(text)
     return 0
 
 
 def _cell(value: Any) -> str:
-    """A table cell: text from the agent, with control characters (newlines, escapes) shown escaped."""
+    """A table cell, or a field of a status line: text from the agent, with control characters
+    (newlines, escapes) shown escaped, at most :data:`SERVER_TEXT_MAX` characters."""
     text = "" if value is None else str(value)
-    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+    return shorten(text if text.isprintable() else text.encode("unicode_escape").decode("ascii"), SERVER_TEXT_MAX)
 
 
 def _since(ts: float | None) -> str:
@@ -937,7 +1093,22 @@ def _worker_lines(backends: dict[str, Any]) -> list[str]:
             for b, w, what in workers if isinstance(w, dict) and w.get("running") is False]
 
 
+def _printable(value: Any, depth: int = 0) -> Any:
+    """``value`` (JSON) with every string in it, keys too, one line (:func:`_cell`): nothing an
+    answer holds reaches the terminal as a control character, whatever field it is in."""
+    if isinstance(value, str):
+        return _cell(value)
+    if depth > 50:  # (json.loads refuses deeper nesting than the interpreter's recursion limit anyway)
+        raise ValueError("nested too deep")
+    if isinstance(value, dict):
+        return {_cell(k) if isinstance(k, str) else k: _printable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable(v, depth + 1) for v in value]
+    return value
+
+
 def render_status(status: dict[str, Any]) -> str:
+    status = _printable(status)
     node = status.get("node") or {}
     bgp = status.get("bgp") or {}
     routes = status.get("routes") or {}
@@ -949,16 +1120,16 @@ def render_status(status: dict[str, Any]) -> str:
     out += [f"PROBLEM: {_cell(p)}" for p in problems]  # start-up failures it runs without (not retried)
     out += _worker_lines(status.get("backends") or {})  # a dead worker not started again (/healthz 503)
     out.append(
-        f"Node {node.get('name')}  address {node.get('address')}"
+        f"Node {_cell(node.get('name'))}  address {_cell(node.get('address'))}"
         f"{'  ' + _cell(node['address_v6']) if node.get('address_v6') and node['address_v6'] != node.get('address') else ''}"
-        f"  AS {node.get('asn')}{'  route reflector' if node.get('route_reflector') else ''}"
+        f"  AS {_cell(node.get('asn'))}{'  route reflector' if node.get('route_reflector') else ''}"
     )
     subnets = [s for s in dict.fromkeys((node.get("subnet"), node.get("subnet_v6"))) if s]
-    out.append(f"Subnet{'s' * (len(subnets) > 1)} {'  '.join(map(_cell, subnets)) or '-'}  backend {node.get('backend') or '-'}")
+    out.append(f"Subnet{'s' * (len(subnets) > 1)} {'  '.join(map(_cell, subnets)) or '-'}  backend {_cell(node.get('backend') or '-')}")
     out.append(
-        f"Routes programmed {routes.get('programmed', 0)}  last sync {_since(routes.get('last_sync'))}"
+        f"Routes programmed {_cell(routes.get('programmed', 0))}  last sync {_since(routes.get('last_sync'))}"
         f"  datastore {'connected' if ds.get('connected') else 'DISCONNECTED'}"
-        f"{' (' + ds['endpoint'] + ')' if len(ds.get('endpoints') or []) > 1 and ds.get('endpoint') else ''}"
+        f"{' (' + _cell(ds['endpoint']) + ')' if len(ds.get('endpoints') or []) > 1 and ds.get('endpoint') else ''}"
     )
     policy = status.get("policy")  # NetworkPolicy
     if isinstance(policy, dict):

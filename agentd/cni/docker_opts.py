@@ -42,8 +42,11 @@ The configuration's are taken only from a subnet file without them (an older age
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import re
+import stat
 import sys
 from typing import Any
 
@@ -100,6 +103,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "nodes to reach this node's; Docker before 28.2 refuses it)")  # fmt: skip
 
 
+SUBNET_FILE_MAX = 64 * 1024  # bytes: the agent writes a dozen short lines
+
+
+def read_subnet_text(path: str) -> str:
+    """The subnet file's text, read as the configuration file is (agentd.config.settings): a
+    regular file only, opened without waiting (a FIFO would block for ever, /dev/zero be read
+    until memory ran out), at most :data:`SUBNET_FILE_MAX` bytes.  :class:`OSError` or
+    :class:`UnicodeDecodeError` says why not (FileNotFoundError: none)."""
+    with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK | os.O_CLOEXEC)) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        data = f.read(SUBNET_FILE_MAX + 1)
+    if len(data) > SUBNET_FILE_MAX:
+        raise OSError(errno.EFBIG, f"over {SUBNET_FILE_MAX} bytes, not a subnet file the agent wrote")
+    return data.decode("utf-8")
+
+
 def agent_settings(text: str, source: str) -> dict[str, bool]:
     """What the subnet file says of how the agent runs: :data:`WRITE_CONFLIST_KEY` and
     :data:`MASQUERADE_KEY`, those it has; a value other than true or false is a
@@ -144,8 +164,7 @@ def run(args: argparse.Namespace, agent_masquerades: bool | None = None, cni: An
     configuration's ``write_conflist`` and ``ip_masq``."""
     path = args.subnet_file
     try:
-        with open(path, encoding="utf-8") as f:
-            text: str | None = f.read()
+        text: str | None = read_subnet_text(path)
         said = agent_settings(text, path)
     except FileNotFoundError:
         text, said = None, {}
@@ -173,13 +192,17 @@ def run(args: argparse.Namespace, agent_masquerades: bool | None = None, cni: An
     except SubnetFileError as err:
         print(f"agentd docker-opts: {err}", file=sys.stderr)
         return 1
-    if not args.key.isidentifier():
-        print(f"agentd docker-opts: --key {args.key!r} is not a variable name", file=sys.stderr)
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.key):  # a shell's name (str.isidentifier took é)
+        print(f"agentd docker-opts: --key {args.key!r} is not a variable name (letters A-Z, a-z, digits and _)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.output is not None and not args.output.strip():
+        print("agentd docker-opts: --output: empty path (leave it out for standard output)", file=sys.stderr)
         return 2
     if agent_masquerades is False:
         print(IP_MASQ_OFF, file=sys.stderr)
     text = render(docker_options(sf, args.allow_direct_routing), args.format, args.key)
-    if args.output:
+    if args.output is not None:
         try:
             atomic_write(args.output, text, mode=0o644)
         except OSError as err:

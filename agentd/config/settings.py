@@ -114,6 +114,7 @@ from agentd.config.values import (
     text_list,
     parse_file_name,
     parse_tls_file,
+    parse_token_path,
     type_name,
 )
 
@@ -207,7 +208,7 @@ _KEYS = (
     _Key("bgp", "peers", Kind((list,), "an array of tables", text_json, parse_peer_list), ()),
     _Key("bgp", "listen_ranges", Kind((list,), "an array of tables", text_json, parse_peer_list), ()),
     _Key("api", "listen", listen_kind(allow_empty=False), ApiConfig.listen),
-    _Key("api", "token_file", PATH, ApiConfig.token_file),
+    _Key("api", "token_file", Kind((str,), "a string", str, parse_token_path), ApiConfig.token_file),
     _Key("api", "token_group", string_kind(parse_group_name), None),
     _Key("api", "cluster_port", int_kind(0, 65535), 9098),
     _Key("api", "read_token_file", Kind((str,), "a string", str, parse_tls_file), None),
@@ -248,8 +249,9 @@ _KEYS = (
 _BY_PATH = {k.path: k for k in _KEYS}
 # The keys naming files that are opened by the agent alone (TLS files, the read token): a
 # command that opens none of them loads with check_files=False and takes their paths as written.
-_FILE_KINDS = {k.path: Kind(k.kind.types, k.kind.what, k.kind.text, parse_file_name)
-               for k in _KEYS if k.kind.check is parse_tls_file}
+_FILE_KINDS = {**{k.path: Kind(k.kind.types, k.kind.what, k.kind.text, parse_file_name)
+                  for k in _KEYS if k.kind.check is parse_tls_file},
+               "api.token_file": PATH}  # (the commands that read the token say what is wrong with it)
 _SECTIONS = SECTIONS  # [section] names, in the file's order (checked against _KEYS by the unit tests)
 CONFIG_KEYS: tuple[str, ...] = tuple(_BY_PATH)
 
@@ -283,11 +285,13 @@ _RANGE_KINDS: dict[str, Kind] = {
 }
 RANGE_KEYS: tuple[str, ...] = tuple(_RANGE_KINDS)
 # The keys that hold arrays of tables: their kinds and required fields.
-# What agentd writes into the subnet file (agentd.cni.netconf._KEYS, held equal by a unit test):
-# a shell that sourced it, as flannel's users do with subnet.env, has them in its environment.
+# What agentd writes into the subnet file (agentd.cni.netconf._KEYS, and the two lines saying how
+# the agent runs, agentd.daemon.node_files; held equal by a unit test): a shell that sourced it, as
+# flannel's users do with subnet.env (or a unit's EnvironmentFile=), has them in its environment.
 SUBNET_FILE_NAMES = frozenset(("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_IPV6_NETWORK", "AGENTD_IPV6_SUBNET",
                                "AGENTD_MTU", "AGENTD_IPMASQ", "AGENTD_BACKEND", "AGENTD_DNS", "AGENTD_DNS_V6",
-                               "AGENTD_CLUSTER_DOMAIN"))
+                               "AGENTD_CLUSTER_DOMAIN",
+                               "AGENTD_WRITE_CONFLIST", "AGENTD_MASQUERADE"))  # agentd.cni.docker_opts reads these
 
 # The AGENTD_* variables of the project's tools and scripts, not of the configuration; an agent
 # a lab starts inherits them (agentd/lab, compose.yaml, docker/, scripts/dev, the dataplane's

@@ -41,6 +41,7 @@ import hmac
 import ipaddress
 import os
 import secrets
+import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -105,10 +106,32 @@ def _group_id(group: str) -> int:
         raise TokenFileError(f"[api] token_group: no group named {group!r} on this host") from None
 
 
+TOKEN_FILE_MAX = 4096  # bytes of [api] token_file read: the agent writes one line of 43 characters
+
+
+def _nonblocking(path: str | bytes, flags: int) -> int:
+    """``open``'s opener that never waits: a FIFO is opened (and then refused by its type) instead
+    of blocking until someone writes to it."""
+    return os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _read_small_file(path: str | Path, limit: int) -> bytes:
+    """At most ``limit`` + 1 bytes of ``path``, a regular file: the same guard as the
+    configuration file's (agentd.config.settings): /dev/zero would be read until memory ran
+    out, a FIFO would block for ever.  :class:`OSError` (``EINVAL`` for another kind of file)."""
+    with open(path, "rb", opener=_nonblocking) as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return file.read(limit + 1)
+
+
 def read_token_file(path: Path) -> str:
     """The token in ``path``, or :class:`TokenFileError` saying why it cannot be had."""
     try:
-        token = path.read_text(encoding="ascii").strip()
+        data = _read_small_file(path, TOKEN_FILE_MAX)
+        if len(data) > TOKEN_FILE_MAX:
+            raise TokenFileError(f"cannot read the API token {path}: over {TOKEN_FILE_MAX} bytes, not a token the agent wrote")
+        token = data.decode("ascii").strip()
     except PermissionError:
         raise TokenFileError(
             f"cannot read the API token {path}: permission denied (run as root, or as a member of [api] token_group)"
@@ -134,7 +157,7 @@ def read_line_token(path: str | Path) -> str:
     only its owner (root, or the agent's user) may read (:func:`agentd.config.settings.read_token_problem`: refused
     otherwise, with :class:`TokenFileError` saying why)."""
     # Not blocking on a FIFO; the checks are of what was opened (a symlink's target).
-    with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK | os.O_CLOEXEC)) as file:
+    with open(path, "rb", opener=_nonblocking) as file:
         problem = read_token_problem(os.fstat(file.fileno()), path)
         if problem is not None:
             raise TokenFileError(problem)
@@ -151,7 +174,7 @@ def read_line_token(path: str | Path) -> str:
 def remove_token_file(path: Path, token: str) -> None:
     """Remove ``path`` if it still holds ``token`` (a newer agent's file stays)."""
     with contextlib.suppress(OSError, UnicodeDecodeError):
-        if path.read_text(encoding="ascii").strip() == token:
+        if _read_small_file(path, TOKEN_FILE_MAX).decode("ascii").strip() == token:
             path.unlink()
 
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 import grp
 import os
 import stat
+from pathlib import Path
 from unittest import mock
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+from blocking import unblock, within
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from agentd.daemon import auth
@@ -49,11 +51,38 @@ def test_reading_says_why_it_cannot(tmp_path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(auth.TokenFileError, match="is empty"):
         auth.read_token_file(tmp_path / "empty")
-    with mock.patch("pathlib.Path.read_text", side_effect=PermissionError(13, "Permission denied")):
+    with mock.patch("os.open", side_effect=PermissionError(13, "Permission denied")):
         with pytest.raises(auth.TokenFileError, match="permission denied \\(run as root, or as a member of"):
             auth.read_token_file(tmp_path / "empty")
     with pytest.raises(auth.TokenFileError, match="cannot create .*empty for the API token: File exists"):
         auth.write_token_file(tmp_path / "empty" / "below-a-file")
+
+
+def test_a_token_file_that_is_no_regular_file_is_refused_at_once(tmp_path):
+    """[api] token_file read by leave, flows, ui: a FIFO blocked the command for ever,
+    /dev/zero was read until memory ran out.  Read as the configuration file is: opened
+    without waiting, a regular file only, a bounded read."""
+    fifo = tmp_path / "api.token"
+    os.mkfifo(fifo)
+    try:
+        err = within(1, auth.read_token_file, fifo).error
+    finally:
+        unblock(fifo)
+    assert isinstance(err, auth.TokenFileError) and str(err) == f"cannot read the API token {fifo}: not a regular file"
+    err = within(1, auth.read_token_file, Path("/dev/zero")).error
+    assert isinstance(err, auth.TokenFileError) and "not a regular file" in str(err)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (auth.TOKEN_FILE_MAX + 1))
+    with pytest.raises(auth.TokenFileError, match=f"over {auth.TOKEN_FILE_MAX} bytes"):
+        auth.read_token_file(big)
+    token = auth.write_token_file(tmp_path / "t")
+    try:
+        assert within(1, auth.remove_token_file, fifo, token) is None  # an agent stopping: not blocked either
+    finally:
+        unblock(fifo)
+    assert fifo.exists()
+    auth.remove_token_file(tmp_path / "t", token)
+    assert not (tmp_path / "t").exists()
 
 
 def _request(method: str, remote: str, headers: dict[str, str] | None = None, local: str = "127.0.0.1") -> web.Request:

@@ -128,12 +128,29 @@ def test_a_listen_range_password_is_never_shown(capsys, monkeypatch, tmp_path):
 
 
 def test_a_shell_that_sourced_the_subnet_file_can_run_every_command(capsys, monkeypatch, tmp_path):
-    from agentd.cni import netconf
-    from agentd.config.settings import SUBNET_FILE_NAMES
+    """Every line the agent writes into the subnet file (write_cni_files: netconf's keys, then
+    AGENTD_WRITE_CONFLIST and AGENTD_MASQUERADE) is taken for no configuration key: a shell
+    that sourced it (or a unit's EnvironmentFile=) was refused every command ("unknown
+    section [write]")."""
+    from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
-    assert SUBNET_FILE_NAMES == set(netconf._KEYS)
-    for name, value in (("AGENTD_NETWORK", "10.244.0.0/16"), ("AGENTD_DNS_V6", "fd00:169:254:20::10"),
-                        ("AGENTD_IPV6_SUBNET", "fd00:10:244:3::1/64"), ("AGENTD_CLUSTER_DOMAIN", "cluster.local")):
+    from agent_config import agent_cfg
+
+    from agentd.cni import docker_opts, netconf
+    from agentd.config.settings import SUBNET_FILE_NAMES
+    from agentd.daemon import node_files
+    from agentd.datastore.records import ClusterConfig, SubnetLease
+
+    assert SUBNET_FILE_NAMES == set(netconf._KEYS) | {docker_opts.WRITE_CONFLIST_KEY, docker_opts.MASQUERADE_KEY}
+    cfg = agent_cfg(tmp_path, **{"cni.write_conflist": False, "dns.enabled": True})
+    cluster = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "host-gw", "always", ip_family="dual",
+                            cidr_v6=IPv6Network("fd00:10:244::/56"), subnet_len_v6=64)
+    node_files.write_cni_files(cfg, cluster, {
+        4: SubnetLease(IPv4Network("10.244.3.0/24"), "n1", IPv4Address("10.1.1.1"), "host-gw"),
+        6: SubnetLease(IPv6Network("fd00:10:244:3::/64"), "n1", IPv6Address("fd00::1"), "host-gw")}, 1450)
+    written = dict(line.split("=", 1) for line in Path(cfg.cni.subnet_file).read_text().splitlines())
+    assert {"AGENTD_WRITE_CONFLIST", "AGENTD_MASQUERADE", "AGENTD_IPV6_SUBNET"} <= set(written), written
+    for name, value in written.items():
         monkeypatch.setenv(name, value)
     (tmp_path / "agentd.toml").write_text("")
     code, _, err = run(capsys, "check-config", "--config", str(tmp_path / "agentd.toml"))
@@ -327,7 +344,7 @@ def test_flows_sends_the_read_only_key_not_the_api_token(capsys, monkeypatch, tm
     monkeypatch.setattr(cli, "load_config", lambda *a, **kw: type("C", (), {"api": type("A", (), {"token_file": token})})())
     asked = []
 
-    def urlopen(req, timeout=None):
+    def urlopen(req, timeout=None, deadline=None):
         asked.append(req)
         return io.BytesIO(b'{"time": 1.0, "node": "node2", "event": "new", "protocol": "TCP", "verdict": "forwarded", '
                           b'"direction": "ingress", "src": {"ip": "10.244.1.2", "port": 1}, "dst": {"ip": "10.244.2.3", "port": 80}}\n')
@@ -352,7 +369,7 @@ def test_flows_says_whose_records_were_lost(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "load_config", lambda *a, **kw: type("C", (), {"api": type("A", (), {"token_file": token})})())
     stream = (b'{"lost": 5, "why": "made after the reader\'s last record, since scrolled out of the node\'s ring", '
               b'"node": "node2"}\n{"lost": 3, "node": "node1"}\n{"lost": 2}\n')
-    monkeypatch.setattr(cli, "api_open", lambda req, timeout=None: io.BytesIO(stream))
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout=None, deadline=None: io.BytesIO(stream))
     code, out, err = run(capsys, "flows", "-A", "-f")
     assert code == 0 and out == ""
     assert err.splitlines() == [
@@ -495,3 +512,25 @@ def test_etcd_refusing_a_resource_command_is_one_line_not_a_traceback(capsys, mo
     assert code == 1 and "Traceback" not in err, err
     (line,) = err.splitlines()
     assert line.startswith(f"agentd {argv[0]}: etcd refused the request") and str(exc) in line, line
+
+
+def test_check_config_refuses_a_token_file_that_is_no_regular_file(capsys, monkeypatch, tmp_path):
+    """[api] token_file /dev/zero or a FIFO was "configuration OK", then hung or ate memory in
+    leave, flows and ui (and the agent renames its token file over whatever is there)."""
+    from blocking import unblock, within
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    fifo = tmp_path / "api.token"
+    os.mkfifo(fifo)
+    config = tmp_path / "agentd.toml"
+    for token_file in ("/dev/zero", fifo, tmp_path):
+        config.write_text(f'[api]\ntoken_file = "{token_file}"\n')
+        try:
+            code, _, err = within(5, run, capsys, "check-config", "--config", str(config))
+        finally:
+            unblock(fifo)
+        assert code == 1 and err.startswith(f"{config}:2: [api] token_file = ") and err.endswith(
+            f": {token_file} exists and is not a regular file (the agent writes its API token there)\n"), err
+        assert err.count("\n") == 1
+    config.write_text(f'[api]\ntoken_file = "{tmp_path / "none-yet"}"\n')
+    assert run(capsys, "check-config", "--config", str(config))[0] == 0

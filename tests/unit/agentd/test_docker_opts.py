@@ -66,6 +66,26 @@ def test_the_command_reads_the_file_and_refuses_bad_input(tmp_path, capsys):
     assert err.count("\n") == 1 and "AGENTD_MTU 'big' is not an integer" in err
 
 
+def test_a_subnet_file_that_is_no_regular_file_is_refused_at_once(tmp_path, capsys):
+    """A FIFO blocked the command for ever, /dev/zero was read until memory ran out: the
+    subnet file is read as the configuration file is (no waiting, a regular file, bounded)."""
+    from blocking import unblock, within
+
+    fifo = tmp_path / "subnet.env"
+    os.mkfifo(fifo)
+    try:
+        assert within(1, main, ["docker-opts", "--subnet-file", str(fifo)]) == 1
+    finally:
+        unblock(fifo)
+    assert capsys.readouterr().err == f"agentd docker-opts: cannot read subnet file {fifo}: not a regular file\n"
+    assert main(["docker-opts", "--subnet-file", "/dev/zero"]) == 1
+    assert capsys.readouterr().err == "agentd docker-opts: cannot read subnet file /dev/zero: not a regular file\n"
+    big = tmp_path / "big.env"
+    big.write_text(render_subnet_file(SF) + "#" * 70_000 + "\n")
+    assert main(["docker-opts", "--subnet-file", str(big)]) == 1
+    assert "over 65536 bytes" in capsys.readouterr().err
+
+
 def test_the_subnet_file_is_the_configurations_by_default(tmp_path, capsys, monkeypatch):
     """No --subnet-file: [cni] subnet_file of the configuration, found by the one rule
     (--config, $AGENTD_CONFIG, the default file) and the AGENTD_CNI_SUBNET_FILE variable."""
@@ -222,3 +242,18 @@ def test_what_the_agent_runs_with_decides_not_the_configuration_file(tmp_path, c
     path.write_text(path.read_text().replace("AGENTD_MASQUERADE=false", "AGENTD_MASQUERADE=maybe"))
     assert main(["docker-opts", "--config", str(config)]) == 1
     assert "AGENTD_MASQUERADE 'maybe' is not true or false" in capsys.readouterr().err
+
+
+def test_a_key_a_shell_cannot_take_or_an_empty_output_is_refused(tmp_path, capsys):
+    """--key took any Python identifier (é: no shell sources DOCKER_OPTé=...); -o "" wrote to
+    standard output without a word."""
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF))
+    for key in ("DOCKER_OPTé", "1X", "A-B", "", "ＡＢ"):
+        assert main(["docker-opts", "--subnet-file", str(path), "--key", key]) == 2, key
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"agentd docker-opts: --key {key!r} is not a variable name"), err
+    assert main(["docker-opts", "--subnet-file", str(path), "-o", ""]) == 2
+    assert capsys.readouterr() == ("", "agentd docker-opts: --output: empty path (leave it out for standard output)\n")
+    assert main(["docker-opts", "--subnet-file", str(path), "--key", "_docker_opts2"]) == 0
+    assert capsys.readouterr().out.startswith('_docker_opts2="--bip=10.244.3.1/24 ')

@@ -363,7 +363,7 @@ class Answer(io.BytesIO):
 def _agent_api(monkeypatch, answer: dict, progress: list):
     """An agent's API: POST /leave answers ``answer``; each GET /leave the next of
     ``progress`` (a report's JSON, or an exception: the API has stopped)."""
-    def api_open(req, timeout):
+    def api_open(req, timeout, deadline=None):
         if getattr(req, "method", None) == "POST":
             return Answer(json.dumps(answer).encode())
         nxt = progress.pop(0) if progress else OSError("connection refused")
@@ -439,8 +439,8 @@ def test_the_cli_facing_an_older_agent_says_what_it_knows(tmp_path, monkeypatch)
     _agent_api(monkeypatch, {"leaving": True, "etcd_error": "etcd did not answer within 10 s"},
                [{"ok": False}, OSError("connection refused")])
     api_open = cli.api_open
-    monkeypatch.setattr(cli, "api_open", lambda req, timeout: asked.append(getattr(req, "method", req)) or
-                        api_open(req, timeout))
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout, deadline=None: asked.append(getattr(req, "method", req)) or
+                        api_open(req, timeout, deadline=deadline))
     out = io.StringIO()
     assert cli.leave_running_agent("127.0.0.1", 9, Path("/nonexistent/api.token"), out=out) == 1
     assert out.getvalue().splitlines()[0] == "leaving etcd: failed: etcd did not answer within 10 s"
@@ -496,8 +496,8 @@ def test_the_cli_facing_an_older_agent_with_no_wait_returns_after_the_etcd_step(
     asked = []
     _agent_api(monkeypatch, {"leaving": True, "etcd_error": None}, [{"ok": False}])
     api_open = cli.api_open
-    monkeypatch.setattr(cli, "api_open", lambda req, timeout: asked.append(getattr(req, "method", req)) or
-                        api_open(req, timeout))
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout, deadline=None: asked.append(getattr(req, "method", req)) or
+                        api_open(req, timeout, deadline=deadline))
     out = io.StringIO()
     assert cli.leave_running_agent("127.0.0.1", 9, Path("/nonexistent/api.token"), wait=False, out=out) == 0
     assert asked == ["POST"] and out.getvalue().splitlines()[0] == "leaving etcd: done"
@@ -505,7 +505,7 @@ def test_the_cli_facing_an_older_agent_with_no_wait_returns_after_the_etcd_step(
 
 def test_a_leave_not_answered_in_time_says_it_may_be_under_way(tmp_path, monkeypatch):
     # "did not answer" read as a refusal while the agent, which had taken the request, left.
-    def api_open(req, timeout):
+    def api_open(req, timeout, deadline=None):
         raise TimeoutError("timed out")
 
     monkeypatch.setattr(cli, "api_open", api_open)
