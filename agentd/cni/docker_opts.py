@@ -42,11 +42,9 @@ The configuration's are taken only from a subnet file without them (an older age
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import re
-import stat
 import sys
 from typing import Any
 
@@ -56,6 +54,7 @@ from agentd.cni.netconf import (
     SubnetFileError,
     atomic_write,
     parse_subnet_file,
+    read_subnet_text,
 )
 
 FORMATS = ("env", "args", "json")
@@ -101,23 +100,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-direct-routing", action="store_true",
                    help="add Docker 28.2's allow-direct-routing (needed from Docker 28 on for containers on other "
                         "nodes to reach this node's; Docker before 28.2 refuses it)")  # fmt: skip
-
-
-SUBNET_FILE_MAX = 64 * 1024  # bytes: the agent writes a dozen short lines
-
-
-def read_subnet_text(path: str) -> str:
-    """The subnet file's text, read as the configuration file is (agentd.config.settings): a
-    regular file only, opened without waiting (a FIFO would block for ever, /dev/zero be read
-    until memory ran out), at most :data:`SUBNET_FILE_MAX` bytes.  :class:`OSError` or
-    :class:`UnicodeDecodeError` says why not (FileNotFoundError: none)."""
-    with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK | os.O_CLOEXEC)) as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        data = f.read(SUBNET_FILE_MAX + 1)
-    if len(data) > SUBNET_FILE_MAX:
-        raise OSError(errno.EFBIG, f"over {SUBNET_FILE_MAX} bytes, not a subnet file the agent wrote")
-    return data.decode("utf-8")
 
 
 def agent_settings(text: str, source: str) -> dict[str, bool]:

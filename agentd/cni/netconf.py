@@ -38,9 +38,11 @@ Subnet file format (``KEY=value`` lines; ``#`` comments and blank lines are igno
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
+import stat
 import tempfile
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6Interface, IPv6Network
@@ -242,6 +244,23 @@ def dns_config(sf: SubnetFile, namespace: str | None) -> dict[str, Any] | None:
     return {"nameservers": servers, "search": search, "options": ["ndots:5"]}
 
 
+SUBNET_FILE_MAX = 64 * 1024  # bytes: the agent writes a dozen short lines
+
+
+def read_subnet_text(path: str) -> str:
+    """The subnet file's text, read as the configuration file is (agentd.config.settings): a
+    regular file only, opened without waiting (a FIFO would block for ever, /dev/zero be read
+    until memory ran out), at most :data:`SUBNET_FILE_MAX` bytes.  :class:`OSError` or
+    :class:`UnicodeDecodeError` says why not (FileNotFoundError: none)."""
+    with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK | os.O_CLOEXEC)) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        data = f.read(SUBNET_FILE_MAX + 1)
+    if len(data) > SUBNET_FILE_MAX:
+        raise OSError(errno.EFBIG, f"over {SUBNET_FILE_MAX} bytes, not a subnet file the agent wrote")
+    return data.decode("utf-8")
+
+
 def read_subnet_file(path: str | os.PathLike[str]) -> SubnetFile:
     """Read and parse the subnet file.
 
@@ -249,8 +268,7 @@ def read_subnet_file(path: str | os.PathLike[str]) -> SubnetFile:
     plugin answers "try again later"); any other problem raises :class:`SubnetFileError`.
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = read_subnet_text(os.fspath(path))
     except FileNotFoundError:
         raise
     except (OSError, UnicodeDecodeError) as e:

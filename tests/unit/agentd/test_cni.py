@@ -590,6 +590,26 @@ def test_reading_missing_and_unreadable_subnet_files(tmp_path):
         cni_config.read_subnet_file(str(tmp_path / "bin"))
 
 
+def test_a_subnet_file_that_is_no_regular_file_fails_the_plugin_at_once(tmp_path):
+    # agentd-cni reads the subnet file at every ADD, DEL and CHECK: a FIFO there hung the
+    # runtime's call for ever, /dev/zero was read until memory ran out (read as docker-opts
+    # and the configuration file read theirs).
+    from blocking import unblock, within
+
+    fifo = tmp_path / "subnet.env"
+    os.mkfifo(fifo)
+    try:
+        got = within(1, cni_config.read_subnet_file, str(fifo))
+    finally:
+        unblock(fifo)
+    assert isinstance(got.error, SubnetFileError) and "not a regular file" in str(got.error)
+    with pytest.raises(SubnetFileError, match="not a regular file"):
+        cni_config.read_subnet_file("/dev/zero")
+    (tmp_path / "big.env").write_text("#" * 70_000 + "\n")
+    with pytest.raises(SubnetFileError, match="over 65536 bytes"):
+        cni_config.read_subnet_file(str(tmp_path / "big.env"))
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
