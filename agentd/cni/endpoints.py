@@ -386,10 +386,11 @@ def _replace(directory: str, ep: Endpoint) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_directory(directory)  # the rename itself
+    fsync_directory(directory)  # the rename itself
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
+    """Sync a directory (a rename in it), where the file system can; never raises."""
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:

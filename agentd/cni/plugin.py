@@ -636,20 +636,7 @@ def save_state(data_dir: str, container_id: str, conf: dict[str, Any], ifname: s
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         raise CniError(IO_FAILURE, f"cannot store delegate config {path}: {e.strerror or e}") from None
-    _fsync_directory(data_dir)  # the rename itself
-
-
-def _fsync_directory(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a directory; the file itself is on disk
-    finally:
-        os.close(fd)
+    pod_endpoints.fsync_directory(data_dir)  # the rename itself
 
 
 def load_state(data_dir: str, container_id: str) -> dict[str, Any] | None:
