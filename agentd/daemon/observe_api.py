@@ -25,6 +25,7 @@ this node's own follower fell behind) name it: ``{"lost": N, "why": ..., "node":
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import heapq
 import json
@@ -60,6 +61,9 @@ UI_DIR = Path(__file__).resolve().parent.parent / "ui"
 NDJSON = "application/x-ndjson"
 CONTROL = ("last", "since", "after", "follow", "cluster")
 MAX_LAST = 100_000
+# Bytes of records a cluster's last N holds while gathered: the nodes' last N waiting to be
+# merged together, and the merged newest as much again (a record is up to LINE_MAX).
+LAST_BYTES = 64 << 20
 # The browser view loads nothing from elsewhere: the page says so to the browser too.
 UI_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
@@ -246,6 +250,7 @@ class _Handlers:
         tasks: dict[str, asyncio.Task] = {}
         followed: set[str] = set()
         firsts: dict[str, _Snapshot] = {}
+        held = _Held()  # what the nodes' last N hold together until merged
 
         def follow_nodes(new: list[str], joined_since: float | None = None) -> None:
             for name in new:
@@ -265,7 +270,7 @@ class _Handlers:
                         path = "/flows?" + urlencode([*_node_params(flt, name, joined_since), ("last", str(MAX_LAST)),
                                                       ("follow", "1")])
                     elif last:
-                        first = firsts[name] = _Snapshot(last)
+                        first = firsts[name] = _Snapshot(last, held)
                         path = "/flows?" + urlencode([*_node_params(flt, name, since), ("last", str(last)), ("follow", "1")])
                     # The whole cluster followed: a node that leaves it is let go (and followed
                     # again if it comes back); one the reader named is asked for until it is back.
@@ -322,13 +327,15 @@ class _Handlers:
     async def _gather_last(self, names: list[str], flt: FlowFilter, last: int, since: float | None,
                            firsts: dict[str, _Snapshot] | None = None) -> tuple[list[bytes], dict[str, str]]:
         """The cluster's last ``last`` matching records (each node's last ``last``, merged by
-        time: at most ``last`` are held, however many nodes answer), and why a node has none.
+        time: at most ``last`` are held, however many nodes answer, and at most LAST_BYTES of
+        them: ``{"lost": N, ...}`` lines first say what that left out), and why a node has none.
         ``firsts``: the nodes whose last N come at the start of their followed streams."""
         cluster = self.agent.cluster_view()
         me = self.agent.node_name()
         view = self.agent.flows_view()
         newest = _Newest(last)
         errors: dict[str, str] = {}
+        lost: list[bytes] = []  # {"lost": N, ...} lines: what a byte budget left out, said before the records
 
         async def one(name: str) -> None:
             if name == me:
@@ -347,6 +354,8 @@ class _Handlers:
                 if first.unmarked:  # an older agentd: its last N asked apart, as it answers them
                     first = None
             if first is not None:
+                if first.dropped:
+                    lost.append(_line({"lost": first.dropped, "node": name, "why": _over_budget("its oldest")}))
                 if first.error is not None:
                     errors[name] = first.error
                     first.take()  # what came before it stalled: not held for the stream's life
@@ -375,7 +384,9 @@ class _Handlers:
                 errors[name] = f"no node {name} in etcd"
 
         await asyncio.gather(*(one(n) for n in names))
-        return newest.oldest_first(), errors
+        if newest.dropped:
+            lost.append(_line({"lost": newest.dropped, "why": _over_budget("the oldest of the cluster's")}))
+        return lost + newest.oldest_first(), errors
 
     # ------------------------------------------------------------------ the cluster
 
@@ -482,6 +493,11 @@ async def _local_flows(resp: web.StreamResponse, view: FlowViews, search: LastSe
         await resp.write(_line(flow.json()))
 
 
+def _over_budget(which: str) -> str:
+    size = f"{LAST_BYTES >> 20} MiB" if LAST_BYTES % (1 << 20) == 0 else f"{LAST_BYTES} bytes"
+    return f"{which} last records, over the {size} a gathering holds of them"
+
+
 def _left_out_why(n: int) -> str:
     asked = "" if n == MAX_LAST else f" (this one asked for the last {n})"
     return f"made after the reader's last record, left out: a resume returns at most the last {MAX_LAST}{asked}"
@@ -536,46 +552,74 @@ def _node_params(flt: FlowFilter, node: str, since: float | None) -> list[tuple[
 
 class _Newest:
     """The ``n`` newest of the lines added (by time), in a heap: a cluster's last N cost the
-    memory of N records, not of N per node."""
+    memory of N records, not of N per node -- and at most ``max_bytes`` bytes of them (records
+    of large label sets are up to LINE_MAX each): past that the oldest held go, counted in
+    ``dropped``."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, max_bytes: int | None = None) -> None:
         self.n = n
+        self.max_bytes = LAST_BYTES if max_bytes is None else max_bytes
         self.heap: list[tuple[float, int, bytes]] = []
         self.count = 0
+        self.bytes = 0
+        self.dropped = 0
 
     def add(self, when: float, line: bytes) -> None:
         self.count += 1
         item = (when, self.count, line)
         if len(self.heap) < self.n:
             heapq.heappush(self.heap, item)
+            self.bytes += len(line)
         elif self.n and item > self.heap[0]:
-            heapq.heapreplace(self.heap, item)
+            self.bytes += len(line) - len(heapq.heapreplace(self.heap, item)[2])
+        while self.bytes > self.max_bytes and self.heap:
+            self.bytes -= len(heapq.heappop(self.heap)[2])
+            self.dropped += 1
 
     def oldest_first(self) -> list[bytes]:
         return [line for _, _, line in sorted(self.heap)]
 
 
+class _Held:
+    """The bytes the nodes' last N of one gathering hold together while they wait to be merged."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = LAST_BYTES if limit is None else limit
+        self.used = 0
+
+
 class _Snapshot:
     """One node's last N, the start of its followed stream (up to the empty line that ends
     them), handed to the gathering (:meth:`take`: held no longer); ``error``: why they did not
-    all come.  More than the ``limit`` asked for are not kept."""
+    all come.  More than the ``limit`` asked for are not kept, nor more bytes than ``held``
+    allows the gathering's snapshots together: past that this node's oldest go (they come
+    oldest first), counted in ``dropped``."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, held: _Held | None = None) -> None:
         self.limit = limit
-        self.lines: list[bytes] = []
+        self.held = held if held is not None else _Held()
+        self.lines: collections.deque[bytes] = collections.deque()
+        self.taken = 0  # lines added, kept or not (the first ``limit`` are kept)
+        self.dropped = 0
         self.error: str | None = None
         self.done = asyncio.Event()
         self.moved = asyncio.Event()  # a line came, or the end
         self.unmarked = False  # the node is an older agentd: its last N are to be asked apart
 
     def add(self, line: bytes) -> None:
-        if len(self.lines) < self.limit:
+        if self.taken < self.limit:
+            self.taken += 1
             self.lines.append(line)
+            self.held.used += len(line)
+            while self.held.used > self.held.limit and self.lines:
+                self.held.used -= len(self.lines.popleft())
+                self.dropped += 1
         self.moved.set()
 
     def take(self) -> list[bytes]:
         """The lines, handed over: not held here any more."""
-        lines, self.lines = self.lines, []
+        lines, self.lines = list(self.lines), collections.deque()
+        self.held.used -= sum(len(line) for line in lines)
         return lines
 
     def end(self, error: str | None = None) -> None:

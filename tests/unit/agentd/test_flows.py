@@ -3104,7 +3104,7 @@ async def test_a_followed_cluster_holds_no_nodes_last_records_once_sent_and_take
     snapshot = observe_api._Snapshot(2)  # a node that sends more than it was asked for
     for i in range(5):
         snapshot.add(b"%d\n" % i)
-    assert snapshot.take() == [b"0\n", b"1\n"] and snapshot.lines == []
+    assert snapshot.take() == [b"0\n", b"1\n"] and not snapshot.lines
 
 
 async def test_a_followed_node_whose_records_name_another_is_said_once_and_left_out(monkeypatch):
@@ -3155,7 +3155,7 @@ async def test_a_node_whose_last_records_stall_holds_none_of_them_for_the_stream
     snapshot.end("node2 unreachable: nothing for 3s")
     records, errors = await handlers._gather_last(["node2"], FlowFilter(), 100, None, {"node2": snapshot})
     assert (records, errors) == ([], {"node2": "node2 unreachable: nothing for 3s"})
-    assert snapshot.lines == []
+    assert not snapshot.lines
 
 
 async def test_a_nodes_record_naming_another_leaves_out_that_record_only():
@@ -3179,3 +3179,66 @@ async def test_a_nodes_record_naming_another_leaves_out_that_record_only():
     assert [x["seq"] for x in written if "time" in x] == [1, 3, 5]
     assert [x for x in written if x.get("node") == "node3" and "error" in x] == [
         {"node": "node3", "error": "node3 answered with records of node 'node2', not its own: left out"}]
+
+
+def test_a_cluster_answers_newest_hold_at_most_their_byte_budget():
+    """Records of large label sets are up to LINE_MAX each: the cluster's last N hold at most
+    ``max_bytes`` of them, the oldest going first, counted."""
+    from agentd.daemon.observe_api import _Newest
+
+    newest = _Newest(100, max_bytes=25)
+    for when in (3.0, 1.0, 2.0, 5.0, 4.0):
+        newest.add(when, b"%.1f......\n" % when)  # 10 bytes each
+    assert [line[:3] for line in newest.oldest_first()] == [b"4.0", b"5.0"]
+    assert newest.bytes == 20 and newest.dropped == 3
+    one = _Newest(2, max_bytes=25)  # replaced in the heap: the bytes follow the line it holds now
+    for when in (1.0, 2.0, 3.0, 4.0):
+        one.add(when, b"x" * 10)
+    assert one.bytes == 20 and one.dropped == 0 and len(one.heap) == 2
+
+
+def test_the_nodes_last_records_share_one_byte_budget_while_they_wait_to_be_merged():
+    from agentd.daemon.observe_api import _Held, _Snapshot
+
+    held = _Held(30)
+    a, b = _Snapshot(100, held), _Snapshot(100, held)
+    for i in range(2):
+        a.add(b"a%d.......\n" % i)  # 10 bytes each
+    b.add(b"b0.......\n")
+    assert held.used == 30 and not a.dropped and not b.dropped
+    b.add(b"b1.......\n")  # over: this node's oldest goes
+    assert [line[:2] for line in b.lines] == [b"b1"] and b.dropped == 1 and held.used == 30
+    assert [line[:2] for line in a.take()] == [b"a0", b"a1"] and held.used == 10 and not a.lines
+
+
+async def test_a_gathered_last_n_over_its_byte_budget_says_what_it_left_out(monkeypatch):
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    class Many(_Registry):
+        async def lines(self, node, path, **_):
+            for i in range(10):
+                yield json.dumps({"seq": i + 1, "time": float(i), "node": node, "pad": "x" * 60}).encode() + b"\n"
+
+    monkeypatch.setattr(observe_api, "LAST_BYTES", 400)
+    registry = Many(["node1", "node2", "node3"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    snapshot = observe_api._Snapshot(100, observe_api._Held())
+    lines = [json.dumps({"seq": i + 1, "time": i + 0.5, "node": "node3", "pad": "x" * 60}).encode() + b"\n"
+             for i in range(10)]
+    for one in lines:
+        snapshot.add(one)
+    fit = 400 // len(lines[0])  # the newest that fit the budget
+    assert snapshot.dropped == 10 - fit and list(snapshot.lines) == lines[-fit:]
+    snapshot.end()
+    records, errors = await handlers._gather_last(["node2", "node3"], FlowFilter(), 100, None, {"node3": snapshot})
+    got = [json.loads(line) for line in records]
+    lost = [r for r in got if "lost" in r]
+    kept = [r for r in got if "time" in r]
+    assert lost[0] == {"lost": 10 - fit, "node": "node3", "why": "its oldest last records, over the 400 bytes a gathering holds of them"}
+    assert lost[1]["lost"] + len(kept) == 10 + fit and "node" not in lost[1]  # node2's 10 and node3's, merged
+    assert sum(len(line) for line in records[2:]) <= 400
+    assert [r["time"] for r in kept] == sorted(r["time"] for r in kept) and kept[-1]["time"] == 9.5
+    assert errors == {}
