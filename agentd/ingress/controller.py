@@ -204,7 +204,13 @@ class IngressController:
             os.close(fd)
         self.paths.certs.mkdir(exist_ok=True)
         os.chmod(self.paths.certs, 0o700)
-        if not self.paths.default_cert.exists():
+        # Made again unless it loads: an empty or torn one (a power loss) would make HAProxy
+        # refuse every start and reload, every Ingress down for good.
+        try:
+            pem = self.paths.default_cert.read_bytes()
+        except FileNotFoundError:
+            pem = b""
+        if not pem or certs.refused(pem, self.paths.certs) is not None:
             _write(self.paths.default_cert, certs.self_signed("agentd ingress default certificate"))
 
     async def _supervise(self) -> None:
@@ -789,13 +795,32 @@ def backend_servers(ports: list[model.ServicePort], port: int | str) -> set[Serv
 
 
 def _write(path: Path, content: bytes) -> None:
-    """Atomically, readable by the owner only (certificates hold private keys)."""
+    """Atomically and durably, readable by the owner only (certificates hold private keys):
+    a temporary file of its own (a leftover one, whatever its mode, removed first: O_EXCL
+    creates it 0600), on disk before it takes the name, the rename synced after."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(content)
-    os.replace(tmp, path)
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    # The rename itself, where the file system can sync a directory.  (As
+    # agentd.cni.endpoints.fsync_directory, which agentd.ingress may not import:
+    # pyproject.toml's import contracts.)
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -60,7 +60,7 @@ FORWARDED = (
     "http-request set-header X-Forwarded-For %[src]",
     "http-request set-header X-Real-IP %[src]",
     "http-request set-header X-Forwarded-Proto %[ssl_fc,iif(https,http)]",
-    "http-request set-header X-Forwarded-Host %[req.hdr(host)]",
+    "http-request set-header X-Forwarded-Host %[req.fhdr(host)]",  # fhdr: the whole value (hdr: its last after a comma)
     "http-request set-header X-Forwarded-Port %[dst_port]",
 )
 
@@ -239,10 +239,19 @@ def render(
     # (a host no rule names matches no key: every key starts with a rule's host), so the key
     # is built in one step; the hosts.map lookup is only needed for the other cases.
     by_map = wildcards or ANY_HOST in table.vhosts
+    # The Host header is read whole (req.fhdr): req.hdr() takes a value as a list, split at
+    # commas, and gives its last element -- "Host: pub.example,adm.example" would be routed
+    # as adm.example.  A Host with a comma (several values) or a "/" (a path in it: for /admin,
+    # "Host: h/public" would be keyed h/public/admin, routed by the /public rule) is no host:
+    # refused as RFC 9112 section 3.2 asks of an invalid Host, 400 (routing.RouteTable.route).
+    out += [
+        "    http-request deny deny_status 400 if { req.fhdr(host) -m sub , }",
+        "    http-request deny deny_status 400 if { req.fhdr(host) -m sub / }",
+    ]
     # routing.normalise_host: lower case, no port, no final dot ("shop.example." is
     # "shop.example", as nginx takes it).  Single-quoted: the regular expression's empty
     # replacement must reach the converter as an argument.
-    out.append("""    http-request set-var(txn.host) 'req.hdr(host),field(1,:),lower,regsub("[.](?!.)","")'""")
+    out.append("""    http-request set-var(txn.host) 'req.fhdr(host),field(1,:),lower,regsub("[.](?!.)","")'""")
     host = "var(txn.host)"
     vhost = host
     if table.vhosts and by_map:
@@ -254,12 +263,7 @@ def render(
             if ANY_HOST in table.vhosts else "",
         ]
         vhost = "var(txn.vhost)"
-    if table.vhosts:
-        # A request's key is its virtual host, then its path: a Host header with a "/" (never
-        # a host: RFC 9110 section 7.2) would move part of the key's path into its host -- a
-        # request for /admin with "Host: h/public" keyed as h/public/admin, routed by the
-        # /public rule.  Refused as RFC 9112 section 3.2 asks of an invalid Host: 400.
-        out.append("    http-request deny deny_status 400 if { req.hdr(host) -m sub / }")
+    if table.vhosts:  # a request's key: its virtual host, then its path (a Host with "/": refused above)
         out += _normalise_path()
         out.append(f'    http-request set-var-fmt(txn.key) "%[{vhost}]/%[var(txn.path),hex]"')
     if redirects:  # HTTP -> HTTPS for TLS hosts (the exact name, or the wildcard covering it)

@@ -156,8 +156,12 @@ class RouteTable:
         return self.vhosts.get(ANY_HOST)
 
     def route(self, host: str, path: str) -> str:
-        """The backend name a request for ``host`` and ``path`` (as sent, without the query)
-        goes to; :data:`BAD_REQUEST` for a path :func:`normalise_path` refuses."""
+        """The backend name a request for ``host`` (the Host header's value, whole) and
+        ``path`` (as sent, without the query) goes to; :data:`BAD_REQUEST` for a Host with a
+        ``,`` (several values) or a ``/`` (a path in it), or a path :func:`normalise_path`
+        refuses."""
+        if "," in host or "/" in host:
+            return BAD_REQUEST
         normal = normalise_path(path)
         if normal is None:
             return BAD_REQUEST

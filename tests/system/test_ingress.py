@@ -327,6 +327,9 @@ async def test_path_rules(world: World):
         # A Host header with a path in it (not a host) moves no path into the routing key:
         # /ccc is nobody's, whatever "Host: prefix-path-rules/aaa" says.
         assert await world.served_by("http://prefix-path-rules/ccc", host="prefix-path-rules/aaa") == 400
+        # Nor does a Host of several values pick its last one (HAProxy's req.hdr() would:
+        # exact-path-rules' /foo, foo-1): no host, 400.
+        assert await world.served_by("http://prefix-path-rules/foo", host="prefix-path-rules,exact-path-rules") == 400
         # A path with a space matches what a client sends for it; one with newlines keeps to
         # its own map line (raw, the second line would have routed mixed-path-rules/ here).
         odd = "/x\nmixed-path-rules/ ing.shop.odd-paths.bar.80\ny"

@@ -6,6 +6,7 @@ against the table: the same answer for every request."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,8 @@ def p(path: str, kind: str, svc: str) -> dict:
 def svc_of(table: routing.RouteTable, backend: str) -> str | int:
     if backend == NOT_FOUND:
         return 404
+    if backend == routing.BAD_REQUEST:
+        return 400
     return table.backends[backend].service or "resource"
 
 
@@ -65,6 +68,8 @@ HOST_RULES = ing("host-rules", [
 HOST_CASES = {
     ("foo.bar.com", "/"): "foo-bar-com", ("subdomain.bar.com", "/"): 404, ("bar.foo.com", "/"): "wildcard-foo-com",
     ("baz.bar.foo.com", "/"): 404, ("foo.com", "/"): 404, ("FOO.bar.com:8080", "/x"): "foo-bar-com",
+    # Several values, or a path, in a Host: no host (req.hdr would take the last value, bar.foo.com).
+    ("foo.com,bar.foo.com", "/"): 400, ("foo.com, bar.foo.com", "/"): 400, ("foo.bar.com/x", "/"): 400,
 }  # fmt: skip
 
 
@@ -135,14 +140,30 @@ def test_ours_follows_the_classes():
 # ------------------------------------------------------------------ the HAProxy maps
 
 
+def fetch(sample: str, host: str) -> str:
+    """What HAProxy's sample fetch gives of a request's Host header ``host``: req.fhdr, the
+    whole value; req.hdr, a value taken as a comma-separated list, its last element."""
+    if sample == "req.fhdr(host)":
+        return host.strip()
+    assert sample == "req.hdr(host)", sample
+    return host.rsplit(",", 1)[-1].strip()
+
+
 def lookup(files: dict[str, str], table: routing.RouteTable, host: str, path: str) -> str:
-    """What the rendered frontend does with the map files (haproxy.cfg's http-request rules)."""
+    """What the rendered frontend does with the map files (haproxy.cfg's http-request rules),
+    the Host header read with the fetches the configuration names."""
 
     def kv(name: str) -> list[tuple[str, str]]:
         return [tuple(line.split(" ", 1)) for line in files[name].splitlines()]  # type: ignore[misc]
 
+    cfg = files["haproxy.cfg"]
+    for sample, sub in re.findall(r"http-request deny deny_status 400 if \{ (req\.f?hdr\(host\)) -m sub (\S+) \}", cfg):
+        if sub in fetch(sample, host):
+            return routing.BAD_REQUEST
+    m = re.search(r"set-var\(txn\.host\) '(req\.f?hdr\(host\)),field\(1,:\),lower,", cfg)
+    assert m, cfg
     hosts = dict(kv("hosts.map"))
-    h = routing.normalise_host(host)
+    h = routing.normalise_host(fetch(m.group(1), host))
     label, dot, parent = h.partition(".")
     vhost = hosts.get(h) or (hosts.get("*." + parent) if label and dot else None) or routing.ANY_HOST
     normal = routing.normalise_path(path)
@@ -181,7 +202,8 @@ REQUEST_PATHS = st.lists(st.sampled_from(["a", "b", "ab", "aa", "%61", "a%2Fb", 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(HOSTS, st.lists(RULE_PATHS, min_size=1, max_size=4)), min_size=1, max_size=4),
-       st.sampled_from(["x.io", "y.x.io", "z.x.io", "q.y.x.io", "other"]), REQUEST_PATHS, st.booleans())  # fmt: skip
+       st.sampled_from(["x.io", "y.x.io", "z.x.io", "q.y.x.io", "other", "other,x.io", "x.io, y.x.io", "x.io/a"]),
+       REQUEST_PATHS, st.booleans())  # fmt: skip
 def test_the_maps_answer_as_the_table_on_any_rules(rules, host, path, slash):
     spec_rules = []
     for i, (h, paths) in enumerate(rules):
@@ -248,12 +270,19 @@ def test_the_request_path_is_normalised_as_nginx_does():
         assert lookup(files, table, "h", path) == got, path
 
 
-def test_a_host_header_with_a_slash_is_refused_before_it_is_keyed():
+def test_a_host_header_with_a_slash_or_a_comma_is_refused_before_it_is_read():
     # "Host: h/public" with the path /admin would be keyed h/public/admin: routed by /public.
-    table = routing.build([ing("one", [{"host": "h", "http": {"paths": [p("/public", "Prefix", "pub")]}}])])
-    cfg = render(table)["haproxy.cfg"].splitlines()
-    deny = cfg.index("    http-request deny deny_status 400 if { req.hdr(host) -m sub / }")
-    assert deny < next(i for i, line in enumerate(cfg) if "set-var-fmt(txn.key)" in line)
+    # "Host: pub.example,adm.example": req.hdr(host) would give adm.example (a list's last).
+    rules = [{"host": h, "http": {"paths": [p("/public", "Prefix", svc)]}} for h, svc in (("h", "h"), ("adm.example", "adm"))]
+    ings = [ing("one", rules)]
+    for table in (routing.build(ings), routing.build([])):
+        cfg = render(table)["haproxy.cfg"].splitlines()
+        slash = cfg.index("    http-request deny deny_status 400 if { req.fhdr(host) -m sub / }")
+        comma = cfg.index("    http-request deny deny_status 400 if { req.fhdr(host) -m sub , }")
+        assert max(slash, comma) < next(i for i, line in enumerate(cfg) if "set-var(txn.host)" in line)
+        assert not any("req.hdr(host)" in line for line in cfg)  # X-Forwarded-Host too: the whole value
+        assert "    http-request set-header X-Forwarded-Host %[req.fhdr(host)]" in cfg
+        assert table.route("h,adm.example", "/public") == table.route("h/x", "/") == routing.BAD_REQUEST
 
 
 def test_rendered_config_names_every_backend_and_its_servers():
@@ -308,7 +337,7 @@ def test_a_host_with_a_final_dot_is_the_same_host():
         if host and not host.startswith("["):
             assert svc_of(table, table.route(host + ".", path)) == want, (host, path)
     files = haproxy.render(table, {}, Settings(), haproxy.Listen(("192.0.2.1",)), haproxy.Paths(Path("/run/x")), {})
-    assert """set-var(txn.host) 'req.hdr(host),field(1,:),lower,regsub("[.](?!.)","")'""" in files["haproxy.cfg"]
+    assert """set-var(txn.host) 'req.fhdr(host),field(1,:),lower,regsub("[.](?!.)","")'""" in files["haproxy.cfg"]
 
 
 def test_keep_alive_0_closes_client_connections_after_each_response():

@@ -489,3 +489,46 @@ def test_an_unset_user_whose_directory_cannot_be_given_to_its_group_falls_back_t
         assert not await ctl._resolve_run_as() and "SupplementaryGroups=haproxy" in (ctl.run_as_error or "")
 
     asyncio.run(main())
+
+
+def test_a_default_certificate_that_does_not_load_is_made_again(tmp_path):
+    """default.pem is written once; an empty or torn one (a power loss before it reached the
+    disk) would make HAProxy refuse every start and reload: every Ingress down for good."""
+    from agentd.ingress import certs
+
+    ctl, _ = controller(tmp_path)
+    ctl._prepare_dir(None)
+    good = ctl.paths.default_cert.read_bytes()
+    assert certs.refused(good, tmp_path) is None
+    ctl._prepare_dir(None)
+    assert ctl.paths.default_cert.read_bytes() == good  # one that loads is kept
+    for bad in (b"", b"garbage\n", good[: len(good) // 2]):
+        ctl.paths.default_cert.write_bytes(bad)
+        ctl._prepare_dir(None)
+        pem = ctl.paths.default_cert.read_bytes()
+        assert pem != bad and certs.refused(pem, tmp_path) is None, bad
+        assert ctl.paths.default_cert.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_written_file_is_synced_and_never_takes_a_leftover_temporary_files_mode(tmp_path, monkeypatch):
+    import os
+
+    from agentd.ingress import controller as ctl_module
+
+    key = tmp_path / "certs" / "shop.tls.pem"
+    key.parent.mkdir()
+    leftover = key.with_name(key.name + ".tmp")  # left by a crash, readable by all
+    leftover.write_bytes(b"old")
+    os.chmod(leftover, 0o644)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    ctl_module._write(key, b"private key")
+    assert key.read_bytes() == b"private key" and not leftover.exists()
+    assert key.stat().st_mode & 0o777 == 0o600  # not readable by others
+    assert synced == [str(leftover), str(key.parent)]  # the file before its rename, the rename after
