@@ -875,38 +875,45 @@ def read_answer(resp: Any, limit: int = API_BODY_MAX) -> bytes:
     return data
 
 
-class _DeadlineSocket(socket.socket):
-    """A connected socket whose every receive waits only until ``deadline`` (time.monotonic):
+class _DeadlineReads:
+    """Every receive of a connected socket waits only until ``_deadline`` (time.monotonic):
     the whole answer -- status line, headers, body -- within one bound, however slowly it
-    trickles in.  http.client reads through ``recv_into`` (its socket file)."""
+    trickles in.  http.client reads through ``recv_into`` (its socket file); a TLS socket's
+    read waits at most its timeout in all (CPython's ssl module), so the bound holds there too."""
+
+    _deadline: float
+
+    def _wait_left(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self.settimeout(left)  # type: ignore[attr-defined]
+
+    def recv_into(self, *args: Any, **kwargs: Any) -> int:
+        self._wait_left()
+        return super().recv_into(*args, **kwargs)  # type: ignore[misc]
+
+    def recv(self, *args: Any, **kwargs: Any) -> bytes:
+        self._wait_left()
+        return super().recv(*args, **kwargs)  # type: ignore[misc]
+
+
+class _DeadlineSocket(_DeadlineReads, socket.socket):
+    """A plain (http://) connection's socket under :class:`_DeadlineReads`."""
 
     def __init__(self, sock: Any, deadline: float) -> None:
         super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
         self._deadline = deadline
         self.settimeout(max(0.001, deadline - time.monotonic()))  # sending the request too
 
-    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out")
-        self.settimeout(left)
-        return super().recv_into(buffer, nbytes, flags)
-
-    def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out")
-        self.settimeout(left)
-        return super().recv(bufsize, flags)
-
 
 def api_open(req: Any, timeout: float | None, *, deadline: float | None = None) -> Any:
     """``urlopen`` for an agent's API: straight to the address given, never through
     ``http_proxy`` (the API token must not go to a proxy), and no redirect followed (urllib
     would send the Authorization header on to wherever it points): a 3xx is an HTTPError.
-    ``deadline`` (time.monotonic), for http:// URLs: the connection, the answer's head and
-    every read of its body end by then (:class:`TimeoutError`), not only each read within
-    ``timeout``."""
+    ``deadline`` (time.monotonic), for http:// and https:// URLs alike: the connection, the
+    answer's head and every read of its body end by then (:class:`TimeoutError`), not only each
+    read within ``timeout``."""
     import urllib.error
     import urllib.request
 
@@ -932,6 +939,24 @@ def api_open(req: Any, timeout: float | None, *, deadline: float | None = None) 
                 return self.do_open(Connection, req)
 
         handlers.append(DeadlineHandler())
+        if hasattr(http.client, "HTTPSConnection"):  # (a Python built without ssl has no https)
+            import ssl
+
+            class DeadlineSSLSocket(_DeadlineReads, ssl.SSLSocket):
+                _deadline = deadline
+
+            class TLSConnection(http.client.HTTPSConnection):
+                def __init__(self, *args: Any, **kwargs: Any) -> None:
+                    super().__init__(*args, **kwargs)
+                    # The connection's own context (a new default one: certificates checked as
+                    # before), whose wrap_socket makes the TLS socket of that class.
+                    self._context.sslsocket_class = DeadlineSSLSocket  # type: ignore[attr-defined]
+
+            class DeadlineTLSHandler(urllib.request.HTTPSHandler):
+                def https_open(self, req: Any) -> Any:
+                    return self.do_open(TLSConnection, req)
+
+            handlers.append(DeadlineTLSHandler())
     opener = urllib.request.build_opener(*handlers)
     return opener.open(req, timeout=timeout)
 

@@ -21,7 +21,8 @@ Identity and labels, as a container runtime passes them:
 
 * ``CNI_ARGS``: ``K8S_POD_NAMESPACE=<ns>;K8S_POD_NAME=<name>`` (what kubelet's CRI runtimes set);
 * labels: ``args.cni.labels`` (CNI conventions: a list of ``{"key", "value"}``) and
-  ``runtimeConfig.labels`` (an object); later ``agentd label pod NS/NAME k=v``;
+  ``runtimeConfig.labels`` (an object), :data:`LABELS_MAX` bytes in all; later
+  ``agentd label pod NS/NAME k=v``;
 * named container ports: ``runtimeConfig.containerPorts`` or ``args.cni.containerPorts``, a
   list of ``{"name", "containerPort", "protocol"}`` as in a Kubernetes pod spec (its
   ``hostPort`` and ``hostIP`` are accepted and dropped).
@@ -56,6 +57,11 @@ SUFFIX = ".json"
 PROGRAMMED = ".programmed"
 DEFAULT_WAIT = 2.0
 HOST_PORT_FIELDS = ("hostPort", "hostIP")  # of a Kubernetes ContainerPort: accepted, not kept
+#: Bytes of a pod's labels ADD takes, counted as flow records count them (key + value + 8 each,
+#: agentd/flows/model.py LABELS_MAX): a runtime passing more gets ADD refused, not the labels
+#: cut, since labels select the pod for network policy and a pod short of some would be
+#: selected (isolated, allowed) as another pod is.  Kubernetes caps no pod's labels in all.
+LABELS_MAX = 16 << 10
 
 
 class EndpointError(ValueError):
@@ -191,6 +197,10 @@ def identity(env: Mapping[str, str], netconf: Mapping[str, Any],
         labels = check_labels(labels, "labels")
     except Invalid as err:
         raise EndpointError(str(err)) from None
+    size = sum(len(key) + len(value) + 8 for key, value in labels.items())
+    if size > LABELS_MAX:
+        raise EndpointError(f"labels: Too long: {len(labels)} labels of {size} bytes (key + value + 8 each), "
+                            f"more than the {LABELS_MAX} a pod may have here")
     ports_raw = runtime.get("containerPorts")
     if ports_raw is None and isinstance(cni_args, dict):
         ports_raw = cni_args.get("containerPorts")

@@ -1033,12 +1033,15 @@ static void coalesce(struct fp_state *st, uint8_t **pkts, int *lens, int k)
     }
 }
 
-/* Is this an inner packet we may write: IPv4 with a total length equal to its length, or (with
- * ipv6) IPv6 whose payload length and header are its length? */
+/* Is this an inner packet we may write: IPv4 with a total length equal to its length and a
+ * header (IHL, 20 to 60 bytes) within it, or (with ipv6) IPv6 whose payload length and header
+ * are its length? */
 static inline int inner_ok(const uint8_t *p, int len, int ipv6)
 {
-    if (len >= 20 && p[0] >> 4 == 4)
-        return (p[0] & 0x0F) >= 5 && get16(p + 2) == len;
+    if (len >= 20 && p[0] >> 4 == 4) {
+        int ihl = (p[0] & 0x0F) << 2;
+        return ihl >= 20 && ihl <= len && get16(p + 2) == len;
+    }
     return ipv6 && len >= 40 && p[0] >> 4 == 6 && get16(p + 4) + 40 == len;
 }
 

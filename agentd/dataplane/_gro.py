@@ -160,11 +160,30 @@ def _mask(hl: int, ihl: int = 20) -> np.ndarray:
     return m
 
 
+def _packets_of_family(vw: _BatchViews, lens: np.ndarray) -> bool:
+    """Is every row of a batch a packet of the batch's family, as the receive loops' inner
+    check (_fastpath.c inner_ok, udp.inner_packet_ok) has one: IPv6 in an IPv6 batch; IPv4 in
+    an IPv4 batch, with an IHL of at least 5 and a header within the packet (``lens``)?  The
+    batch paths check this themselves, not trusting their callers to have: a row that fails
+    is written as it came by the per-packet path, and another family's IP length is not the
+    one the batch checks.  (The IP lengths: the caller's check of ``tot``.)"""
+    first = vw.first.tobytes()  # (bytes' count: a tenth of a numpy comparison's cost here)
+    if vw.ihl == 40:
+        return first.translate(_VERSION).count(6) == len(first)
+    if first.count(0x45) == len(first):
+        return True  # no options: all there is to check
+    ihl = (vw.first & 0x0F).astype(np.intp) << 2
+    return first.translate(_VERSION).count(4) == len(first) and not np.count_nonzero((ihl < 20) | (ihl > lens))
+
+
+_VERSION = bytes(b >> 4 for b in range(256))  # an IP header's first byte -> its version
+
+
 class _BatchViews:
     """numpy views and scratch arrays for one batch geometry (made once: making a view costs
     about as much as using it)."""
 
-    __slots__ = ("hl", "ihl", "base", "offs", "csum_idx", "grid", "h_next", "h_prev", "flags_head", "tot", "tot_head", "seq_next",
+    __slots__ = ("hl", "ihl", "base", "offs", "csum_idx", "grid", "first", "h_next", "h_prev", "flags_head", "tot", "tot_head", "seq_next",
                  "seq_prev", "diff", "headers", "run_mask", "masked", "expect", "expect_seq", "expect_tot")
 
     def __init__(self, arr: np.ndarray, base: int, stride: int, k: int, hl: int, ihl: int = 20) -> None:
@@ -186,6 +205,7 @@ class _BatchViews:
             else:
                 idx[0::2] = w + 4
         self.grid = grid = arr[base : base + k * stride].reshape(k, stride)
+        self.first = grid[:, 0]  # version and IHL (IPv4)
         # One run, checked in one go: every header equals the first but for the IPv4 ID,
         # checksums and PSH on the last packet, with the length and sequence number predicted.
         self.headers = grid[:, :hl]
@@ -330,6 +350,7 @@ class Coalescer:
             expect[...] = masked[0]
             vw.expect_seq[...] = steps[:k] + np.uint32(_unpack_I(h0, ihl + 4)[0])
             vw.expect_tot[k - 1] = last - base
+            # (Byte 0 is compared too: every row of the run is of the first's family and IHL.)
             if not np.count_nonzero(np.bitwise_xor(masked, expect, out=expect)):
                 bad = self._csum_failures(arr, vw, np.array(lens))
                 if not len(bad):
@@ -339,25 +360,29 @@ class Coalescer:
                 return True
         if mss <= 0 or last <= hl or int(vw.tot[k - 1]) + base != last or np.count_nonzero(vw.tot_head != seg - base):
             return False          # an IP length that is not the packet length, pure ACKs, ...
+        lens_np = np.array(lens)
+        if not _packets_of_family(vw, lens_np):
+            return False
         starts = self._header_changes(vw)
         starts |= (vw.seq_next - vw.seq_prev) != mss
         starts |= vw.flags_head & TCP_PSH
-        self._cut_checked(arr, vw, mss, starts, lens, np.array(lens))
+        self._cut_checked(arr, vw, mss, starts, lens, lens_np)
         return True
 
     def add_batch(self, arr: np.ndarray, base: int, stride: int, lens: np.ndarray) -> bool:
         """Take the ``len(lens)`` packets at ``arr[base + i*stride:][:lens[i]]`` (IPv4 or IPv6,
-        as the first says: another family in the batch goes packet by packet, below).
+        as the first says).
 
-        The batch is checked in one go: every IP length must be the packet length
+        The batch is checked in one go: every packet must be of the first's family, an IPv4
+        header (IHL) at least 20 bytes and within the packet, every IP length the packet length
         (otherwise nothing is taken and False returned: the caller checks and counts packet by
         packet), then it is cut where GRO would cut it (another flow or header, a gap in
         sequence numbers, after PSH or a short segment) and each piece is copied into a run
         with one strided copy; what cannot be merged at all goes through :meth:`add`."""
         k = len(lens)
         vw = self._batch_views(arr, base, stride, k)
-        if vw is None or np.count_nonzero(vw.tot != lens - vw.base):
-            return False          # an IP length that is not the packet length: malformed
+        if vw is None or np.count_nonzero(vw.tot != lens - vw.base) or not _packets_of_family(vw, lens):
+            return False          # an IP length that is not the packet length, a bad IHL: malformed
         hl = vw.hl
         plens = lens - hl
         if np.minimum.reduce(plens) <= 0:

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,9 +35,10 @@ def _request(conn: socket.socket) -> None:
 
 
 @contextlib.contextmanager
-def server(answer: Callable[[socket.socket], None]) -> Iterator[str]:
+def server(answer: Callable[[socket.socket], None], tls: ssl.SSLContext | None = None) -> Iterator[str]:
     """``http://127.0.0.1:PORT`` of a server that answers each connection with ``answer``
-    (after reading the request), one at a time; stopped and joined on the way out."""
+    (after reading the request), one at a time; stopped and joined on the way out.  With
+    ``tls`` (a server's context), ``https://``: each connection is TLS first."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.05)  # the loop looks at `stop` between accepts
     stop = threading.Event()
@@ -49,18 +51,21 @@ def server(answer: Callable[[socket.socket], None]) -> Iterator[str]:
                 continue
             except OSError:
                 return
-            with conn:
+            with contextlib.ExitStack() as open_:
+                open_.enter_context(conn)
                 conn.settimeout(5)
                 try:
+                    if tls is not None:  # (the plain socket handed over to the TLS one)
+                        conn = open_.enter_context(tls.wrap_socket(conn, server_side=True))
                     _request(conn)
                     answer(conn)
-                except OSError:  # the command closed its end: done with it
+                except OSError:  # the command closed its end (or refused the certificate): done with it
                     pass
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{listener.getsockname()[1]}"
     finally:
         stop.set()
         thread.join(10)
@@ -197,6 +202,72 @@ def test_an_error_answer_is_read_to_a_bound(capsys):
         assert code == 1 and one_line(err) == f"agentd status: {api}/status: HTTP 500 X\n"
         code, _, err = run(capsys, "flows", "--api", api)
         assert code == 1 and one_line(err).startswith(f"agentd flows: {api}/flows?last=20: 500 ")
+
+
+@pytest.fixture
+def tls(tmp_path, monkeypatch) -> ssl.SSLContext:
+    """A server's TLS context with a throwaway self-signed certificate for 127.0.0.1, which the
+    CLI's https connections trust (the default context urllib makes, given that certificate)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = tmp_path / "api.crt", tmp_path / "api.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    monkeypatch.setattr(ssl, "_create_default_https_context", lambda: ssl.create_default_context(cafile=cert_file))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+def test_https_answers_have_the_same_bounds(capsys, monkeypatch, tls):
+    """An https:// --api had only the per-read timeout: a byte every 50 ms kept `status`,
+    `flows` and `leave` waiting past their bounds.  The whole answer, over TLS too, within
+    the wait; and read to :data:`API_BODY_MAX` bytes."""
+    monkeypatch.setattr(cli, "STATUS_WAIT", 0.5, raising=False)
+    monkeypatch.setattr(cli, "FLOWS_WAIT", 0.5, raising=False)
+    with server(dripping, tls) as api:
+        assert api.startswith("https://")
+        start = time.monotonic()
+        code, out, err = run(capsys, "status", "--api", api)
+        assert (code, out) == (1, "") and time.monotonic() - start < 3
+        assert one_line(err) == f"agentd status: {api}/status did not answer whole within 0.5 s\n"
+        start = time.monotonic()
+        code, out, err = run(capsys, "flows", "--api", api)
+        assert (code, out) == (1, "") and time.monotonic() - start < 3
+        assert one_line(err) == f"agentd flows: the stream from {api} broke: not whole within 0.5 s\n"
+    with server(endless, tls) as api:
+        code, out, err = run(capsys, "status", "--api", api)
+    assert (code, out) == (1, "")
+    assert one_line(err) == f"agentd status: {api}/status answered with more than {cli.API_BODY_MAX} bytes: is that an agentd API?\n"
+    with server(dripping, tls) as api:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError), cli.api_open(api + "/leave", timeout=5,
+                                                       deadline=time.monotonic() + 0.5) as resp:
+            cli.read_answer(resp)
+        assert time.monotonic() - start < 3
+
+
+def test_https_is_still_checked(capsys):
+    """The bounded https connection still checks the server's certificate (none trusted here)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with server(endless, context) as api:
+        code, _, err = run(capsys, "status", "--api", api)
+    assert code == 1 and one_line(err).startswith(f"agentd status: cannot reach the agent at {api}/status: ")
 
 
 # -- server text: one line, no escape sequences -------------------------------------------------

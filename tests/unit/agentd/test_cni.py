@@ -1225,3 +1225,79 @@ def test_the_temporary_file_sweep_goes_by_the_time_passed_in(tmp_path):
     assert cni.sweep_temp_files(str(tmp_path), 1000.0 + cni.TEMP_MAX_AGE) == [str(tmp)]
     assert not tmp.exists()
     assert cni.sweep_temp_files(str(tmp_path / "none"), 1e12) == []  # no directory: nothing to do
+
+
+# --- a pod's labels: bounded ----------------------------------------------------------------
+
+
+def _labels_of(size: int) -> dict[str, str]:
+    """Labels of exactly ``size`` bytes as ADD counts them (key + value + 8 each)."""
+    labels = {}
+    while size:
+        key = f"k{len(labels):04d}"
+        value = "v" * min(63, size - len(key) - 8)
+        if size - len(key) - len(value) - 8 in range(1, 14):  # leave the last label room for a key
+            value = value[:-14]
+        labels[key] = value
+        size -= len(key) + len(value) + 8
+    return labels
+
+
+def _cni_process(env: dict[str, str], conf: dict) -> tuple[int, dict]:
+    """agentd-cni as the runtime runs it: the console script's function in a process of its
+    own, the network config on its stdin, the result on its stdout."""
+    import subprocess
+    import sys
+
+    root = pathlib.Path(cni.__file__).resolve().parents[2]  # this tree's agentd, not an installed one
+    proc = subprocess.run([sys.executable, "-c", "import sys; from agentd.entry import agentd_cni; sys.exit(agentd_cni())"],
+                          input=json.dumps(conf).encode(), capture_output=True, timeout=60, check=False,
+                          env={**env, "PYTHONPATH": str(root), "PATH": os.environ.get("PATH", "")})
+    assert "Traceback" not in proc.stderr.decode(), proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_add_refuses_a_pod_with_more_labels_than_it_takes(tmp_path):
+    """A pod's labels from runtimeConfig and args.cni were taken however many, however large,
+    into the endpoint file, the agent's pod record and its tables.  Past LABELS_MAX bytes (what a
+    flow record carries of a pod's labels) ADD is one CNI error, before anything is set up: not
+    the labels cut, which would leave policies selecting the pod as another one."""
+    from agentd.cni import endpoints
+
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    (tmp_path / "bin").mkdir()  # no delegate: the refusal comes before it is looked for
+    env = _env(CNI_ARGS="K8S_POD_NAMESPACE=default;K8S_POD_NAME=web", CNI_PATH=str(tmp_path / "bin"))
+    labels = _labels_of(endpoints.LABELS_MAX + 1)
+    assert sum(len(k) + len(v) + 8 for k, v in labels.items()) == endpoints.LABELS_MAX + 1
+    listed = list(labels.items())[:100]  # a part through each way a runtime passes them
+    conf = _conf(tmp_path, policyTimeout=0, runtimeConfig={"labels": dict(list(labels.items())[100:])},
+                 args={"cni": {"labels": [{"key": k, "value": v} for k, v in listed]}})
+    code, out = _cni_process(env, conf)
+    assert code == 1 and out["code"] == 7 and out["cniVersion"] == "1.0.0", out
+    assert out["msg"] == (f"pod identity: labels: Too long: {len(labels)} labels of {endpoints.LABELS_MAX + 1} bytes "
+                          f"(key + value + 8 each), more than the {endpoints.LABELS_MAX} a pod may have here"), out
+    assert not (tmp_path / "state").exists()
+    thousands = {f"app{i}": "x" for i in range(100_000)}  # each label small, too many of them
+    code, out = _cni_process(env, _conf(tmp_path, runtimeConfig={"labels": thousands}))
+    assert code == 1 and out["code"] == 7 and "100000 labels of" in out["msg"], out
+
+
+def test_add_takes_a_pods_labels_to_the_bound_whole(tmp_path, monkeypatch, capsys):
+    """LABELS_MAX bytes of labels: every one in the endpoint file (and so in every flow record)."""
+    import io
+    import sys
+
+    from agentd.cni import endpoints
+    from agentd.flows.model import LABELS_MAX, record_labels
+
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    labels = _labels_of(endpoints.LABELS_MAX)
+    conf = _conf(tmp_path, policyTimeout=0, runtimeConfig={"labels": labels})
+    monkeypatch.setattr(os, "environ", _env(CNI_ARGS="K8S_POD_NAMESPACE=default;K8S_POD_NAME=web"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps(conf).encode())))
+    assert cni.main() == 0, capsys.readouterr()
+    assert json.loads(capsys.readouterr().out)["ips"]
+    assert endpoints.read(str(tmp_path / "state"), "c0ffee01").labels == labels
+    assert endpoints.LABELS_MAX == LABELS_MAX and record_labels(labels) == (labels, 0)

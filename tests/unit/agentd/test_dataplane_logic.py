@@ -471,6 +471,80 @@ def test_add_batch_refuses_malformed_batches_without_taking_anything():
         assert c.merged == c.written == c.batches == 0
 
 
+def _ipv4(first: int, size: int, ident: int = 0, total: int | None = None) -> bytes:
+    """A non-TCP IPv4 packet of ``size`` bytes whose first byte (version, IHL) is ``first``."""
+    p = bytearray(size)
+    p[0], p[8], p[9] = first, 64, P.IPPROTO_ICMP
+    p[2:4] = (size if total is None else total).to_bytes(2, "big")
+    p[4:6] = ident.to_bytes(2, "big")
+    return bytes(p)
+
+
+def _seg6(seq: int, data: bytes = b"x" * 1000) -> bytes:
+    return bytes(P.tcp6_packet("fd00:10:244:1::2", "fd00:10:244:2::2",
+                               P.TcpHeader(40000, 5201, seq, 777, P.TCP_ACK, 502, options=TS_OPTS), data))
+
+
+@pytest.mark.parametrize("how", ["batch", "gro"])
+@pytest.mark.parametrize("odd", ["ihl below 5", "header longer than the packet", "ipv4 length unchecked in ipv6"])
+def test_the_batch_paths_check_each_packets_header_themselves(how, odd):
+    """add_batch and add_segments took a packet whose IPv4 IHL is below 5 or says more header
+    than the packet has (and so wrote it to the TUN): their callers checked the first bytes
+    before, a new caller would not.  An IPv4 packet in an IPv6 batch had its own total length
+    checked by nothing (the batch's check reads IPv6's payload length there).  Each is refused
+    whole: the caller checks and counts packet by packet."""
+    v6 = odd == "ipv4 length unchecked in ipv6"
+    packets = [_seg6(1 + i * 1000) if v6 else bytes(seg(1 + i * 1000)) for i in range(10)]
+    size = len(packets[0])
+    if odd == "ihl below 5":
+        packets[4] = b"\x44" + packets[4][1:]
+    elif odd == "header longer than the packet":  # 56 bytes, IHL 15 (60): after the TCP headers (52)
+        packets[-1] = _ipv4(0x4F, 56)
+    else:  # IPv6's payload length where IPv4 has its ID: the batch's check passes, the total length lies
+        packets[4] = _ipv4(0x45, size, ident=size - 40, total=size - 1)
+    c = Coalescer(lambda parts: pytest.fail("nothing may be written"))
+    if how == "batch":
+        buf = bytearray(2048 * len(packets))
+        for j, p in enumerate(packets):
+            buf[j * 2048 : j * 2048 + len(p)] = p
+        assert not c.add_batch(np.frombuffer(buf, np.uint8), 0, 2048, np.array([len(p) for p in packets]))
+    else:
+        blob = b"".join(packets)
+        assert not c.add_segments(np.frombuffer(blob + bytes(2048), np.uint8), 0, size, len(blob))
+    assert c.merged == c.written == c.batches == 0
+
+
+def test_the_batch_paths_still_take_ipv4_options_and_other_packets_of_the_family():
+    """A row with IPv4 options (IHL 6, within the packet) or a ping among the segments is a packet:
+    the batch is taken, the row written on its own."""
+    packets = [bytes(seg(1 + i * 1000)) for i in range(10)]
+    opts = bytearray(packets[3])
+    opts[0] = 0x46  # 4 bytes of the TCP header read as options: no TCP to merge, a packet still
+    packets[3] = bytes(opts)
+    packets[7] = _ipv4(0x45, 100)
+    want = coalesce_packets(packets)
+    for how in ("batch", "gro"):
+        writes: list = []
+
+        def write(parts, writes=writes):
+            blob = b"".join(map(bytes, parts))
+            writes.append((P.VirtioNetHdr.decode(blob), blob[10:]))
+
+        c = Coalescer(write)
+        if how == "batch":
+            buf = bytearray(2048 * len(packets))
+            for j, p in enumerate(packets):
+                buf[j * 2048 : j * 2048 + len(p)] = p
+            assert c.add_batch(np.frombuffer(buf, np.uint8), 0, 2048, np.array([len(p) for p in packets]))
+        else:
+            same = packets[:7]  # a GRO read: equal-sized datagrams
+            blob = b"".join(same)
+            assert c.add_segments(np.frombuffer(blob + bytes(2048), np.uint8), 0, len(same[0]), len(blob))
+            want = coalesce_packets(same)
+        c.flush()
+        assert writes == want and c.batches == 1, how
+
+
 def test_a_batch_spanning_super_packets_is_cut_where_gro_would_cut_it():
     """A recvmmsg batch holds segments of several TSO super-packets: the timestamp option
     changes between them (so GRO cuts there), other flows and gaps come in between."""

@@ -659,3 +659,23 @@ def test_good_segments_are_not_counted_and_non_tcp_is_not_checked_as_tcp():
     with c_writer6() as (fp, writes):
         fp.write_packets(packets)
         assert writes() == want and fp.counters()["rx_csum_errors"] == 0
+
+
+def test_an_ipv4_header_longer_than_its_packet_is_malformed():
+    """inner_ok took an IPv4 packet whose IHL says more header than the packet has (60 bytes of
+    header in a 40-byte packet whose total length says 40): written to the TUN, counted as
+    received.  Now it is malformed, as one whose IHL is below 5; a header exactly as long as the
+    packet (no payload) is still a packet."""
+    def ipv4(first: int, size: int) -> bytes:
+        p = bytearray(size)
+        p[0], p[8], p[9] = first, 64, P.IPPROTO_ICMP
+        p[2:4] = size.to_bytes(2, "big")  # the total length: the packet's
+        return bytes(p)
+
+    good = [seg(1 + i * 1000) for i in range(3)]
+    longer = [ipv4(0x4F, 40), ipv4(0x46, 20), ipv4(0x4F, 59), ipv4(0x44, 40)]
+    whole = ipv4(0x4A, 40)  # 40 bytes of header, all of the packet
+    with c_writer6() as (fp, writes):
+        assert fp.write_packets([good[0], *longer, good[1], whole, good[2]]) == 4
+        assert fp.counters()["drop:malformed"] == len(longer)
+        assert writes() == coalesce_packets([*good[:2], whole, good[2]])
