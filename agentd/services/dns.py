@@ -573,7 +573,11 @@ class DnsServer:
                 if tcp:
                     reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
                 else:
-                    reply = await dns.asyncquery.udp(query, host, timeout=FORWARD_TIMEOUT, port=port, ignore_trailing=True)
+                    # A datagram from another source, or of another ID or question (a late
+                    # answer to an earlier query, a spoofing attempt), is not the answer: read
+                    # past it until the real one comes or the timeout ends (CoreDNS forward too).
+                    reply = await dns.asyncquery.udp(query, host, timeout=FORWARD_TIMEOUT, port=port, ignore_trailing=True,
+                                                     ignore_unexpected=True, ignore_errors=True)
                     if reply.flags & dns.flags.TC:
                         reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
                 return reply

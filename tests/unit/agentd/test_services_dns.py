@@ -960,3 +960,61 @@ spec: {clusterIP: None, selector: {app: db}, ports: [{name: pg, port: 5432, targ
     for bad in ({"hostname": "DB_0"}, {"subdomain": "a.b"}, {"hostname": 7}):
         with pytest.raises(Invalid):
             pod("db-9", ["10.244.1.9"], **bad)
+
+
+class _Upstream:
+    """A DNS server on 127.0.0.1 (an ephemeral port) that answers every query ``A 192.0.2.1``,
+    first sending what ``before(query, addr, transport)`` sends (a stray datagram)."""
+
+    def __init__(self, before=None) -> None:
+        self.before = before
+        self.asked = 0
+
+    async def __aenter__(self) -> tuple[str, int]:
+        import asyncio
+
+        import dns.rrset
+
+        upstream = self
+
+        class Proto(asyncio.DatagramProtocol):
+            def connection_made(self, transport) -> None:
+                self.transport = transport
+
+            def datagram_received(self, data: bytes, addr) -> None:
+                upstream.asked += 1
+                query = dns.message.from_wire(data)
+                if upstream.before is not None:
+                    upstream.before(query, addr, self.transport)
+                reply = dns.message.make_response(query)
+                reply.answer.append(dns.rrset.from_text(query.question[0].name, 60, "IN", "A", "192.0.2.1"))
+                self.transport.sendto(reply.to_wire(), addr)
+
+        self.transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(Proto, local_addr=("127.0.0.1", 0))
+        return self.transport.get_extra_info("sockname")[:2]
+
+    async def __aexit__(self, *exc) -> None:
+        self.transport.close()
+
+
+async def test_a_stray_datagram_before_the_upstreams_reply_is_ignored_not_a_failure():
+    """A reply of another ID (a late answer to an earlier query) or a datagram from another
+    source reaching the forwarder's port first is not the answer: it waits for the real one
+    (as CoreDNS forward reads past mismatched IDs), and the client gets it, not SERVFAIL."""
+    import socket
+
+    def wrong_id(query, addr, transport) -> None:
+        stale = dns.message.make_response(query)
+        stale.id = (query.id + 1) & 0xFFFF
+        transport.sendto(stale.to_wire(), addr)
+
+    def foreign(query, addr, transport) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"junk", addr)
+
+    for before in (wrong_id, foreign):
+        async with _Upstream(before) as where:
+            server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [where])
+            out = dns.message.from_wire(await server.answer(dns.message.make_query("example.com", "A").to_wire()))
+            assert out.rcode() == dns.rcode.NOERROR and lines(out.answer) == ["example.com. 60 IN A 192.0.2.1"], before
+            assert server.outcomes["forwarded"] == 1 and server.failed == 0, before
