@@ -26,7 +26,9 @@ The wire format is dnspython's.
   message with QR set (a response) is dropped unanswered.  More than one question: FORMERR;
   an EDNS version above 0: BADVERS (RFC 6891 §6.1.3); neither forwarded.
 * Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
-  /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  At most
+  /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  An upstream that
+  failed is asked after the others, one down (:data:`MAX_FAILS` in a row) not at all for a
+  backoff (:class:`Upstreams`; all down: all asked anyway).  At most
   :data:`MAX_FORWARDED` forwarded queries wait at once; more are SERVFAIL at once.  At most
   :data:`MAX_TCP_CLIENTS` TCP connections are open at once; more are closed at once.
 * Only the node's pods (the pod networks), the node itself (its own addresses) and loopback
@@ -91,6 +93,15 @@ MAX_TCP_CLIENTS = 1000
 # address neither a pod network's, loopback, nor among the node's addresses as last listed
 # (one netlink dump: a flood of foreign queries costs one per interval, not one each).
 LOCAL_REFRESH = 5.0  # seconds
+# An upstream that failed (no answer in FORWARD_TIMEOUT, refused, closed unanswered) is asked
+# after those that did not; one that failed MAX_FAILS times in a row is down (CoreDNS forward's
+# max_fails, 2) and skipped, until RETRY_INITIAL seconds after, doubling with each further
+# failure up to RETRY_MAX, it may be asked again (after the others).  So a dead first upstream
+# costs one query its timeout, not every query (nor holds a forwarding slot that long each).
+# When every upstream is down they are all asked all the same: there is no other to ask.
+MAX_FAILS = 2
+RETRY_INITIAL = 1.0  # seconds
+RETRY_MAX = 30.0  # seconds
 
 
 def local_addresses() -> set[Any]:
@@ -431,6 +442,52 @@ def _is_branch(table: Names, qname: str) -> bool:
     return table.branches.get(qname, 0) > 0
 
 
+@dataclass
+class Upstream:
+    """One upstream server and how it fared: ``fails`` in a row (0: healthy), and while down
+    (``fails`` >= :data:`MAX_FAILS`) when it may be asked again."""
+
+    host: str
+    port: int
+    fails: int = 0
+    retry_at: float = 0.0
+
+
+class Upstreams:
+    """The upstreams in the order to ask them: the healthy ones as configured, then those that
+    failed last time they were asked; a down one only once its backoff is over (or when every
+    one is down).  ``clock``: seconds, monotonic (the event loop's)."""
+
+    def __init__(self, pairs: Iterable[tuple[str, int]], clock: Callable[[], float]) -> None:
+        self.all = [Upstream(host, port) for host, port in pairs]
+        self.clock = clock
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+    def order(self) -> list[Upstream]:
+        if not self.all:
+            return []
+        now = self.clock()
+        usable = [u for u in self.all if u.fails < MAX_FAILS or now >= u.retry_at]
+        return sorted(usable, key=lambda u: u.fails > 0) or list(self.all)  # all down: asked anyway
+
+    def failed(self, upstream: Upstream, err: object) -> None:
+        upstream.fails += 1
+        if upstream.fails >= MAX_FAILS:
+            backoff = min(RETRY_MAX, RETRY_INITIAL * 2 ** min(upstream.fails - MAX_FAILS, 16))
+            upstream.retry_at = self.clock() + backoff
+            if upstream.fails == MAX_FAILS:
+                log.warning("upstream DNS server %s:%d failed %d times in a row (%s): asked again only after the "
+                            "others, %.0f s from now at the earliest", upstream.host, upstream.port, upstream.fails,
+                            err, backoff)  # fmt: skip
+
+    def answered(self, upstream: Upstream) -> None:
+        if upstream.fails >= MAX_FAILS:
+            log.info("upstream DNS server %s:%d answers again", upstream.host, upstream.port)
+        upstream.fails = 0
+
+
 def upstream_pairs(upstream: Iterable[str]) -> list[tuple[str, int]]:
     """``[dns] upstream`` as the config keeps it ("IPv4:PORT", "[IPv6]:PORT") -> (address, port)."""
     out = []
@@ -469,7 +526,7 @@ class DnsServer:
 
     def __init__(self, address: str, port: int, table: Callable[[], Names], upstreams: list[tuple[str, int]],
                  more: Sequence[str] = (), clients: Clients | None = None,
-                 service_ranges: Iterable[str] = ()) -> None:  # fmt: skip
+                 service_ranges: Iterable[str] = (), clock: Callable[[], float] | None = None) -> None:  # fmt: skip
         self.address = address
         # The cluster IPs' ranges: their reverse names are answered here, never forwarded.
         self.service_ranges = [ipaddress.ip_network(r, strict=False) for r in service_ranges]
@@ -477,7 +534,7 @@ class DnsServer:
         self.addresses = [address, *more]
         self.port = port
         self.table = table
-        self.upstreams = upstreams
+        self.upstreams = Upstreams(upstreams, clock or (lambda: asyncio.get_running_loop().time()))
         self.queries = 0  # received
         self.forwarded = 0  # sent upstream (in flight or done)
         # Monotonic, each query counted once when its reply is made: ``answered`` (from the
@@ -568,7 +625,8 @@ class DnsServer:
             self.in_flight -= 1
 
     async def _ask_upstreams(self, query: dns.message.Message, tcp: bool) -> Any:
-        for host, port in self.upstreams:
+        for upstream in self.upstreams.order():
+            host, port = upstream.host, upstream.port
             try:
                 if tcp:
                     reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
@@ -580,9 +638,12 @@ class DnsServer:
                                                      ignore_unexpected=True, ignore_errors=True)
                     if reply.flags & dns.flags.TC:
                         reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
-                return reply
             except (dns.exception.DNSException, OSError, EOFError, ValueError) as err:  # EOFError: TCP closed unanswered
                 log.debug("upstream %s:%d failed: %s", host, port, err)
+                self.upstreams.failed(upstream, str(err) or type(err).__name__)
+                continue
+            self.upstreams.answered(upstream)
+            return reply
         return None
 
     def _datagram(self, transport: asyncio.DatagramTransport, data: bytes, addr: Any) -> asyncio.Task[None] | None:

@@ -1018,3 +1018,81 @@ async def test_a_stray_datagram_before_the_upstreams_reply_is_ignored_not_a_fail
             out = dns.message.from_wire(await server.answer(dns.message.make_query("example.com", "A").to_wire()))
             assert out.rcode() == dns.rcode.NOERROR and lines(out.answer) == ["example.com. 60 IN A 192.0.2.1"], before
             assert server.outcomes["forwarded"] == 1 and server.failed == 0, before
+
+
+async def test_a_dead_first_upstream_costs_one_query_its_timeout_not_every_query(monkeypatch):
+    """[a black hole, a good one]: the first query waits FORWARD_TIMEOUT for the hole, then
+    the good one answers; the next ones go to the good one first, at once."""
+    import socket
+    import time
+
+    monkeypatch.setattr(sdns, "FORWARD_TIMEOUT", 0.3)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.setblocking(False)
+        async with _Upstream() as good:
+            server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [hole.getsockname(), good])
+            took = []
+            for i in range(3):
+                start = time.monotonic()
+                out = dns.message.from_wire(await server.answer(dns.message.make_query(f"q{i}.example.com", "A").to_wire()))
+                took.append(time.monotonic() - start)
+                assert out.rcode() == dns.rcode.NOERROR and out.answer, i
+        asked_hole = 0
+        while True:
+            try:
+                hole.recv(512)
+            except BlockingIOError:
+                break
+            asked_hole += 1
+    assert took[0] >= 0.3 and max(took[1:]) < 0.15, took
+    assert asked_hole == 1 and server.outcomes["forwarded"] == 3 and server.failed == 0
+
+
+async def test_upstreams_that_failed_are_asked_last_down_ones_skipped_for_a_backoff_all_down_asked_anyway(monkeypatch):
+    """CoreDNS forward's health: an upstream that failed goes after the healthy ones; after
+    MAX_FAILS failures in a row it is down, skipped until its backoff (doubling) is over,
+    then asked again after the others; answering makes it healthy; every one down: all are
+    asked all the same, never none."""
+    import dns.asyncquery
+
+    now = [100.0]
+    dead: set[str] = set()  # (rebound below: udp reads it at each call)
+    asked: list[str] = []
+
+    async def udp(query, host, **kw):
+        asked.append(host)
+        if host in dead:
+            raise dns.exception.Timeout
+        return dns.message.make_response(query)
+
+    monkeypatch.setattr(dns.asyncquery, "udp", udp)
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [("192.0.2.1", 53), ("192.0.2.2", 53)], clock=lambda: now[0])
+
+    async def ask() -> int:
+        del asked[:]
+        return dns.message.from_wire(await server.answer(dns.message.make_query("example.com", "A").to_wire())).rcode()
+
+    one, two = "192.0.2.1", "192.0.2.2"
+    dead.add(one)
+    assert await ask() == dns.rcode.NOERROR and asked == [one, two]
+    assert await ask() == dns.rcode.NOERROR and asked == [two]  # the one that failed goes after the healthy one
+    dead.add(two)
+    assert await ask() == dns.rcode.SERVFAIL and asked == [two, one]  # one: failed twice, down for RETRY_INITIAL
+    dead.discard(two)
+    assert await ask() == dns.rcode.NOERROR and asked == [two]
+    now[0] += sdns.RETRY_INITIAL  # one may be asked again, after two
+    dead.add(two)
+    assert await ask() == dns.rcode.SERVFAIL and asked == [two, one]  # one: down again, for twice as long
+    dead.discard(two)
+    now[0] += sdns.RETRY_INITIAL
+    assert await ask() == dns.rcode.NOERROR and asked == [two]  # one still skipped
+    now[0] += sdns.RETRY_INITIAL
+    dead = {two}
+    assert await ask() == dns.rcode.NOERROR and asked == [two, one]  # one answers: healthy again
+    assert await ask() == dns.rcode.NOERROR and asked == [one]  # and first again
+    dead = {one, two}
+    assert await ask() == dns.rcode.SERVFAIL and asked == [one, two]  # two: down
+    assert await ask() == dns.rcode.SERVFAIL and asked == [one]  # one: down too
+    assert await ask() == dns.rcode.SERVFAIL and asked == [one, two]  # all down: both asked all the same
+    assert [u.fails for u in server.upstreams.all] == [3, 3]
