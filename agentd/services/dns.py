@@ -89,6 +89,7 @@ MAX_FORWARDED = 1000
 # new connection is closed at once, counted as rejected, so that connections cannot take the
 # agent to its LimitNOFILE either.
 MAX_TCP_CLIENTS = 1000
+TCP_IDLE = 10.0  # seconds a TCP client may take to send a query, or to take its answer, before it is closed
 # How often, at most, the node's own addresses are listed again when a query comes from an
 # address neither a pod network's, loopback, nor among the node's addresses as last listed
 # (one netlink dump: a flood of foreign queries costs one per interval, not one each).
@@ -677,7 +678,7 @@ class DnsServer:
         self.tcp_clients += 1
         try:
             while True:
-                async with asyncio.timeout(10):  # not wait_for: a cancel (the server closing) must end the loop
+                async with asyncio.timeout(TCP_IDLE):  # not wait_for: a cancel (the server closing) must end the loop
                     head = await reader.readexactly(2)
                     (length,) = struct.unpack("!H", head)
                     wire = await reader.readexactly(length)
@@ -685,7 +686,14 @@ class DnsServer:
                 if out is None:
                     break
                 writer.write(struct.pack("!H", len(out)) + out)
-                await writer.drain()
+                try:
+                    # A client that sends and never reads would hold the connection (and its
+                    # slot of max_tcp_clients) forever: taking the answer is bounded alike.
+                    async with asyncio.timeout(TCP_IDLE):
+                        await writer.drain()
+                except TimeoutError:
+                    writer.transport.abort()  # not close(), which would wait for the unread answers to go
+                    break
         except (asyncio.IncompleteReadError, TimeoutError, OSError, dns.exception.DNSException):
             pass
         except Exception as err:  # an answer we cannot render: the connection ends, the server goes on

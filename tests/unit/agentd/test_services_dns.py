@@ -1096,3 +1096,47 @@ async def test_upstreams_that_failed_are_asked_last_down_ones_skipped_for_a_back
     assert await ask() == dns.rcode.SERVFAIL and asked == [one]  # one: down too
     assert await ask() == dns.rcode.SERVFAIL and asked == [one, two]  # all down: both asked all the same
     assert [u.fails for u in server.upstreams.all] == [3, 3]
+
+
+async def test_a_tcp_client_that_never_reads_its_answers_is_closed_after_the_idle_timeout(monkeypatch):
+    """A client that sends queries and never reads their answers fills the socket's buffers:
+    waiting for them to drain is bounded by the idle timeout like a read, and the connection
+    (its slot of MAX_TCP_CLIENTS, its socket) goes then."""
+    import asyncio
+    import socket
+    import struct
+
+    monkeypatch.setattr(sdns, "TCP_IDLE", 0.2)
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [])
+    big = dns.message.make_response(dns.message.make_query("big.example.org", "TXT")).to_wire() + b"\0" * 60000
+
+    async def answer(wire: bytes, *, tcp: bool = False) -> bytes:  # a 60 kB answer, made at once
+        return big
+
+    monkeypatch.setattr(server, "answer", answer)
+    writers = []
+    client_of = server._tcp_client
+
+    async def tcp_client(reader, writer) -> None:
+        writers.append(writer)
+        await client_of(reader, writer)
+
+    monkeypatch.setattr(server, "_tcp_client", tcp_client)
+    await server.start()
+    try:
+        port = server._tcp[0].sockets[0].getsockname()[1]
+        query = dns.message.make_query("big.example.org", "TXT").to_wire()
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", port))
+            client.sendall((struct.pack("!H", len(query)) + query) * 200)  # 12 MB of answers, never read
+            async with asyncio.timeout(10):
+                while server.tcp_clients == 0:
+                    await asyncio.sleep(0.01)
+                while server.tcp_clients:  # the answers cannot go: closed after TCP_IDLE
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0)  # (a transport closes its socket at the next turn of the loop)
+            # Its socket is closed (the agent's descriptor free), not kept until the client reads.
+            assert writers[0].get_extra_info("socket").fileno() == -1
+    finally:
+        await server.stop()
