@@ -14,6 +14,9 @@ The wire format is dnspython's.
   (a headless Service: one per ready endpoint, its port and its own name), the targets' A and
   AAAA records in the additional section (RFC 2782; Kubernetes DNS spec 2.3.1/2.4.1, which
   gives AAAA as it gives A).
+* The cluster domain's apex (Services or none): its SOA and NS (``ns.dns.<domain>``, which has
+  the node-local addresses), as CoreDNS's kubernetes plugin; ``in-addr.arpa``'s and
+  ``ip6.arpa``'s where a Service range of that family makes reverse names ours.
 * Other names under the cluster domain: NXDOMAIN (or NOERROR without answers when the name
   exists with another type), authoritative, TTL :data:`TTL`.
 * PTR (spec 2.3.3/2.4.3): the reverse name of a cluster IP gives its Service's name, a headless
@@ -305,10 +308,12 @@ def endpoint_label(endpoint: Endpoint) -> str:
     return endpoint.hostname or endpoint.ip.replace(".", "-").replace(":", "-")
 
 
-def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[Any] = ()) -> dns.message.Message | None:
+def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[Any] = (),
+            nameservers: Sequence[str] = ()) -> dns.message.Message | None:  # fmt: skip
     """The answer to ``query`` from ``table``, or None when the name is not ours (forward it).
     ``service_ranges`` (``ipaddress`` networks): the cluster IPs' ranges, whose reverse names
-    are ours."""
+    are ours.  ``nameservers``: the addresses of ``ns.dns.<domain>`` (the node-local ones),
+    the name server the zones' SOA and NS records give."""
     if query.opcode() != dns.opcode.QUERY:
         # UPDATE, NOTIFY and the rest: not implemented, whatever the zone, as CoreDNS answers
         # them (miekg/dns); never forwarded, where an upstream would take them from the node.
@@ -329,12 +334,23 @@ def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[A
     qname = q.name.to_text().lower()
     if qname.endswith((".in-addr.arpa.", ".ip6.arpa.")):
         return _reverse(table, query, qname, service_ranges)
+    if qname in _REVERSE_APEX and any(r.version == _REVERSE_APEX[qname] for r in service_ranges):
+        # The zone whose SOA the negative answers of the Service ranges' reverse names carry.
+        return _apex(table, query, qname[:-1], nameservers)
     if not (qname == f"{table.domain}." or qname.endswith(f".{table.domain}.")):
         return None
     if q.rdclass != dns.rdataclass.IN:
         return _refused(query)
+    if qname == f"{table.domain}.":  # the zone's apex exists, with its SOA and NS, Services or none
+        return _apex(table, query, table.domain, nameservers)
     response = _ours(table, query)
     if not table.ready:
+        return response
+    if qname in (f"ns.dns.{table.domain}.", f"dns.{table.domain}."):  # the name server the SOA and NS give
+        if qname.startswith("ns."):
+            _nameserver(response, q.name, q.rdtype, nameservers)
+        if not response.answer:
+            response.authority.append(_soa(table.domain))
         return response
     known = qname in table.a or qname in table.srv or _is_branch(table, qname)  # a holds every host, aaaa too
     if not known:
@@ -354,6 +370,41 @@ def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[A
     if not response.answer:  # NODATA: the name exists, without records of that type
         response.authority.append(_soa(table.domain))
     return response
+
+
+_REVERSE_APEX = {"in-addr.arpa.": 4, "ip6.arpa.": 6}
+
+
+def _apex(table: Names, query: dns.message.Message, zone: str, nameservers: Sequence[str]) -> dns.message.Message:
+    """A zone's apex (the cluster domain, ``in-addr.arpa``, ``ip6.arpa``): its SOA and its NS
+    (``ns.dns.<cluster domain>``, its addresses in the additional section), as CoreDNS's
+    kubernetes plugin answers them; another type NODATA.  Never NXDOMAIN, which would say the
+    whole zone does not exist (RFC 8020)."""
+    if query.question[0].rdclass != dns.rdataclass.IN:
+        return _refused(query)
+    response = _ours(table, query)
+    if not table.ready:
+        return response
+    q = query.question[0]
+    if q.rdtype in (dns.rdatatype.SOA, dns.rdatatype.ANY):
+        response.answer.append(_soa(zone))
+    if q.rdtype in (dns.rdatatype.NS, dns.rdatatype.ANY):
+        host = f"ns.dns.{table.domain}."
+        response.answer.append(dns.rrset.from_text(f"{zone}.", TTL, "IN", "NS", host))
+        _nameserver(response, host, dns.rdatatype.ANY, nameservers, response.additional)
+    if not response.answer:
+        response.authority.append(_soa(zone))
+    return response
+
+
+def _nameserver(response: dns.message.Message, name: dns.name.Name | str, rdtype: int, nameservers: Sequence[str],
+                section: list[dns.rrset.RRset] | None = None) -> None:  # fmt: skip
+    """``ns.dns.<domain>``'s A and AAAA records (of type ``rdtype``; ANY: both): the node-local addresses."""
+    out = response.answer if section is None else section
+    for kind, version in ((dns.rdatatype.A, 4), (dns.rdatatype.AAAA, 6)):
+        addresses = [a for a in nameservers if ipaddress.ip_address(a).version == version]
+        if rdtype in (kind, dns.rdatatype.ANY) and addresses:
+            out.append(_addresses(name, kind, addresses))
 
 
 def _addresses(name: dns.name.Name | str, rdtype: int, addresses: Iterable[str]) -> dns.rrset.RRset:
@@ -585,7 +636,7 @@ class DnsServer:
             return None  # not DNS: no answer (as servers do with garbage)
         if query.flags & dns.flags.QR:
             return None  # a response, not a query: dropped, unlogged (nothing to answer, nothing to forward)
-        response, outcome = resolve(self.table(), query, self.service_ranges), "answered"
+        response, outcome = resolve(self.table(), query, self.service_ranges, self.addresses), "answered"
         if response is None and self.in_flight >= self.max_forwarded:
             response, outcome = dns.message.make_response(query), "rejected"
             response.set_rcode(dns.rcode.SERVFAIL)

@@ -1140,3 +1140,36 @@ async def test_a_tcp_client_that_never_reads_its_answers_is_closed_after_the_idl
             assert writers[0].get_extra_info("socket").fileno() == -1
     finally:
         await server.stop()
+
+
+def test_the_zones_apex_has_its_soa_and_ns_with_services_or_none():
+    """The cluster domain exists, Services or none (an NXDOMAIN for it would tell resolvers the
+    whole domain does not, RFC 8020): its SOA and NS in the answer section, the NS being
+    ns.dns.<domain>, which has the node-local addresses; as CoreDNS's kubernetes plugin
+    answers.  The reverse zone the Service ranges' negative answers name alike."""
+    import ipaddress
+
+    soa = "cluster.local. 5 IN SOA ns.dns.cluster.local. hostmaster.cluster.local. 1 7200 1800 86400 5"
+    ranges = [ipaddress.ip_network("10.96.0.0/12")]
+    for table in (TABLE, sdns.Names("cluster.local")):
+        def ask_apex(name: str, rdtype: str) -> dns.message.Message:
+            r = sdns.resolve(table, dns.message.make_query(name, rdtype), ranges, ["169.254.20.10", "fd00:169:254:20::10"])
+            assert r is not None and r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA, (name, rdtype, r)
+            return r
+
+        r = ask_apex("cluster.local", "SOA")
+        assert lines(r.answer) == [soa] and r.authority == []
+        r = ask_apex("Cluster.Local.", "NS")
+        assert lines(r.answer) == ["cluster.local. 5 IN NS ns.dns.cluster.local."]
+        assert lines(r.additional) == ["ns.dns.cluster.local. 5 IN A 169.254.20.10", "ns.dns.cluster.local. 5 IN AAAA fd00:169:254:20::10"]
+        assert sorted(lines(ask_apex("cluster.local", "ANY").answer)) == sorted([soa, "cluster.local. 5 IN NS ns.dns.cluster.local."])
+        r = ask_apex("cluster.local", "A")
+        assert r.answer == [] and lines(r.authority) == [soa]
+        assert lines(ask_apex("ns.dns.cluster.local", "A").answer) == ["ns.dns.cluster.local. 5 IN A 169.254.20.10"]
+        assert lines(ask_apex("ns.dns.cluster.local", "AAAA").answer) == ["ns.dns.cluster.local. 5 IN AAAA fd00:169:254:20::10"]
+        r = ask_apex("dns.cluster.local", "A")
+        assert r.answer == [] and lines(r.authority) == [soa]
+        r = ask_apex("in-addr.arpa", "SOA")
+        assert lines(r.answer) == ["in-addr.arpa. 5 IN SOA ns.dns.in-addr.arpa. hostmaster.in-addr.arpa. 1 7200 1800 86400 5"]
+        assert sdns.resolve(table, dns.message.make_query("ip6.arpa", "SOA"), ranges) is None  # no IPv6 range: not ours
+    assert sdns.resolve(sdns.Names("cluster.local"), dns.message.make_query("x.cluster.local", "A")).rcode() == dns.rcode.NXDOMAIN
