@@ -922,11 +922,13 @@ class Agent:
     def health(self) -> tuple[bool, list[str]]:
         _, problems = self.supervisor.health()
         problems += self.tunnels.problems() if self.tunnels is not None else []  # a dead data-plane worker
+        problems += self.services.problems() if self.services is not None else []  # service DNS, being retried
         return not problems, problems
 
     def problems(self) -> list[str]:
-        """What this agent runs without (start-up failures it does not retry)."""
-        return list(self._problems)
+        """What this agent runs without: start-up failures it does not retry, and service DNS
+        while it cannot be served (tried again until it is)."""
+        return list(self._problems) + (self.services.problems() if self.services is not None else [])
 
     def readiness(self) -> tuple[bool, list[str]]:
         """/readyz: the lease held, BGP started, routes reconciled; ``problems()`` are not

@@ -41,6 +41,10 @@ log = logging.getLogger("agentd.services")
 COUNTERS_INTERVAL = 2.0
 REJECT_IN_PREROUTING = "5.9"  # the kernel that takes reject in a chain on the prerouting hook (filter-prerouting)
 KINDS = ("Service", "EndpointSlice", "Pod")
+# Service DNS that could not start (its address taken, port 53 in use) is tried again after
+# DNS_RETRY_INITIAL seconds, doubling up to DNS_RETRY_MAX, until it is served.
+DNS_RETRY_INITIAL = 1.0
+DNS_RETRY_MAX = 60.0
 
 
 class ServiceAgent:
@@ -114,12 +118,14 @@ class ServiceAgent:
     async def run(self) -> None:
         if self.programmer is None:
             await self.start()
-        await self._start_dns()
+        served = await self._start_dns()
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._watch())
                 tg.create_task(self._sync_loop())
                 tg.create_task(self._counters_loop())
+                if not served:
+                    tg.create_task(self._retry_dns())
         finally:
             if self.dns_server is not None:
                 await self.dns_server.stop()
@@ -137,10 +143,26 @@ class ServiceAgent:
             out[outcome] = out.get(outcome, 0) + n
         return out
 
-    async def _start_dns(self) -> None:
+    def problems(self) -> list[str]:
+        """What the agent's problems (/status, /healthz, systemd's STATUS=) say of this half:
+        service DNS not served, and why, while it is tried again."""
+        return [f"service DNS not served: {self.error_dns} (trying again)"] if self.error_dns else []
+
+    async def _retry_dns(self) -> None:
+        """Start service DNS again after a backoff until it is served (the address taken by
+        something else, port 53 in use, IPv6 off: all may end while the agent runs)."""
+        delay = DNS_RETRY_INITIAL
+        while True:
+            await asyncio.sleep(delay)
+            if await self._start_dns(retry=True):
+                return
+            delay = min(DNS_RETRY_MAX, delay * 2)
+
+    async def _start_dns(self, retry: bool = False) -> bool:
+        """Serve service DNS (``[dns] enabled``); False when it could not be (:attr:`error_dns` says why)."""
         cfg = self.dns_config
         if cfg is None or not cfg.enabled:
-            return
+            return True
         # The IPv6 address too where pods have IPv6 (pods without IPv4 are handed that one).
         addresses = [str(cfg.address)] + ([str(cfg.address_v6)] if 6 in self.families else [])
         address = addresses[0]
@@ -148,9 +170,8 @@ class ServiceAgent:
             for a in addresses:
                 device = await asyncio.to_thread(dns.add_address, a)
         except OSError as err:
-            log.error("service DNS is not served: cannot put %s on this node: %s", " and ".join(addresses), err)
-            self.error_dns = str(err)
-            return
+            self._dns_failed(f"cannot put {' and '.join(addresses)} on this node: {err}", retry)
+            return False
         if cfg.upstream:
             upstreams = dns.upstream_pairs(cfg.upstream)
         else:
@@ -162,13 +183,21 @@ class ServiceAgent:
             await server.start()
         except OSError as err:
             await server.stop()
-            log.error("service DNS is not served: cannot listen on %s port 53: %s", " and ".join(addresses), err)
-            self.error_dns = str(err)
-            return
+            self._dns_failed(f"cannot listen on {' and '.join(addresses)} port 53: {err}", retry)
+            return False
         self.dns_server = server
         self.error_dns = None
         log.info("answering DNS for %s on %s port 53 (%s; others to %s)", cfg.cluster_domain, " and ".join(addresses), device,
                  ", ".join(f"{h}:{p}" for h, p in upstreams) or "nowhere: SERVFAIL")  # fmt: skip
+        return True
+
+    def _dns_failed(self, error: str, retry: bool) -> None:
+        """Logged as an error the first time and when the reason changes (each retry: debug)."""
+        if error != self.error_dns or not retry:
+            log.error("service DNS is not served: %s; trying again until it is", error)
+        else:
+            log.debug("service DNS is still not served: %s", error)
+        self.error_dns = error
 
     async def leave(self) -> None:
         """``agentd leave``: remove the services table and the DNS address; both are tried, and

@@ -14,6 +14,9 @@ The wire format is dnspython's.
   (a headless Service: one per ready endpoint, its port and its own name), the targets' A and
   AAAA records in the additional section (RFC 2782; Kubernetes DNS spec 2.3.1/2.4.1, which
   gives AAAA as it gives A).
+* The cluster domain's apex (Services or none): its SOA and NS (``ns.dns.<domain>``, which has
+  the node-local addresses), as CoreDNS's kubernetes plugin; ``in-addr.arpa``'s and
+  ``ip6.arpa``'s where a Service range of that family makes reverse names ours.
 * Other names under the cluster domain: NXDOMAIN (or NOERROR without answers when the name
   exists with another type), authoritative, TTL :data:`TTL`.
 * PTR (spec 2.3.3/2.4.3): the reverse name of a cluster IP gives its Service's name, a headless
@@ -26,7 +29,9 @@ The wire format is dnspython's.
   message with QR set (a response) is dropped unanswered.  More than one question: FORMERR;
   an EDNS version above 0: BADVERS (RFC 6891 §6.1.3); neither forwarded.
 * Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
-  /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  At most
+  /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  An upstream that
+  failed is asked after the others, one down (:data:`MAX_FAILS` in a row) not at all for a
+  backoff (:class:`Upstreams`; all down: all asked anyway).  At most
   :data:`MAX_FORWARDED` forwarded queries wait at once; more are SERVFAIL at once.  At most
   :data:`MAX_TCP_CLIENTS` TCP connections are open at once; more are closed at once.
 * Only the node's pods (the pod networks), the node itself (its own addresses) and loopback
@@ -87,10 +92,20 @@ MAX_FORWARDED = 1000
 # new connection is closed at once, counted as rejected, so that connections cannot take the
 # agent to its LimitNOFILE either.
 MAX_TCP_CLIENTS = 1000
+TCP_IDLE = 10.0  # seconds a TCP client may take to send a query, or to take its answer, before it is closed
 # How often, at most, the node's own addresses are listed again when a query comes from an
 # address neither a pod network's, loopback, nor among the node's addresses as last listed
 # (one netlink dump: a flood of foreign queries costs one per interval, not one each).
 LOCAL_REFRESH = 5.0  # seconds
+# An upstream that failed (no answer in FORWARD_TIMEOUT, refused, closed unanswered) is asked
+# after those that did not; one that failed MAX_FAILS times in a row is down (CoreDNS forward's
+# max_fails, 2) and skipped, until RETRY_INITIAL seconds after, doubling with each further
+# failure up to RETRY_MAX, it may be asked again (after the others).  So a dead first upstream
+# costs one query its timeout, not every query (nor holds a forwarding slot that long each).
+# When every upstream is down they are all asked all the same: there is no other to ask.
+MAX_FAILS = 2
+RETRY_INITIAL = 1.0  # seconds
+RETRY_MAX = 30.0  # seconds
 
 
 def local_addresses() -> set[Any]:
@@ -293,10 +308,12 @@ def endpoint_label(endpoint: Endpoint) -> str:
     return endpoint.hostname or endpoint.ip.replace(".", "-").replace(":", "-")
 
 
-def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[Any] = ()) -> dns.message.Message | None:
+def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[Any] = (),
+            nameservers: Sequence[str] = ()) -> dns.message.Message | None:  # fmt: skip
     """The answer to ``query`` from ``table``, or None when the name is not ours (forward it).
     ``service_ranges`` (``ipaddress`` networks): the cluster IPs' ranges, whose reverse names
-    are ours."""
+    are ours.  ``nameservers``: the addresses of ``ns.dns.<domain>`` (the node-local ones),
+    the name server the zones' SOA and NS records give."""
     if query.opcode() != dns.opcode.QUERY:
         # UPDATE, NOTIFY and the rest: not implemented, whatever the zone, as CoreDNS answers
         # them (miekg/dns); never forwarded, where an upstream would take them from the node.
@@ -317,12 +334,23 @@ def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[A
     qname = q.name.to_text().lower()
     if qname.endswith((".in-addr.arpa.", ".ip6.arpa.")):
         return _reverse(table, query, qname, service_ranges)
+    if qname in _REVERSE_APEX and any(r.version == _REVERSE_APEX[qname] for r in service_ranges):
+        # The zone whose SOA the negative answers of the Service ranges' reverse names carry.
+        return _apex(table, query, qname[:-1], nameservers)
     if not (qname == f"{table.domain}." or qname.endswith(f".{table.domain}.")):
         return None
     if q.rdclass != dns.rdataclass.IN:
         return _refused(query)
+    if qname == f"{table.domain}.":  # the zone's apex exists, with its SOA and NS, Services or none
+        return _apex(table, query, table.domain, nameservers)
     response = _ours(table, query)
     if not table.ready:
+        return response
+    if qname in (f"ns.dns.{table.domain}.", f"dns.{table.domain}."):  # the name server the SOA and NS give
+        if qname.startswith("ns."):
+            _nameserver(response, q.name, q.rdtype, nameservers)
+        if not response.answer:
+            response.authority.append(_soa(table.domain))
         return response
     known = qname in table.a or qname in table.srv or _is_branch(table, qname)  # a holds every host, aaaa too
     if not known:
@@ -342,6 +370,41 @@ def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[A
     if not response.answer:  # NODATA: the name exists, without records of that type
         response.authority.append(_soa(table.domain))
     return response
+
+
+_REVERSE_APEX = {"in-addr.arpa.": 4, "ip6.arpa.": 6}
+
+
+def _apex(table: Names, query: dns.message.Message, zone: str, nameservers: Sequence[str]) -> dns.message.Message:
+    """A zone's apex (the cluster domain, ``in-addr.arpa``, ``ip6.arpa``): its SOA and its NS
+    (``ns.dns.<cluster domain>``, its addresses in the additional section), as CoreDNS's
+    kubernetes plugin answers them; another type NODATA.  Never NXDOMAIN, which would say the
+    whole zone does not exist (RFC 8020)."""
+    if query.question[0].rdclass != dns.rdataclass.IN:
+        return _refused(query)
+    response = _ours(table, query)
+    if not table.ready:
+        return response
+    q = query.question[0]
+    if q.rdtype in (dns.rdatatype.SOA, dns.rdatatype.ANY):
+        response.answer.append(_soa(zone))
+    if q.rdtype in (dns.rdatatype.NS, dns.rdatatype.ANY):
+        host = f"ns.dns.{table.domain}."
+        response.answer.append(dns.rrset.from_text(f"{zone}.", TTL, "IN", "NS", host))
+        _nameserver(response, host, dns.rdatatype.ANY, nameservers, response.additional)
+    if not response.answer:
+        response.authority.append(_soa(zone))
+    return response
+
+
+def _nameserver(response: dns.message.Message, name: dns.name.Name | str, rdtype: int, nameservers: Sequence[str],
+                section: list[dns.rrset.RRset] | None = None) -> None:  # fmt: skip
+    """``ns.dns.<domain>``'s A and AAAA records (of type ``rdtype``; ANY: both): the node-local addresses."""
+    out = response.answer if section is None else section
+    for kind, version in ((dns.rdatatype.A, 4), (dns.rdatatype.AAAA, 6)):
+        addresses = [a for a in nameservers if ipaddress.ip_address(a).version == version]
+        if rdtype in (kind, dns.rdatatype.ANY) and addresses:
+            out.append(_addresses(name, kind, addresses))
 
 
 def _addresses(name: dns.name.Name | str, rdtype: int, addresses: Iterable[str]) -> dns.rrset.RRset:
@@ -431,6 +494,52 @@ def _is_branch(table: Names, qname: str) -> bool:
     return table.branches.get(qname, 0) > 0
 
 
+@dataclass
+class Upstream:
+    """One upstream server and how it fared: ``fails`` in a row (0: healthy), and while down
+    (``fails`` >= :data:`MAX_FAILS`) when it may be asked again."""
+
+    host: str
+    port: int
+    fails: int = 0
+    retry_at: float = 0.0
+
+
+class Upstreams:
+    """The upstreams in the order to ask them: the healthy ones as configured, then those that
+    failed last time they were asked; a down one only once its backoff is over (or when every
+    one is down).  ``clock``: seconds, monotonic (the event loop's)."""
+
+    def __init__(self, pairs: Iterable[tuple[str, int]], clock: Callable[[], float]) -> None:
+        self.all = [Upstream(host, port) for host, port in pairs]
+        self.clock = clock
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+    def order(self) -> list[Upstream]:
+        if not self.all:
+            return []
+        now = self.clock()
+        usable = [u for u in self.all if u.fails < MAX_FAILS or now >= u.retry_at]
+        return sorted(usable, key=lambda u: u.fails > 0) or list(self.all)  # all down: asked anyway
+
+    def failed(self, upstream: Upstream, err: object) -> None:
+        upstream.fails += 1
+        if upstream.fails >= MAX_FAILS:
+            backoff = min(RETRY_MAX, RETRY_INITIAL * 2 ** min(upstream.fails - MAX_FAILS, 16))
+            upstream.retry_at = self.clock() + backoff
+            if upstream.fails == MAX_FAILS:
+                log.warning("upstream DNS server %s:%d failed %d times in a row (%s): asked again only after the "
+                            "others, %.0f s from now at the earliest", upstream.host, upstream.port, upstream.fails,
+                            err, backoff)  # fmt: skip
+
+    def answered(self, upstream: Upstream) -> None:
+        if upstream.fails >= MAX_FAILS:
+            log.info("upstream DNS server %s:%d answers again", upstream.host, upstream.port)
+        upstream.fails = 0
+
+
 def upstream_pairs(upstream: Iterable[str]) -> list[tuple[str, int]]:
     """``[dns] upstream`` as the config keeps it ("IPv4:PORT", "[IPv6]:PORT") -> (address, port)."""
     out = []
@@ -469,7 +578,7 @@ class DnsServer:
 
     def __init__(self, address: str, port: int, table: Callable[[], Names], upstreams: list[tuple[str, int]],
                  more: Sequence[str] = (), clients: Clients | None = None,
-                 service_ranges: Iterable[str] = ()) -> None:  # fmt: skip
+                 service_ranges: Iterable[str] = (), clock: Callable[[], float] | None = None) -> None:  # fmt: skip
         self.address = address
         # The cluster IPs' ranges: their reverse names are answered here, never forwarded.
         self.service_ranges = [ipaddress.ip_network(r, strict=False) for r in service_ranges]
@@ -477,7 +586,7 @@ class DnsServer:
         self.addresses = [address, *more]
         self.port = port
         self.table = table
-        self.upstreams = upstreams
+        self.upstreams = Upstreams(upstreams, clock or (lambda: asyncio.get_running_loop().time()))
         self.queries = 0  # received
         self.forwarded = 0  # sent upstream (in flight or done)
         # Monotonic, each query counted once when its reply is made: ``answered`` (from the
@@ -527,7 +636,7 @@ class DnsServer:
             return None  # not DNS: no answer (as servers do with garbage)
         if query.flags & dns.flags.QR:
             return None  # a response, not a query: dropped, unlogged (nothing to answer, nothing to forward)
-        response, outcome = resolve(self.table(), query, self.service_ranges), "answered"
+        response, outcome = resolve(self.table(), query, self.service_ranges, self.addresses), "answered"
         if response is None and self.in_flight >= self.max_forwarded:
             response, outcome = dns.message.make_response(query), "rejected"
             response.set_rcode(dns.rcode.SERVFAIL)
@@ -568,17 +677,25 @@ class DnsServer:
             self.in_flight -= 1
 
     async def _ask_upstreams(self, query: dns.message.Message, tcp: bool) -> Any:
-        for host, port in self.upstreams:
+        for upstream in self.upstreams.order():
+            host, port = upstream.host, upstream.port
             try:
                 if tcp:
                     reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
                 else:
-                    reply = await dns.asyncquery.udp(query, host, timeout=FORWARD_TIMEOUT, port=port, ignore_trailing=True)
+                    # A datagram from another source, or of another ID or question (a late
+                    # answer to an earlier query, a spoofing attempt), is not the answer: read
+                    # past it until the real one comes or the timeout ends (CoreDNS forward too).
+                    reply = await dns.asyncquery.udp(query, host, timeout=FORWARD_TIMEOUT, port=port, ignore_trailing=True,
+                                                     ignore_unexpected=True, ignore_errors=True)
                     if reply.flags & dns.flags.TC:
                         reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
-                return reply
             except (dns.exception.DNSException, OSError, EOFError, ValueError) as err:  # EOFError: TCP closed unanswered
                 log.debug("upstream %s:%d failed: %s", host, port, err)
+                self.upstreams.failed(upstream, str(err) or type(err).__name__)
+                continue
+            self.upstreams.answered(upstream)
+            return reply
         return None
 
     def _datagram(self, transport: asyncio.DatagramTransport, data: bytes, addr: Any) -> asyncio.Task[None] | None:
@@ -612,7 +729,7 @@ class DnsServer:
         self.tcp_clients += 1
         try:
             while True:
-                async with asyncio.timeout(10):  # not wait_for: a cancel (the server closing) must end the loop
+                async with asyncio.timeout(TCP_IDLE):  # not wait_for: a cancel (the server closing) must end the loop
                     head = await reader.readexactly(2)
                     (length,) = struct.unpack("!H", head)
                     wire = await reader.readexactly(length)
@@ -620,7 +737,14 @@ class DnsServer:
                 if out is None:
                     break
                 writer.write(struct.pack("!H", len(out)) + out)
-                await writer.drain()
+                try:
+                    # A client that sends and never reads would hold the connection (and its
+                    # slot of max_tcp_clients) forever: taking the answer is bounded alike.
+                    async with asyncio.timeout(TCP_IDLE):
+                        await writer.drain()
+                except TimeoutError:
+                    writer.transport.abort()  # not close(), which would wait for the unread answers to go
+                    break
         except (asyncio.IncompleteReadError, TimeoutError, OSError, dns.exception.DNSException):
             pass
         except Exception as err:  # an answer we cannot render: the connection ends, the server goes on

@@ -317,7 +317,7 @@ async def test_dns_query_counts_survive_a_restart_of_the_services_task(monkeypat
     monkeypatch.setattr(sdns, "upstream_pairs", lambda upstream: [("192.0.2.1", 53)])
     agent = ServiceAgent.__new__(ServiceAgent)
     agent.dns_config = SimpleNamespace(enabled=True, address=IPv4Address("169.254.20.10"), address_v6=None,
-                                       upstream=["192.0.2.1"], cluster_domain="cluster.local")
+                                       upstream=["192.0.2.1:53"], cluster_domain="cluster.local")
     agent.families, agent.dns_server, agent.dns_counted, agent.error_dns = (4,), None, {}, None
     agent.pod_networks, agent.service_ranges = ("10.244.0.0/16",), {4: "10.96.0.0/12"}
     agent.programmer = object()
@@ -358,6 +358,80 @@ async def test_dns_query_counts_survive_a_restart_of_the_services_task(monkeypat
     with pytest.raises(asyncio.CancelledError):
         await task
     assert answered() == 7
+
+
+async def test_service_dns_that_cannot_start_is_a_problem_and_tried_again_until_served(monkeypatch):
+    """The DNS address cannot be put on (or port 53 is taken): the agent says so in its
+    problems (/status, /healthz, systemd's STATUS=) with the reason, tries again with a
+    backoff, and once served the problem is gone."""
+    from agentd.kernel import netlink as nl
+    from agentd.services import agent as services_agent
+    from agentd.services import dns as sdns
+    from agentd.services.agent import ServiceAgent
+
+    started = []
+
+    class Server:
+        def __init__(self, *a, **k) -> None:
+            self.outcomes = dict.fromkeys(sdns.OUTCOMES, 0)
+
+        async def start(self) -> None:
+            started.append(self)
+
+        async def stop(self) -> None:
+            pass
+
+    taken = [True]
+    tries = []
+
+    def add_address(address: str) -> str:
+        tries.append(address)
+        if taken[0]:
+            raise nl.NetlinkError(13, None, "adding an address")
+        return "agentd-dns"
+
+    monkeypatch.setattr(sdns, "DnsServer", Server)
+    monkeypatch.setattr(sdns, "add_address", add_address)
+    monkeypatch.setattr(services_agent, "DNS_RETRY_INITIAL", 0.001)
+    monkeypatch.setattr(services_agent, "DNS_RETRY_MAX", 0.002)
+    svc = ServiceAgent.__new__(ServiceAgent)
+    svc.dns_config = SimpleNamespace(enabled=True, address=IPv4Address("169.254.20.10"), address_v6=None,
+                                     upstream=["192.0.2.1:53"], cluster_domain="cluster.local")
+    svc.families, svc.dns_server, svc.dns_counted, svc.error_dns = (4,), None, {}, None
+    svc.pod_networks, svc.service_ranges = ("10.244.0.0/16",), {4: "10.96.0.0/12"}
+    svc.programmer = object()
+
+    async def idle() -> None:
+        await asyncio.Event().wait()
+
+    svc._watch, svc._sync_loop, svc._counters_loop = idle, idle, idle
+    agent = Agent(CFG)
+    agent.services = svc
+    assert agent.problems() == [] and agent.health() == (True, [])
+    task = asyncio.create_task(svc.run())
+    try:
+        async with asyncio.timeout(10):
+            while len(tries) < 3:  # failed, and tried again (twice: a loop, not once)
+                await asyncio.sleep(0.001)
+            assert svc.dns_server is None and started == []
+            problem = "service DNS not served: cannot put 169.254.20.10 on this node: "
+            assert len(agent.problems()) == 1 and agent.problems()[0].startswith(problem), agent.problems()
+            assert "trying again" in agent.problems()[0]
+            ok, problems = agent.health()
+            assert not ok and problems == agent.problems()
+            taken[0] = False  # freed: the next try serves it
+            while svc.dns_server is None:
+                await asyncio.sleep(0.001)
+        assert len(started) == 1 and svc.error_dns is None
+        assert agent.problems() == [] and agent.health() == (True, [])
+        count = len(tries)
+        for _ in range(20):
+            await asyncio.sleep(0.002)
+        assert len(tries) == count  # served: no more tries
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
 
 async def turns_until(condition, turns: int = 1000) -> None:

@@ -739,11 +739,16 @@ def test_a_headless_services_srv_records_target_each_endpoints_own_name():
         "db-0.db.shop.svc.cluster.local. 5 IN A 10.244.1.5",
         "db-0.db.shop.svc.cluster.local. 5 IN AAAA fd00:10:244:1::5",
         "db-1.db.shop.svc.cluster.local. 5 IN A 10.244.2.6"]
-    # A target named by two ports is in the additional section once.
-    table = sdns.names([sp("h", "http", "TCP", 80, None, [Endpoint("10.244.1.5", 80, hostname="web-0")]),
-                        sp("h", "http", "UDP", 80, None, [Endpoint("10.244.1.5", 80, hostname="web-0")]),
-                        sp("h", "alt", "TCP", 81, None, [Endpoint("10.244.1.5", 81, hostname="web-0")])], "cluster.local")
+    # A target named by two SRV records (one endpoint at two ports of one port name) is in the
+    # additional section once: counted on the wire, which dnspython's parser would merge.
+    table = sdns.names([sp("h", "http", "TCP", 80, None, [Endpoint("10.244.1.5", 80, hostname="web-0"),
+                                                          Endpoint("10.244.1.5", 8080, hostname="web-0")])],
+                       "cluster.local")  # fmt: skip
     r = sdns.resolve(table, dns.message.make_query("_http._tcp.h.shop.svc.cluster.local", "SRV"))
+    assert sorted(lines(r.answer)) == ["_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 80 web-0.h.shop.svc.cluster.local.",
+                                       "_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 8080 web-0.h.shop.svc.cluster.local."]
+    wire = r.to_wire()
+    assert int.from_bytes(wire[10:12], "big") == 1  # ARCOUNT
     assert lines(r.additional) == ["web-0.h.shop.svc.cluster.local. 5 IN A 10.244.1.5"]
 
 
@@ -955,3 +960,216 @@ spec: {clusterIP: None, selector: {app: db}, ports: [{name: pg, port: 5432, targ
     for bad in ({"hostname": "DB_0"}, {"subdomain": "a.b"}, {"hostname": 7}):
         with pytest.raises(Invalid):
             pod("db-9", ["10.244.1.9"], **bad)
+
+
+class _Upstream:
+    """A DNS server on 127.0.0.1 (an ephemeral port) that answers every query ``A 192.0.2.1``,
+    first sending what ``before(query, addr, transport)`` sends (a stray datagram)."""
+
+    def __init__(self, before=None) -> None:
+        self.before = before
+        self.asked = 0
+
+    async def __aenter__(self) -> tuple[str, int]:
+        import asyncio
+
+        import dns.rrset
+
+        upstream = self
+
+        class Proto(asyncio.DatagramProtocol):
+            def connection_made(self, transport) -> None:
+                self.transport = transport
+
+            def datagram_received(self, data: bytes, addr) -> None:
+                upstream.asked += 1
+                query = dns.message.from_wire(data)
+                if upstream.before is not None:
+                    upstream.before(query, addr, self.transport)
+                reply = dns.message.make_response(query)
+                reply.answer.append(dns.rrset.from_text(query.question[0].name, 60, "IN", "A", "192.0.2.1"))
+                self.transport.sendto(reply.to_wire(), addr)
+
+        self.transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(Proto, local_addr=("127.0.0.1", 0))
+        return self.transport.get_extra_info("sockname")[:2]
+
+    async def __aexit__(self, *exc) -> None:
+        self.transport.close()
+
+
+async def test_a_stray_datagram_before_the_upstreams_reply_is_ignored_not_a_failure():
+    """A reply of another ID (a late answer to an earlier query) or a datagram from another
+    source reaching the forwarder's port first is not the answer: it waits for the real one
+    (as CoreDNS forward reads past mismatched IDs), and the client gets it, not SERVFAIL."""
+    import socket
+
+    def wrong_id(query, addr, transport) -> None:
+        stale = dns.message.make_response(query)
+        stale.id = (query.id + 1) & 0xFFFF
+        transport.sendto(stale.to_wire(), addr)
+
+    def foreign(query, addr, transport) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"junk", addr)
+
+    for before in (wrong_id, foreign):
+        async with _Upstream(before) as where:
+            server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [where])
+            out = dns.message.from_wire(await server.answer(dns.message.make_query("example.com", "A").to_wire()))
+            assert out.rcode() == dns.rcode.NOERROR and lines(out.answer) == ["example.com. 60 IN A 192.0.2.1"], before
+            assert server.outcomes["forwarded"] == 1 and server.failed == 0, before
+
+
+async def test_a_dead_first_upstream_costs_one_query_its_timeout_not_every_query(monkeypatch):
+    """[a black hole, a good one]: the first query waits FORWARD_TIMEOUT for the hole, then
+    the good one answers; the next ones go to the good one first, at once."""
+    import socket
+    import time
+
+    monkeypatch.setattr(sdns, "FORWARD_TIMEOUT", 0.3)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.setblocking(False)
+        async with _Upstream() as good:
+            server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [hole.getsockname(), good])
+            took = []
+            for i in range(3):
+                start = time.monotonic()
+                out = dns.message.from_wire(await server.answer(dns.message.make_query(f"q{i}.example.com", "A").to_wire()))
+                took.append(time.monotonic() - start)
+                assert out.rcode() == dns.rcode.NOERROR and out.answer, i
+        asked_hole = 0
+        while True:
+            try:
+                hole.recv(512)
+            except BlockingIOError:
+                break
+            asked_hole += 1
+    assert took[0] >= 0.3 and max(took[1:]) < 0.15, took
+    assert asked_hole == 1 and server.outcomes["forwarded"] == 3 and server.failed == 0
+
+
+async def test_upstreams_that_failed_are_asked_last_down_ones_skipped_for_a_backoff_all_down_asked_anyway(monkeypatch):
+    """CoreDNS forward's health: an upstream that failed goes after the healthy ones; after
+    MAX_FAILS failures in a row it is down, skipped until its backoff (doubling) is over,
+    then asked again after the others; answering makes it healthy; every one down: all are
+    asked all the same, never none."""
+    import dns.asyncquery
+
+    now = [100.0]
+    dead: set[str] = set()  # (rebound below: udp reads it at each call)
+    asked: list[str] = []
+
+    async def udp(query, host, **kw):
+        asked.append(host)
+        if host in dead:
+            raise dns.exception.Timeout
+        return dns.message.make_response(query)
+
+    monkeypatch.setattr(dns.asyncquery, "udp", udp)
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [("192.0.2.1", 53), ("192.0.2.2", 53)], clock=lambda: now[0])
+
+    async def ask() -> int:
+        del asked[:]
+        return dns.message.from_wire(await server.answer(dns.message.make_query("example.com", "A").to_wire())).rcode()
+
+    one, two = "192.0.2.1", "192.0.2.2"
+    dead.add(one)
+    assert await ask() == dns.rcode.NOERROR and asked == [one, two]
+    assert await ask() == dns.rcode.NOERROR and asked == [two]  # the one that failed goes after the healthy one
+    dead.add(two)
+    assert await ask() == dns.rcode.SERVFAIL and asked == [two, one]  # one: failed twice, down for RETRY_INITIAL
+    dead.discard(two)
+    assert await ask() == dns.rcode.NOERROR and asked == [two]
+    now[0] += sdns.RETRY_INITIAL  # one may be asked again, after two
+    dead.add(two)
+    assert await ask() == dns.rcode.SERVFAIL and asked == [two, one]  # one: down again, for twice as long
+    dead.discard(two)
+    now[0] += sdns.RETRY_INITIAL
+    assert await ask() == dns.rcode.NOERROR and asked == [two]  # one still skipped
+    now[0] += sdns.RETRY_INITIAL
+    dead = {two}
+    assert await ask() == dns.rcode.NOERROR and asked == [two, one]  # one answers: healthy again
+    assert await ask() == dns.rcode.NOERROR and asked == [one]  # and first again
+    dead = {one, two}
+    assert await ask() == dns.rcode.SERVFAIL and asked == [one, two]  # two: down
+    assert await ask() == dns.rcode.SERVFAIL and asked == [one]  # one: down too
+    assert await ask() == dns.rcode.SERVFAIL and asked == [one, two]  # all down: both asked all the same
+    assert [u.fails for u in server.upstreams.all] == [3, 3]
+
+
+async def test_a_tcp_client_that_never_reads_its_answers_is_closed_after_the_idle_timeout(monkeypatch):
+    """A client that sends queries and never reads their answers fills the socket's buffers:
+    waiting for them to drain is bounded by the idle timeout like a read, and the connection
+    (its slot of MAX_TCP_CLIENTS, its socket) goes then."""
+    import asyncio
+    import socket
+    import struct
+
+    monkeypatch.setattr(sdns, "TCP_IDLE", 0.2)
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [])
+    big = dns.message.make_response(dns.message.make_query("big.example.org", "TXT")).to_wire() + b"\0" * 60000
+
+    async def answer(wire: bytes, *, tcp: bool = False) -> bytes:  # a 60 kB answer, made at once
+        return big
+
+    monkeypatch.setattr(server, "answer", answer)
+    writers = []
+    client_of = server._tcp_client
+
+    async def tcp_client(reader, writer) -> None:
+        writers.append(writer)
+        await client_of(reader, writer)
+
+    monkeypatch.setattr(server, "_tcp_client", tcp_client)
+    await server.start()
+    try:
+        port = server._tcp[0].sockets[0].getsockname()[1]
+        query = dns.message.make_query("big.example.org", "TXT").to_wire()
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", port))
+            client.sendall((struct.pack("!H", len(query)) + query) * 200)  # 12 MB of answers, never read
+            async with asyncio.timeout(10):
+                while server.tcp_clients == 0:
+                    await asyncio.sleep(0.01)
+                while server.tcp_clients:  # the answers cannot go: closed after TCP_IDLE
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0)  # (a transport closes its socket at the next turn of the loop)
+            # Its socket is closed (the agent's descriptor free), not kept until the client reads.
+            assert writers[0].get_extra_info("socket").fileno() == -1
+    finally:
+        await server.stop()
+
+
+def test_the_zones_apex_has_its_soa_and_ns_with_services_or_none():
+    """The cluster domain exists, Services or none (an NXDOMAIN for it would tell resolvers the
+    whole domain does not, RFC 8020): its SOA and NS in the answer section, the NS being
+    ns.dns.<domain>, which has the node-local addresses; as CoreDNS's kubernetes plugin
+    answers.  The reverse zone the Service ranges' negative answers name alike."""
+    import ipaddress
+
+    soa = "cluster.local. 5 IN SOA ns.dns.cluster.local. hostmaster.cluster.local. 1 7200 1800 86400 5"
+    ranges = [ipaddress.ip_network("10.96.0.0/12")]
+    for table in (TABLE, sdns.Names("cluster.local")):
+        def ask_apex(name: str, rdtype: str, table: sdns.Names = table) -> dns.message.Message:
+            r = sdns.resolve(table, dns.message.make_query(name, rdtype), ranges, ["169.254.20.10", "fd00:169:254:20::10"])
+            assert r is not None and r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA, (name, rdtype, r)
+            return r
+
+        r = ask_apex("cluster.local", "SOA")
+        assert lines(r.answer) == [soa] and r.authority == []
+        r = ask_apex("Cluster.Local.", "NS")
+        assert lines(r.answer) == ["cluster.local. 5 IN NS ns.dns.cluster.local."]
+        assert lines(r.additional) == ["ns.dns.cluster.local. 5 IN A 169.254.20.10", "ns.dns.cluster.local. 5 IN AAAA fd00:169:254:20::10"]
+        assert sorted(lines(ask_apex("cluster.local", "ANY").answer)) == sorted([soa, "cluster.local. 5 IN NS ns.dns.cluster.local."])
+        r = ask_apex("cluster.local", "A")
+        assert r.answer == [] and lines(r.authority) == [soa]
+        assert lines(ask_apex("ns.dns.cluster.local", "A").answer) == ["ns.dns.cluster.local. 5 IN A 169.254.20.10"]
+        assert lines(ask_apex("ns.dns.cluster.local", "AAAA").answer) == ["ns.dns.cluster.local. 5 IN AAAA fd00:169:254:20::10"]
+        r = ask_apex("dns.cluster.local", "A")
+        assert r.answer == [] and lines(r.authority) == [soa]
+        r = ask_apex("in-addr.arpa", "SOA")
+        assert lines(r.answer) == ["in-addr.arpa. 5 IN SOA ns.dns.in-addr.arpa. hostmaster.in-addr.arpa. 1 7200 1800 86400 5"]
+        assert sdns.resolve(table, dns.message.make_query("ip6.arpa", "SOA"), ranges) is None  # no IPv6 range: not ours
+    assert sdns.resolve(sdns.Names("cluster.local"), dns.message.make_query("x.cluster.local", "A")).rcode() == dns.rcode.NXDOMAIN
