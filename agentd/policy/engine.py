@@ -490,12 +490,13 @@ class PolicyEngine:
         return frozenset(named)
 
     def _fill(self, policy: Policy, layouts: tuple[compiler.Layout, ...]) -> list[Any]:
-        """The policy's chains and their sets, filled: each distinct selector's and named port
-        source's members worked out once, at most compiler.MAX_POLICY_ELEMENTS elements in
-        all (PolicyTooLarge as soon as they are more)."""
+        """The policy's chains and their sets, filled: each distinct selector's, set of a
+        rule's selectors' and named port source's members worked out once, at most
+        compiler.MAX_POLICY_ELEMENTS elements in all (PolicyTooLarge as soon as they are more)."""
         total = 0
         texts: dict[PodKey, tuple[str, ...]] = {}
-        addresses: dict[PeerSelector, frozenset[str]] = {}
+        by_selector: dict[PeerSelector, frozenset[str]] = {}
+        addresses: dict[frozenset[PeerSelector], frozenset[str]] = {}
         named: dict[compiler.NamedSource, frozenset[tuple[str, str, int]]] = {}
         elements: dict[str, frozenset[Any]] = {}
         for layout in layouts:
@@ -507,7 +508,7 @@ class PolicyEngine:
                     got = frozenset(t for t in named[s.source] if compiler.version_of(t[0]) == s.family.version)
                 else:
                     if s.source not in addresses:
-                        addresses[s.source] = self.selector_addresses(s.source, texts)
+                        addresses[s.source] = self._union(policy, s.source, by_selector, texts, total)
                     got = frozenset(a for a in addresses[s.source] if compiler.version_of(a) == s.family.version)
                     if len(got) == len(addresses[s.source]):
                         got = addresses[s.source]  # (one family: the same set)
@@ -516,6 +517,25 @@ class PolicyEngine:
                     raise compiler.too_many_elements(policy, total)
                 elements[s.name] = got
         return [obj for layout in layouts for obj in layout.fill(elements)]
+
+    def _union(self, policy: Policy, selectors: frozenset[PeerSelector], by_selector: dict[PeerSelector, frozenset[str]],
+               texts: dict[PodKey, tuple[str, ...]], total: int) -> frozenset[str]:
+        """The addresses of the pods any of ``selectors`` matches (each selector's worked out
+        once a fill, in ``by_selector``), or PolicyTooLarge as soon as they and the ``total``
+        elements before them are over compiler.MAX_POLICY_ELEMENTS (the union is in a set of
+        each family: together it is counted once)."""
+        out: frozenset[str] | set[str] = frozenset()
+        for sel in selectors:
+            if sel not in by_selector:
+                by_selector[sel] = self.selector_addresses(sel, texts)
+            if not out:
+                out = by_selector[sel]  # (one selector: its own, no copy)
+            else:
+                out = set(out) if isinstance(out, frozenset) else out
+                out |= by_selector[sel]
+            if total + len(out) > compiler.MAX_POLICY_ELEMENTS:
+                raise compiler.too_many_elements(policy, total + len(out))
+        return frozenset(out)
 
     # ------------------------------------------------------------------ compile
 
