@@ -57,9 +57,10 @@ that MAC, or none (``lla/<port>`` chains, :func:`compile_lla_chain`), and lets n
 discovery pass otherwise untouched, to and from isolated pods alike: it is never routed up,
 so isolation never breaks it.
 
-Selector members are set elements: each distinct peer selector of a policy's chain has a set
-of its pods' addresses (``np-in/<ns>/<policy>/<rule>/pods``, after the first rule naming it),
-read by every rule that names it, and named ports a set of (address, protocol, port)
+Selector members are set elements: each distinct set of peer selectors a rule of a policy's
+chain lists has one set of the addresses of the pods any of them matches
+(``np-in/<ns>/<policy>/<rule>/pods``, after the first rule listing them), read by every rule
+listing the same selectors, and named ports a set of (address, protocol, port)
 (``.../named``); ipBlocks are prefix matches in the rules.  A pod appearing or changing labels
 anywhere in the cluster changes elements, never rules.  A policy's chains and the sets they
 read are laid out from the policy alone (:func:`layout`): one too large (MAX_POLICY_RULES,
@@ -542,12 +543,13 @@ class NamedSource:
 
 @dataclass(frozen=True)
 class PolicySet:
-    """A set of a policy's chain, filled by the engine: ``source`` a PeerSelector (its pods'
-    addresses of ``family``) or a NamedSource ((address, l4proto, port) of ``family``)."""
+    """A set of a policy's chain, filled by the engine: ``source`` a rule's peer selectors
+    (the addresses of ``family`` of the pods any of them matches) or a NamedSource
+    ((address, l4proto, port) of ``family``)."""
 
     name: str
     family: AddressFamily
-    source: PeerSelector | NamedSource
+    source: frozenset[PeerSelector] | NamedSource
 
 
 # A rule's peer or port alternative: (the IP version it is bound to, None: any; its matches;
@@ -558,7 +560,8 @@ Alternative = tuple[int | None, list[dict[str, Any]], PolicySet | None]
 @dataclass(frozen=True)
 class Layout:
     """A policy's chain in one direction, from the policy alone: its rules and the sets they
-    read (each distinct peer selector one set per family, shared by every rule naming it)."""
+    read (each distinct set of a rule's peer selectors one set per family, shared by every
+    rule listing the same selectors)."""
 
     chain: NftChain
     sets: tuple[PolicySet, ...]
@@ -595,11 +598,11 @@ def layout_policy(policy: Policy, direction: str, rules: tuple[Rule, ...], famil
     """The chain ``np-<direction>/<ns>/<name>`` and the sets its rules read, or
     PolicyTooLarge: from the policy alone (no pod is looked at).
 
-    ``direction`` is "in" (peers are sources) or "out" (peers are destinations).  Each
-    distinct peer selector has one set of its pods' addresses per family
-    (``np-in/<ns>/<policy>/<rule>/pods``, named after the first rule that reads it; a second
-    selector new in that rule ``<rule>.1``), read by every rule that names it; a rule with
-    several reads each.  Named ports resolve on the destination pod: for "in" the selected
+    ``direction`` is "in" (peers are sources) or "out" (peers are destinations).  A rule's
+    peer selectors have one set per family of the addresses of the pods any of them matches
+    (``np-in/<ns>/<policy>/<rule>/pods``, named after the first rule listing those selectors),
+    read by every rule listing the same ones (in any order): a rule of 50 selectors reads one
+    set per family, not 50.  Named ports resolve on the destination pod: for "in" the selected
     local pods, for "out" the peers (``.../named``, shared by rules with the same named
     ports and, for "out", peers).  Each rule allows the peers x ports it lists; a peer match
     and a port match of two different families never meet in one rule (it could match
@@ -607,7 +610,7 @@ def layout_policy(policy: Policy, direction: str, rules: tuple[Rule, ...], famil
     fams = rows(families)
     chain_name = policy_chain(direction, policy)
     peer_field = "saddr" if direction == "in" else "daddr"
-    pod_sets: dict[PeerSelector, str] = {}  # selector -> its sets' base name
+    pod_sets: dict[frozenset[PeerSelector], str] = {}  # a rule's selectors -> their sets' base name
     named_sets: dict[NamedSource, str] = {}
     sets: dict[str, PolicySet] = {}  # the sets some rule reads, by name
     chain_rules: list[str] = []
@@ -616,18 +619,12 @@ def layout_policy(policy: Policy, direction: str, rules: tuple[Rule, ...], famil
         if rule.peers is None:
             peers.append((None, [], None))
         else:
-            mine: dict[PeerSelector, None] = {}  # this rule's distinct selectors, in order
-            for p in rule.peers:
-                if p.selector is not None:
-                    mine.setdefault(p.selector, None)
-            fresh = 0
-            for sel in mine:
-                if sel not in pod_sets:
-                    pod_sets[sel] = f"{chain_name}/{index}" + (f".{fresh}" if fresh else "")
-                    fresh += 1
+            mine = frozenset(p.selector for p in rule.peers if p.selector is not None)
+            if mine:
+                base = pod_sets.setdefault(mine, f"{chain_name}/{index}")
                 for f in fams:
-                    name = f.name(f"{pod_sets[sel]}/pods")
-                    peers.append((f.version, [match(payload(f.proto, peer_field), ref(name))], PolicySet(name, f, sel)))
+                    name = f.name(f"{base}/pods")
+                    peers.append((f.version, [match(payload(f.proto, peer_field), ref(name))], PolicySet(name, f, mine)))
             # ipBlocks: one prefix match per range (cidr minus its excepts), no set: named
             # interval sets would make libnftables dump all their elements before every change.
             for f in fams:
@@ -659,7 +656,11 @@ def layout_policy(policy: Policy, direction: str, rules: tuple[Rule, ...], famil
         pairs = [(peer, port) for peer in peers for port in ports if peer[0] is None or port[0] is None or peer[0] == port[0]]
         count = len(chain_rules) + len(named_rules) + len(pairs)
         if count > MAX_POLICY_RULES:
-            raise _too_large(policy, direction, index, f"{count} rules")
+            sets_read = sum(1 for peer in peers if peer[2] is not None)
+            detail = (f", {len(chain_rules)} before it and {len(pairs) + len(named_rules)} of its own: {sets_read} "
+                      f"selector sets and {len(peers) - sets_read} ipBlock prefixes on {len(ports)} port matches"
+                      + (f", {len(named_rules)} named port rules" if named_rules else ""))  # fmt: skip
+            raise _too_large(policy, direction, index, f"{count} rules", detail)
         for text, named in named_rules:
             chain_rules.append(text)
             sets.setdefault(named.name, named)
@@ -675,8 +676,9 @@ def layout_policy(policy: Policy, direction: str, rules: tuple[Rule, ...], famil
 def too_many_elements(policy: Policy, count: int) -> PolicyTooLarge:
     return PolicyTooLarge(
         f"policy {policy.namespace}/{policy.name} not programmed: its sets need more than {MAX_POLICY_ELEMENTS} "
-        f"elements ({count} or more: an address per pod its peer selectors match, per selector, and an "
-        "address . port per named port); it allows nothing until fewer or narrower peer selectors make it smaller"
+        f"elements ({count} or more: an address per pod a rule's peer selectors match, per distinct set of a rule's "
+        "selectors, and an address . port per named port); it allows nothing until fewer or narrower peer selectors "
+        "make it smaller"
     )
 
 
@@ -691,12 +693,14 @@ def refused_policy(policy: Policy) -> list[Any]:
     ]
 
 
-def _too_large(policy: Policy, direction: str, index: int, what: str) -> PolicyTooLarge:
+def _too_large(policy: Policy, direction: str, index: int, what: str, detail: str = "") -> PolicyTooLarge:
+    """``what`` was too large at the rule ``index`` (``detail``: what it was made of)."""
     rules = "ingress" if direction == "in" else "egress"
+    where = f"{what} at {rules}[{index}]{detail}"
     return PolicyTooLarge(
         f"policy {policy.namespace}/{policy.name} not programmed: its {rules} rules need more than "
-        f"{MAX_POLICY_RULES} nftables rules ({what} at {rules}[{index}]: a rule per ipBlock prefix per "
-        "port); it allows nothing until fewer ipBlock excepts, peers or ports make it smaller"
+        f"{MAX_POLICY_RULES} nftables rules ({where}; a rule per selector set or ipBlock prefix, per port "
+        "match of its family); it allows nothing until fewer rules, ipBlock excepts, peers or ports make it smaller"
     )
 
 

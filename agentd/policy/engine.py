@@ -27,7 +27,8 @@ one key in the address maps would make the kernel refuse every transaction.
 Incremental: the members of each distinct peer selector are kept as pods come, go and
 change; a change marks the policies whose members changed (and local pods whose selecting
 policies changed) dirty, and only those are compiled again.  Only policies selecting a
-pod of this node are compiled at all.
+pod of this node are compiled at all: laid out (compiler.layout) when one first does, and
+only then are their peers' members kept.
 """
 
 from __future__ import annotations
@@ -119,8 +120,10 @@ class PolicyEngine:
         self._objects: dict[Any, Any] = {}  # the ruleset, kept up to date by build()
         self._touched: set[Any] = set()
         self._compiled: dict[PolicyKey, list[Any]] = {}
-        # Each policy's chains from the policy alone (compiler.layout_policy), or why it is too
-        # large to program: laid out as it comes, before any of its members are kept.
+        # The chains from the policy alone (compiler.layout) of each policy selecting a local
+        # pod, or why it is too large to program: laid out by build() once it selects one
+        # (not as it comes: every node hears every policy of the cluster), before any of its
+        # members are kept; forgotten, with its members, when it selects none or changes.
         self._layouts: dict[PolicyKey, tuple[compiler.Layout, ...] | str] = {}
         # Policies compiled to empty chains, too large to program (compiler.MAX_POLICY_RULES): why.
         self.too_large: dict[PolicyKey, str] = {}
@@ -333,19 +336,8 @@ class PolicyEngine:
             self._forget_policy(key)
         self.policies[key] = policy
         self._ns_policies[policy.namespace].add(key)
-        try:
-            self._layouts[key] = compiler.layout(policy, self.families)
-        except compiler.PolicyTooLarge as err:
-            # Refused from the policy alone: none of its peers' members are worked out or
-            # kept (it compiles to empty chains whatever they are).
-            self._layouts[key] = str(err)
-        if not isinstance(self._layouts[key], str):
-            for sel in _peer_selectors(policy):
-                if sel not in self._members:
-                    self._members[sel] = self._match_all(sel)
-                self._sel_refs[sel].add(key)
-            if _needs_all_pods(policy):
-                self._all_pods_refs.add(key)
+        # Nothing is laid out or kept for it here (its limits are checked as it is laid out,
+        # before anything of it is kept): only whether it selects a local pod is asked.
         for pod_key in list(self.local):
             pod = self.pods.get(pod_key)
             if pod is not None and policy.selects(pod):
@@ -376,16 +368,45 @@ class PolicyEngine:
     def _forget_policy(self, key: PolicyKey) -> None:
         policy = self.policies.pop(key)
         _discard(self._ns_policies, policy.namespace, key)
-        if not isinstance(self._layouts.pop(key), str):
-            for sel in _peer_selectors(policy):
-                refs = self._sel_refs[sel]
-                refs.discard(key)
-                if not refs:
-                    del self._sel_refs[sel]
-                    self._members.pop(sel, None)
-        self._all_pods_refs.discard(key)
+        self._unlay(key, policy)
         for pod_key in list(self._selected.pop(key, ())):
             self._reselect(pod_key)
+
+    def _laid_out(self, key: PolicyKey, policy: Policy) -> tuple[compiler.Layout, ...] | str:
+        """The policy's chains from the policy alone, or why it is too large to program: laid
+        out once (then kept until :meth:`_unlay`), and only then are its peers' members kept."""
+        layouts = self._layouts.get(key)
+        if layouts is not None:
+            return layouts
+        try:
+            layouts = compiler.layout(policy, self.families)
+        except compiler.PolicyTooLarge as err:
+            # Refused from the policy alone: none of its peers' members are worked out or
+            # kept (it compiles to empty chains whatever they are).
+            layouts = str(err)
+        self._layouts[key] = layouts
+        if not isinstance(layouts, str):
+            for sel in _peer_selectors(policy):
+                if sel not in self._members:
+                    self._members[sel] = self._match_all(sel)
+                self._sel_refs[sel].add(key)
+            if _needs_all_pods(policy):
+                self._all_pods_refs.add(key)
+        return layouts
+
+    def _unlay(self, key: PolicyKey, policy: Policy) -> None:
+        """Forget the policy's layout and the members kept for it (its peers' that no other
+        laid-out policy has)."""
+        layouts = self._layouts.pop(key, None)
+        if layouts is None or isinstance(layouts, str):
+            return
+        for sel in _peer_selectors(policy):
+            refs = self._sel_refs[sel]
+            refs.discard(key)
+            if not refs:
+                del self._sel_refs[sel]
+                self._members.pop(sel, None)
+        self._all_pods_refs.discard(key)
 
     # ------------------------------------------------------------------ queries
 
@@ -425,8 +446,14 @@ class PolicyEngine:
         out: set[PodKey] = set()
         for peer in rule.peers or ():
             if peer.selector is not None:
-                out |= self._members.get(peer.selector, set())
+                out |= self._selector_members(peer.selector)
         return out
+
+    def _selector_members(self, sel: PeerSelector) -> set[PodKey]:
+        """The pods ``sel`` matches: as kept for the policies laid out, else worked out now
+        (a policy not laid out yet: views may ask before build() has)."""
+        members = self._members.get(sel)
+        return members if members is not None else self._match_all(sel)
 
     def addresses(self, pod: Pod) -> tuple[Address, ...]:
         """The addresses of ``pod`` this node's tables hold: those of the cluster's families
@@ -473,7 +500,7 @@ class PolicyEngine:
             pods: set[PodKey] = set()
             for peer in source.peers:
                 if peer.selector is not None:
-                    pods |= self._members.get(peer.selector, set())
+                    pods |= self._selector_members(peer.selector)
             blocks = [p.block for p in source.peers if p.block is not None]
             candidates = [(self.pods[k], self.addresses(self.pods[k])) for k in pods]
             if blocks:
@@ -490,12 +517,13 @@ class PolicyEngine:
         return frozenset(named)
 
     def _fill(self, policy: Policy, layouts: tuple[compiler.Layout, ...]) -> list[Any]:
-        """The policy's chains and their sets, filled: each distinct selector's and named port
-        source's members worked out once, at most compiler.MAX_POLICY_ELEMENTS elements in
-        all (PolicyTooLarge as soon as they are more)."""
+        """The policy's chains and their sets, filled: each distinct selector's, set of a
+        rule's selectors' and named port source's members worked out once, at most
+        compiler.MAX_POLICY_ELEMENTS elements in all (PolicyTooLarge as soon as they are more)."""
         total = 0
         texts: dict[PodKey, tuple[str, ...]] = {}
-        addresses: dict[PeerSelector, frozenset[str]] = {}
+        by_selector: dict[PeerSelector, frozenset[str]] = {}
+        addresses: dict[frozenset[PeerSelector], frozenset[str]] = {}
         named: dict[compiler.NamedSource, frozenset[tuple[str, str, int]]] = {}
         elements: dict[str, frozenset[Any]] = {}
         for layout in layouts:
@@ -507,7 +535,7 @@ class PolicyEngine:
                     got = frozenset(t for t in named[s.source] if compiler.version_of(t[0]) == s.family.version)
                 else:
                     if s.source not in addresses:
-                        addresses[s.source] = self.selector_addresses(s.source, texts)
+                        addresses[s.source] = self._union(policy, s.source, by_selector, texts, total)
                     got = frozenset(a for a in addresses[s.source] if compiler.version_of(a) == s.family.version)
                     if len(got) == len(addresses[s.source]):
                         got = addresses[s.source]  # (one family: the same set)
@@ -516,6 +544,25 @@ class PolicyEngine:
                     raise compiler.too_many_elements(policy, total)
                 elements[s.name] = got
         return [obj for layout in layouts for obj in layout.fill(elements)]
+
+    def _union(self, policy: Policy, selectors: frozenset[PeerSelector], by_selector: dict[PeerSelector, frozenset[str]],
+               texts: dict[PodKey, tuple[str, ...]], total: int) -> frozenset[str]:
+        """The addresses of the pods any of ``selectors`` matches (each selector's worked out
+        once a fill, in ``by_selector``), or PolicyTooLarge as soon as they and the ``total``
+        elements before them are over compiler.MAX_POLICY_ELEMENTS (the union is in a set of
+        each family: together it is counted once)."""
+        out: frozenset[str] | set[str] = frozenset()
+        for sel in selectors:
+            if sel not in by_selector:
+                by_selector[sel] = self.selector_addresses(sel, texts)
+            if not out:
+                out = by_selector[sel]  # (one selector: its own, no copy)
+            else:
+                out = set(out) if isinstance(out, frozenset) else out
+                out |= by_selector[sel]
+            if total + len(out) > compiler.MAX_POLICY_ELEMENTS:
+                raise compiler.too_many_elements(policy, total + len(out))
+        return frozenset(out)
 
     # ------------------------------------------------------------------ compile
 
@@ -560,9 +607,11 @@ class PolicyEngine:
             policy = self.policies.get(key)
             objects: list[Any] = []
             self.too_large.pop(key, None)
-            if policy is not None and self._selected.get(key):
+            if policy is not None and not self._selected.get(key):
+                self._unlay(key, policy)  # (selecting no local pod: nothing of it is kept)
+            elif policy is not None:
                 try:
-                    layouts = self._layouts[key]
+                    layouts = self._laid_out(key, policy)
                     if isinstance(layouts, str):
                         raise compiler.PolicyTooLarge(layouts)
                     objects = self._fill(policy, layouts)
