@@ -31,7 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from agentd.cni import netconf as cni_config
-from agentd.cni.docker_opts import MASQUERADE_KEY, WRITE_CONFLIST_KEY
+from agentd.cni.docker_opts import (
+    MASQUERADE_KEY,
+    WRITE_CONFLIST_KEY,
+    is_agentds_conflist,
+)
 from agentd.config.settings import Config
 from agentd.datastore.store import ClusterConfig, NodeRecord, SubnetLease
 from agentd.kernel.netinfo import Underlay
@@ -154,19 +158,6 @@ def remove_conflist(cfg: Config) -> bool:
                          f"{cni_config.PLUGIN_TYPE} with subnetFile and dataDir): left as it is")
     path.unlink()
     return True
-
-
-def is_agentds_conflist(doc: Any) -> bool:
-    """Whether a conflist is one agentd wrote: its first plugin is ``agentd-cni`` with the keys
-    every version of it has written (``subnetFile``, ``dataDir``).  Not compared with what this
-    agent would write: one an older agentd wrote (before ``binDir``, before the bandwidth
-    plugin) or one written under other ``[cni]`` paths is agentd's network all the same."""
-    try:
-        first = doc["plugins"][0]
-        return (first["type"] == cni_config.PLUGIN_TYPE and isinstance(first["subnetFile"], str)
-                and isinstance(first["dataDir"], str))
-    except (LookupError, TypeError):
-        return False
 
 
 def node_record(cfg: Config, name: str, underlay: Underlay, leases: Mapping[int, SubnetLease],
