@@ -61,6 +61,17 @@ def previous_subnets(cfg: Config) -> dict[int, Network]:
     return {s.version: s for s in (sf.subnet, sf.subnet_v6) if s is not None}
 
 
+def previous_mtu(cfg: Config) -> int | None:
+    """The pod MTU the subnet file of a previous run gives (``AGENTD_MTU``: docker0's ``--mtu``,
+    agentd-cni's veths), or None (no file: a reboot emptied /run; or one that cannot be read).
+    A start whose pod MTU differs (another backend, the underlay's MTU changed) warns: Docker
+    keeps the old one until it is restarted, pods until they are created again."""
+    try:
+        return cni_config.read_subnet_file(cfg.cni.subnet_file).mtu
+    except (OSError, cni_config.SubnetFileError):  # previous_subnets says why
+        return None
+
+
 def kept_subnets_path(cfg: Config) -> Path:
     return Path(cfg.agent.state_dir) / KEPT_FILE
 
