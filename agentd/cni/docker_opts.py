@@ -9,6 +9,9 @@ node's pod subnet, so the containers get cluster addresses that every other node
     agentd docker-opts --format json         {"bip": "10.244.3.1/24", "ip-masq": false, "mtu": 1450}
                                              (merge into /etc/docker/daemon.json)
     agentd docker-opts --output /run/docker_opts.env   (written atomically; EnvironmentFile= of docker.service)
+    agentd docker-opts -i                    DOCKER_OPT_BIP="--bip=10.244.3.1/24"  (mk-docker-opts.sh -i:
+                                             DOCKER_OPT_IPMASQ="--ip-masq=false"    a variable per option)
+                                             DOCKER_OPT_MTU="--mtu=1450"
 
 * ``--bip``: the subnet file's AGENTD_SUBNET, the bridge's address and the subnet's length
   (none on an IPv6-only node: docker0 keeps Docker's own IPv4 range there).
@@ -92,6 +95,27 @@ def render(options: dict[str, Any], fmt: str, key: str = "DOCKER_OPTS") -> str:
     return f'{key}="{args}"\n' if fmt == "env" else args + "\n"
 
 
+# --individual: flannel's mk-docker-opts.sh -i names (DOCKER_OPT_IPMASQ, not _IP_MASQ).
+INDIVIDUAL_PREFIX = "DOCKER_OPT_"
+INDIVIDUAL_NAMES = {"ip-masq": "IPMASQ"}
+
+
+def render_individual(options: dict[str, Any]) -> str:
+    """Each option a variable of its own, as ``mk-docker-opts.sh -i`` writes them::
+
+        DOCKER_OPT_BIP="--bip=10.244.3.1/24"
+        DOCKER_OPT_IPMASQ="--ip-masq=false"
+        DOCKER_OPT_MTU="--mtu=1450"
+
+    (``ipv6``, ``fixed-cidr-v6`` and ``allow-direct-routing``, where given:
+    ``DOCKER_OPT_IPV6``, ``DOCKER_OPT_FIXED_CIDR_V6``, ``DOCKER_OPT_ALLOW_DIRECT_ROUTING``)."""
+    lines = []
+    for k, v in options.items():
+        name = INDIVIDUAL_PREFIX + INDIVIDUAL_NAMES.get(k, k.upper().replace("-", "_"))
+        lines.append(f'{name}="--{k}={str(v).lower() if isinstance(v, bool) else v}"\n')
+    return "".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--subnet-file",
@@ -101,6 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=FORMATS, default="env",
                    help="env: KEY=\"--bip=...\" (default); args: the options alone; json: a daemon.json fragment")
     p.add_argument("--key", default="DOCKER_OPTS", help="the variable's name with --format env")
+    p.add_argument("--individual", "-i", action="store_true",
+                   help="with --format env (--key unused): each option a variable of its own (DOCKER_OPT_BIP, DOCKER_OPT_MTU, "
+                        "DOCKER_OPT_IPMASQ, ...), as flannel's mk-docker-opts.sh -i writes them")  # fmt: skip
     p.add_argument("--output", "-o", help="write to this file (atomically) instead of standard output")
     p.add_argument("--allow-direct-routing", action="store_true",
                    help="add Docker 28.2's allow-direct-routing (needed from Docker 28 on for containers on other "
@@ -220,12 +247,17 @@ def run(args: argparse.Namespace, agent_masquerades: bool | None = None, cni: An
         print(f"agentd docker-opts: --key {args.key!r} is not a variable name (letters A-Z, a-z, digits and _)",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.individual and args.format != "env":
+        print(f"agentd docker-opts: --individual writes variables: it goes with --format env, not {args.format}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.output is not None and not args.output.strip():
         print("agentd docker-opts: --output: empty path (leave it out for standard output)", file=sys.stderr)
         return 2
     if agent_masquerades is False:
         print(IP_MASQ_OFF, file=sys.stderr)
-    text = render(docker_options(sf, args.allow_direct_routing), args.format, args.key)
+    options = docker_options(sf, args.allow_direct_routing)
+    text = render_individual(options) if args.individual else render(options, args.format, args.key)
     if args.output is not None:
         try:
             atomic_write(args.output, text, mode=0o644)

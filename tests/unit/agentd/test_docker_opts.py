@@ -306,3 +306,25 @@ def test_agentds_conflist_left_from_a_cni_node_is_refused(tmp_path, capsys, monk
     (conf / "10-agentd.conflist").write_text(json.dumps({"plugins": [{"type": "bridge"}]}))  # the operator's
     assert main(["docker-opts", "--config", str(config), "--format", "args"]) == 0
     assert capsys.readouterr() == ("--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n", "")
+
+
+def test_individual_variables_as_mk_docker_opts_i_writes_them(tmp_path, capsys):
+    """flannel's mk-docker-opts.sh -i: a variable per option, for units that compose dockerd's
+    command line from some of them."""
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF))
+    assert main(["docker-opts", "--subnet-file", str(path), "-i"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        'DOCKER_OPT_BIP="--bip=10.244.3.1/24"', 'DOCKER_OPT_IPMASQ="--ip-masq=false"', 'DOCKER_OPT_MTU="--mtu=1450"']
+    v6 = SubnetFile(network=SF.network, subnet=SF.subnet, mtu=1450, network_v6=IPv6Network("fd00:10:244::/48"),
+                    subnet_v6=IPv6Network("fd00:10:244:3::/64"))
+    path.write_text(render_subnet_file(v6))
+    out = tmp_path / "docker_opts.env"
+    assert main(["docker-opts", "--subnet-file", str(path), "--individual", "--allow-direct-routing", "-o", str(out)]) == 0
+    assert out.read_text().splitlines() == [
+        'DOCKER_OPT_BIP="--bip=10.244.3.1/24"', 'DOCKER_OPT_IPV6="--ipv6=true"',
+        'DOCKER_OPT_FIXED_CIDR_V6="--fixed-cidr-v6=fd00:10:244:3::/64"', 'DOCKER_OPT_IPMASQ="--ip-masq=false"',
+        'DOCKER_OPT_MTU="--mtu=1450"', 'DOCKER_OPT_ALLOW_DIRECT_ROUTING="--allow-direct-routing=true"']
+    for fmt in ("args", "json"):
+        assert main(["docker-opts", "--subnet-file", str(path), "-i", "--format", fmt]) == 2
+        assert "--individual writes variables" in capsys.readouterr().err
