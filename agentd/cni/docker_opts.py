@@ -9,6 +9,9 @@ node's pod subnet, so the containers get cluster addresses that every other node
     agentd docker-opts --format json         {"bip": "10.244.3.1/24", "ip-masq": false, "mtu": 1450}
                                              (merge into /etc/docker/daemon.json)
     agentd docker-opts --output /run/docker_opts.env   (written atomically; EnvironmentFile= of docker.service)
+    agentd docker-opts -i                    DOCKER_OPT_BIP="--bip=10.244.3.1/24"  (mk-docker-opts.sh -i:
+                                             DOCKER_OPT_IPMASQ="--ip-masq=false"    a variable per option)
+                                             DOCKER_OPT_MTU="--mtu=1450"
 
 * ``--bip``: the subnet file's AGENTD_SUBNET, the bridge's address and the subnet's length
   (none on an IPv6-only node: docker0 keeps Docker's own IPv4 range there).
@@ -19,7 +22,8 @@ node's pod subnet, so the containers get cluster addresses that every other node
   a bridge's masquerading covers everything that leaves the node's subnet, containers on other
   nodes included; with ``[network] ip_masq = true`` the agent masquerades only what leaves the
   pod network itself (agentd.nft.masquerade).  With ``ip_masq`` off nothing does, and the
-  command warns (when it read the configuration, i.e. without ``--subnet-file``).
+  command warns (the subnet file's ``AGENTD_MASQUERADE=false``; from an older agent's file
+  without it, the configuration's ``ip_masq`` where the command read it).
 * ``--allow-direct-routing`` (only with the flag of that name): Docker 28 drops packets from
   outside the host addressed straight to a container's address -- every connection a
   container on another node opens to one here -- unless this daemon option (Docker 28.2+;
@@ -27,10 +31,12 @@ node's pod subnet, so the containers get cluster addresses that every other node
   unknown option, so it is never given unasked.
 
 One or the other: Docker's bridge and agentd-cni's ``cni0`` would both take the node's whole
-subnet, both hold its gateway and both hand out its addresses.  Where the command reads the
-configuration (no ``--subnet-file``) it refuses, in one line, a node whose agent writes
-agentd-cni's conflist (``[cni] write_conflist``, on by default) or that has CNI pods attached
-(endpoint files in ``[cni] data_dir``).
+subnet, both hold its gateway and both hand out its addresses.  It refuses, in one line, a
+node whose agent writes agentd-cni's conflist (the subnet file's ``AGENTD_WRITE_CONFLIST=true``,
+with ``--subnet-file`` too; ``[cni] write_conflist``, on by default, for an older agent's file);
+where it reads the configuration (no ``--subnet-file``), also one whose ``[cni] conf_dir``
+still holds agentd's conflist (a CNI node turned Docker host: nothing removes the file an
+earlier run wrote) or that has CNI pods attached (endpoint files in ``[cni] data_dir``).
 
 What the agent runs with, not what this command's configuration says: the subnet file's
 ``AGENTD_WRITE_CONFLIST`` and ``AGENTD_MASQUERADE`` (agentd.daemon.node_files) give the
@@ -50,6 +56,8 @@ from typing import Any
 
 from agentd.cni.endpoints import SUFFIX, endpoints_dir
 from agentd.cni.netconf import (
+    CONFLIST_NAME,
+    PLUGIN_TYPE,
     SubnetFile,
     SubnetFileError,
     atomic_write,
@@ -87,6 +95,27 @@ def render(options: dict[str, Any], fmt: str, key: str = "DOCKER_OPTS") -> str:
     return f'{key}="{args}"\n' if fmt == "env" else args + "\n"
 
 
+# --individual: flannel's mk-docker-opts.sh -i names (DOCKER_OPT_IPMASQ, not _IP_MASQ).
+INDIVIDUAL_PREFIX = "DOCKER_OPT_"
+INDIVIDUAL_NAMES = {"ip-masq": "IPMASQ"}
+
+
+def render_individual(options: dict[str, Any]) -> str:
+    """Each option a variable of its own, as ``mk-docker-opts.sh -i`` writes them::
+
+        DOCKER_OPT_BIP="--bip=10.244.3.1/24"
+        DOCKER_OPT_IPMASQ="--ip-masq=false"
+        DOCKER_OPT_MTU="--mtu=1450"
+
+    (``ipv6``, ``fixed-cidr-v6`` and ``allow-direct-routing``, where given:
+    ``DOCKER_OPT_IPV6``, ``DOCKER_OPT_FIXED_CIDR_V6``, ``DOCKER_OPT_ALLOW_DIRECT_ROUTING``)."""
+    lines = []
+    for k, v in options.items():
+        name = INDIVIDUAL_PREFIX + INDIVIDUAL_NAMES.get(k, k.upper().replace("-", "_"))
+        lines.append(f'{name}="--{k}={str(v).lower() if isinstance(v, bool) else v}"\n')
+    return "".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--subnet-file",
@@ -96,6 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=FORMATS, default="env",
                    help="env: KEY=\"--bip=...\" (default); args: the options alone; json: a daemon.json fragment")
     p.add_argument("--key", default="DOCKER_OPTS", help="the variable's name with --format env")
+    p.add_argument("--individual", "-i", action="store_true",
+                   help="with --format env (--key unused): each option a variable of its own (DOCKER_OPT_BIP, DOCKER_OPT_MTU, "
+                        "DOCKER_OPT_IPMASQ, ...), as flannel's mk-docker-opts.sh -i writes them")  # fmt: skip
     p.add_argument("--output", "-o", help="write to this file (atomically) instead of standard output")
     p.add_argument("--allow-direct-routing", action="store_true",
                    help="add Docker 28.2's allow-direct-routing (needed from Docker 28 on for containers on other "
@@ -116,12 +148,45 @@ def agent_settings(text: str, source: str) -> dict[str, bool]:
     return found
 
 
-def cni_in_use(write_conflist: bool, data_dir: str | os.PathLike[str], source: str = "") -> str | None:
+def is_agentds_conflist(doc: Any) -> bool:
+    """Whether a conflist is one agentd wrote: its first plugin is ``agentd-cni`` with the keys
+    every version of it has written (``subnetFile``, ``dataDir``).  Not compared with what this
+    agent would write: one an older agentd wrote (before ``binDir``, before the bandwidth
+    plugin) or one written under other ``[cni]`` paths is agentd's network all the same."""
+    try:
+        first = doc["plugins"][0]
+        return (first["type"] == PLUGIN_TYPE and isinstance(first["subnetFile"], str)
+                and isinstance(first["dataDir"], str))
+    except (LookupError, TypeError):
+        return False
+
+
+def agentds_conflist_in(conf_dir: str | os.PathLike[str]) -> str | None:
+    """``<conf_dir>/10-agentd.conflist`` where it is there and agentd's (:func:`is_agentds_conflist`),
+    else None."""
+    path = os.path.join(conf_dir, CONFLIST_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):  # none, not ours to read, not JSON (UnicodeDecodeError too)
+        return None
+    return path if is_agentds_conflist(doc) else None
+
+
+def cni_in_use(write_conflist: bool, data_dir: str | os.PathLike[str] | None, source: str = "",
+               conf_dir: str | os.PathLike[str] | None = None) -> str | None:
     """Why agentd-cni hands out this node's subnet already -- the agent writes its conflist
-    (``source``: where that is said; the configuration by default), or pods are attached
-    (their endpoint files) --, or None."""
+    (``source``: where that is said; the configuration by default), agentd's conflist is
+    still in ``conf_dir`` (a CNI node turned Docker host: nothing removes the file an earlier
+    run wrote, and container runtimes go on running agentd-cni with it), or pods are attached
+    (their endpoint files in ``data_dir``) --, or None."""
     if write_conflist:
         return f"the agent writes agentd-cni's conflist ({source or '[cni] write_conflist = true'})"
+    if conf_dir is not None and (conflist := agentds_conflist_in(conf_dir)) is not None:
+        return (f"agentd-cni's conflist {conflist} is still there (container runtimes run agentd-cni with it; "
+                f"remove it once no CNI pod is left)")
+    if data_dir is None:
+        return None
     directory = endpoints_dir(data_dir)
     try:
         pods = [n for n in os.listdir(directory) if n.endswith(SUFFIX) and not n.startswith(".")]
@@ -157,14 +222,18 @@ def run(args: argparse.Namespace, agent_masquerades: bool | None = None, cni: An
     except SubnetFileError as err:
         print(f"agentd docker-opts: {err}", file=sys.stderr)
         return 1
+    # The subnet file's word on how the agent runs counts with --subnet-file too (no configuration
+    # read: nothing else says it).
+    conflist = said.get(WRITE_CONFLIST_KEY, cni.write_conflist if cni is not None else False)
+    source = f"{WRITE_CONFLIST_KEY}=true in {path}" if WRITE_CONFLIST_KEY in said else ""
     if cni is not None:
-        conflist = said.get(WRITE_CONFLIST_KEY, cni.write_conflist)
-        source = f"{WRITE_CONFLIST_KEY}=true in {path}" if WRITE_CONFLIST_KEY in said else ""
-        if (why := cni_in_use(conflist, cni.data_dir, source)) is not None:
-            print(SHARED.format(why=why), file=sys.stderr)
-            return 1
-    if agent_masquerades is not None:
-        agent_masquerades = said.get(MASQUERADE_KEY, agent_masquerades)
+        why = cni_in_use(conflist, cni.data_dir, source, conf_dir=cni.conf_dir)
+    else:
+        why = cni_in_use(conflist, None, source)
+    if why is not None:
+        print(SHARED.format(why=why), file=sys.stderr)
+        return 1
+    agent_masquerades = said.get(MASQUERADE_KEY, agent_masquerades)
     if text is None:
         print(f"agentd docker-opts: no subnet file at {path} (is agentd running and holding a subnet?)",
               file=sys.stderr)  # fmt: skip
@@ -178,12 +247,17 @@ def run(args: argparse.Namespace, agent_masquerades: bool | None = None, cni: An
         print(f"agentd docker-opts: --key {args.key!r} is not a variable name (letters A-Z, a-z, digits and _)",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.individual and args.format != "env":
+        print(f"agentd docker-opts: --individual writes variables: it goes with --format env, not {args.format}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.output is not None and not args.output.strip():
         print("agentd docker-opts: --output: empty path (leave it out for standard output)", file=sys.stderr)
         return 2
     if agent_masquerades is False:
         print(IP_MASQ_OFF, file=sys.stderr)
-    text = render(docker_options(sf, args.allow_direct_routing), args.format, args.key)
+    options = docker_options(sf, args.allow_direct_routing)
+    text = render_individual(options) if args.individual else render(options, args.format, args.key)
     if args.output is not None:
         try:
             atomic_write(args.output, text, mode=0o644)

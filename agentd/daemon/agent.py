@@ -308,6 +308,7 @@ class Agent:
             raise AgentError(f"the cluster in etcd is {self.cluster.ip_family}: pods get IPv6, but the pod MTU would be "
                              f"{self.pod_mtu}, below {IPV6_MIN_MTU}, the least every IPv6 link must carry (RFC 8200 §5)")
         previous = node_files.previous_subnets(cfg)
+        previous_mtu = node_files.previous_mtu(cfg)
         self.tunnels = Tunnels(cfg, self.underlay, self.name, on_node_data=self._node_data_changed,
                                on_paths=self.routes.schedule)
         self._starting("acquiring a subnet lease")
@@ -323,6 +324,10 @@ class Agent:
                 log.warning("this node's subnet changed from %s to %s: pods and containers on the old subnet "
                             "must be created again; a Docker host runs `agentd docker-opts` and restarts Docker",
                             previous[version], lease.subnet)
+        if previous_mtu is not None and previous_mtu != self.pod_mtu:
+            log.warning("the pod MTU changed from %d to %d: pods and containers made before keep the old one until "
+                        "they are created again; a Docker host runs `agentd docker-opts` and restarts Docker",
+                        previous_mtu, self.pod_mtu)
         self.lease = next(iter(self.leases.values()))
         await self._forwarding()
         # NetworkPolicy: adopt the policy tables as they are; they change only once

@@ -31,7 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from agentd.cni import netconf as cni_config
-from agentd.cni.docker_opts import MASQUERADE_KEY, WRITE_CONFLIST_KEY
+from agentd.cni.docker_opts import (
+    MASQUERADE_KEY,
+    WRITE_CONFLIST_KEY,
+    is_agentds_conflist,
+)
 from agentd.config.settings import Config
 from agentd.datastore.store import ClusterConfig, NodeRecord, SubnetLease
 from agentd.kernel.netinfo import Underlay
@@ -55,6 +59,17 @@ def previous_subnets(cfg: Config) -> dict[int, Network]:
         log.warning("ignoring the subnet file: %s", err)
         return kept_subnets(cfg)
     return {s.version: s for s in (sf.subnet, sf.subnet_v6) if s is not None}
+
+
+def previous_mtu(cfg: Config) -> int | None:
+    """The pod MTU the subnet file of a previous run gives (``AGENTD_MTU``: docker0's ``--mtu``,
+    agentd-cni's veths), or None (no file: a reboot emptied /run; or one that cannot be read).
+    A start whose pod MTU differs (another backend, the underlay's MTU changed) warns: Docker
+    keeps the old one until it is restarted, pods until they are created again."""
+    try:
+        return cni_config.read_subnet_file(cfg.cni.subnet_file).mtu
+    except (OSError, cni_config.SubnetFileError):  # previous_subnets says why
+        return None
 
 
 def kept_subnets_path(cfg: Config) -> Path:
@@ -154,19 +169,6 @@ def remove_conflist(cfg: Config) -> bool:
                          f"{cni_config.PLUGIN_TYPE} with subnetFile and dataDir): left as it is")
     path.unlink()
     return True
-
-
-def is_agentds_conflist(doc: Any) -> bool:
-    """Whether a conflist is one agentd wrote: its first plugin is ``agentd-cni`` with the keys
-    every version of it has written (``subnetFile``, ``dataDir``).  Not compared with what this
-    agent would write: one an older agentd wrote (before ``binDir``, before the bandwidth
-    plugin) or one written under other ``[cni]`` paths is agentd's network all the same."""
-    try:
-        first = doc["plugins"][0]
-        return (first["type"] == cni_config.PLUGIN_TYPE and isinstance(first["subnetFile"], str)
-                and isinstance(first["dataDir"], str))
-    except (LookupError, TypeError):
-        return False
 
 
 def node_record(cfg: Config, name: str, underlay: Underlay, leases: Mapping[int, SubnetLease],

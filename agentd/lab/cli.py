@@ -10,12 +10,12 @@ from agentd.backend_table import NAMES
 from agentd.cli import Command, seconds_arg
 from agentd.config.settings import DATAPATH_CHOICES
 
-NAME_RE = re.compile(r"^[a-z0-9]{1,12}$")
+NAME_RE = re.compile(r"[a-z0-9]{1,12}")  # fullmatch: "$" matches before a final newline
 MAX_NODES = 200  # agentd.lab.lab.MAX_NODES: node I is 172.30.s.(10+I), pod subnets are /24s of a /16
 
 
 def _lab_name(text: str) -> str:
-    if not NAME_RE.match(text):
+    if not NAME_RE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"invalid lab name {text!r}: 1-12 lowercase letters or digits")
     return text
 

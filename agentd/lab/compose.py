@@ -18,6 +18,8 @@ sent from raw sockets opened in the pod containers' network namespaces (agentd.l
 images it built if asked (``--images``), and a private engine with its namespace, mounts and
 files (its images go with its data root only with ``--images``: kept, the next ``up`` does not
 build from scratch).  What ``up`` made is recorded in /run/agentd-compose/<name>/state.json.
+On the user's engine (``--user-engine``), ``down`` with that engine not answering removes
+nothing, keeps the record and exits 1: its containers and networks are still there.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agentd.cli import seconds_arg  # `agentd lab`'s and `agentd leave`'s: a finite number in 1..3600
-from agentd.lab.dockerd import DockerEngine, compose, ensure_netns
+from agentd.lab.dockerd import DockerEngine, cgroup_pids, compose, engine_cgroups, ensure_netns, mount_points
 from agentd.lab.errors import LabError
 from agentd.lab.images import AGENT_IMAGE, LOCAL_BASE, ROOT, Images, build_images, has_image
 from agentd.lab.netns import Netns, record_owner
@@ -245,11 +247,12 @@ def leftovers(engine: DockerEngine) -> list[str]:
                 if any(m in cmdline for m in marks):
                     args = cmdline.replace(b"\0", b" ").decode(errors="replace")
                     left.append(f"process {entry}: {args}")
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = line.split()[4]
+    for point in mount_points():
         if any(point == str(r) or point.startswith(f"{r}/") for r in (engine.run_root, engine.data_root)):
             left.append(f"mount {point}")
-    left += [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob(f"*{engine.cgroup_parent}")]
+    for top in engine_cgroups(engine.cgroup_parent):  # cgroup v2's place and every v1 hierarchy's
+        pids = cgroup_pids([top])
+        left.append(f"cgroup {top}" + (f" (processes {', '.join(map(str, pids))})" if pids else ""))
     left += [f"directory {d}" for d in (engine.run_root, engine.data_root) if d.exists()]
     return left
 
@@ -365,6 +368,12 @@ def cmd_down(args: argparse.Namespace) -> int:
         if args.images and not state.private:
             for image in state.images:
                 engine.docker("rmi", image, check=False)
+    elif not state.private:
+        # Your engine (down, restarting): its containers, networks and images are still there,
+        # and so is the record that finds them for the next `down`.
+        print(f"compose lab {args.name}: the Docker engine at {state.host} does not answer: nothing removed "
+              f"(project {state.project}); start it and run down again", file=sys.stderr)
+        return 1
     if state.private:
         engine.stop(remove_data=args.images)
         Netns(state.netns).delete()

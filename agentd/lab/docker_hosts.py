@@ -18,8 +18,8 @@ traffic never (Docker's own masquerading is off: ``--ip-masq=false``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -89,20 +89,32 @@ class DockerHosts:
 
         return await asyncio.to_thread(run)
 
-    def stop(self) -> None:
-        """Every node's containers and dockerd (before the node namespaces go)."""
-        for engine in self.engines.values():
-            with contextlib.suppress(LabError, OSError, subprocess.SubprocessError):
-                engine.stop()
+    def stop(self) -> list[str]:
+        """Every node's containers and dockerd (before the node namespaces go): each engine is
+        tried, whatever another's stop raised (one stuck dockerd must not keep the lab's
+        teardown -- etcd, namespaces, bpffs, files -- from going on); what failed is said on
+        standard error and returned."""
+        return _stop_each(self.engines.values())
+
+
+def _stop_each(engines: Iterable[DockerEngine]) -> list[str]:
+    failed = []
+    for engine in engines:
+        try:
+            engine.stop()
+        except Exception as err:  # noqa: BLE001 -- teardown: every engine is tried, each failure said
+            failed.append(f"{engine.name}: {err}")
+            print(f"lab: warning: Docker engine {engine.name} not stopped cleanly: {err}", file=sys.stderr)
+    return failed
 
 
 def stop_leftover_engines(lab_name: str) -> list[str]:
-    """Engines of a lab whose state file is gone: found by their run directories."""
-    stopped = []
+    """Engines of a lab whose state file is gone: found by their run directories.  Each is
+    tried (a failure is said on standard error); the names of those stopped."""
+    engines = []
     for run_root in sorted(RUN_ROOT.glob(f"lab-{lab_name}-node*")):
         name = run_root.name
-        engine = DockerEngine(name, netns=Netns(f"ad-{lab_name}-{name.rsplit('-', 1)[1]}"), run_root=run_root,
-                              data_root=DATA_ROOT / name, shared_netns=True)  # fmt: skip
-        engine.stop()
-        stopped.append(name)
-    return stopped
+        engines.append(DockerEngine(name, netns=Netns(f"ad-{lab_name}-{name.rsplit('-', 1)[1]}"), run_root=run_root,
+                                    data_root=DATA_ROOT / name, shared_netns=True))  # fmt: skip
+    failed = {f.split(":", 1)[0] for f in _stop_each(engines)}
+    return [e.name for e in engines if e.name not in failed]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -177,8 +178,11 @@ class DockerEngine:
             )
         try:
             self._wait(timeout)
-        except LabError:
-            self.stop()
+        except LabError as err:
+            try:
+                self.stop()
+            except LabError as stop_err:
+                raise LabError(f"{err}; and stopping it: {stop_err}") from None
             raise
 
     def _wait(self, timeout: float) -> None:
@@ -203,23 +207,31 @@ class DockerEngine:
             self.docker("rm", "-f", "-v", *ids, check=False, timeout=120)
 
     def stop(self, *, remove_data: bool = True, timeout: float = 30.0) -> None:
-        """Remove every container, stop dockerd (its containerd and shims with it), unmount what
-        it left mounted, and delete its files (the data root too, unless ``remove_data`` is
-        False: images kept for the next start).  Idempotent; never touches the user's engine."""
+        """Remove every container, stop dockerd (its containerd and shims with it), kill what is
+        left in its containers' cgroups, unmount what it left mounted, and delete its files (the
+        data root too, unless ``remove_data`` is False: images kept for the next start).
+        Idempotent; never touches the user's engine.  A dockerd that outlives SIGKILL, or
+        container processes that do, are a :class:`LabError` once the rest is done (the stuck
+        dockerd's files kept, for a later stop to find it)."""
         if not self.owned:
             return
         pid = self.running_pid() or (self.proc.pid if self.proc is not None and self.proc.poll() is None else None)
+        stuck: LabError | None = None  # a dockerd that outlived SIGKILL (stuck in the kernel)
         if pid is not None:
             with contextlib.suppress(LabError, subprocess.TimeoutExpired):
                 self.remove_containers()
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
             try:
-                until(lambda: not _alive(pid), timeout, what=f"dockerd {pid} to exit", interval=0.1)
-            except AssertionError:
+                until(lambda: not _alive(pid), timeout, what=f"dockerd {pid} to exit", interval=0.1, error=LabError)
+            except LabError:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                until(lambda: not _alive(pid), 10, what=f"dockerd {pid} to exit after SIGKILL", interval=0.1)
+                try:
+                    until(lambda: not _alive(pid), 10, what=f"dockerd {pid} to exit after SIGKILL", interval=0.1,
+                          error=LabError)  # fmt: skip
+                except LabError as err:
+                    stuck = err
         if self.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5)
@@ -228,12 +240,22 @@ class DockerEngine:
             unmount_under(root)
         if self.netns is not None and not self.shared_netns and self.netns.exists():
             self.netns.kill_all()  # containerd or a shim that outlived dockerd
-        shutil.rmtree(self.run_root, ignore_errors=True)
-        if remove_data and self.data_root.exists():
-            # rm(1): an image store is a hundred thousand files, several times faster than rmtree
-            subprocess.run(["rm", "-rf", "--one-file-system", str(self.data_root)], capture_output=True, check=False)
-            shutil.rmtree(self.data_root, ignore_errors=True)
+        # Containers whose dockerd was gone already (killed, crashed) were not removed through
+        # the API, and their processes, in namespaces of their own, outlive the shims killed
+        # above: their cgroups (the engine's cgroup parent) find them.
+        survivors = kill_cgroup_processes(engine_cgroups(self.cgroup_parent))
+        if stuck is None:  # a stuck dockerd's pid file and data stay: a later stop finds them
+            shutil.rmtree(self.run_root, ignore_errors=True)
+            if remove_data and self.data_root.exists():
+                # rm(1): an image store is a hundred thousand files, several times faster than rmtree
+                subprocess.run(["rm", "-rf", "--one-file-system", str(self.data_root)], capture_output=True, check=False)
+                shutil.rmtree(self.data_root, ignore_errors=True)
         _remove_cgroups(self.cgroup_parent)
+        if stuck is not None:
+            raise LabError(f"engine {self.name}: {stuck}; its files are kept ({self.run_root})")
+        if survivors:
+            raise LabError(f"engine {self.name}: processes {', '.join(map(str, survivors))} of its containers "
+                           f"outlived SIGKILL (cgroup {self.cgroup_parent})")
 
     def _kill_leftovers(self) -> None:
         """containerd and its shims, which a killed dockerd leaves behind: found by the paths of
@@ -264,29 +286,88 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def unmount_under(root: Path) -> None:
+MOUNTINFO = Path("/proc/self/mountinfo")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def mount_point(field: str) -> str:
+    """A mount point as /proc/self/mountinfo writes it, decoded: the kernel writes space, tab,
+    newline and backslash as octal escapes (``\\040``, ``\\011``, ``\\012``, ``\\134``)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_points(mountinfo: Path | None = None) -> list[str]:
+    """Every mount point of this process's mount namespace, decoded ([] where it cannot be read)."""
+    try:
+        text = (mountinfo or MOUNTINFO).read_text()
+    except OSError:
+        return []
+    return [mount_point(line.split()[4]) for line in text.splitlines() if len(line.split()) > 4]
+
+
+def unmount_under(root: Path, mountinfo: Path | None = None) -> None:
     """Lazily unmount everything mounted at or below ``root`` (deepest first): overlay layers,
     the shm of containers, the bind mount dockerd makes of its data root."""
     prefix = str(root).rstrip("/")
-    points = []
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            point = line.split()[4].replace("\\040", " ")
-            if point == prefix or point.startswith(prefix + "/"):
-                points.append(point)
+    points = [p for p in mount_points(mountinfo) if p == prefix or p.startswith(prefix + "/")]
     for point in sorted(set(points), key=len, reverse=True):
         subprocess.run(["umount", "-l", point], capture_output=True, check=False)
 
 
-def _remove_cgroups(parent: str) -> None:
-    """The engine's cgroup parent in every v1 hierarchy (and v2), once its containers are gone."""
-    base = Path("/sys/fs/cgroup")
-    candidates = [base / parent.lstrip("/")]
+def engine_cgroups(parent: str, root: Path | None = None) -> list[Path]:
+    """An engine's cgroup parent (``--cgroup-parent``) where it is: ``<root>/<parent>`` on
+    cgroup v2 (the unified hierarchy at /sys/fs/cgroup), ``<root>/<hierarchy>/<parent>`` in
+    every v1 hierarchy (``cpu``, ``memory``, ...; a hierarchy's alias, ``cpu`` for
+    ``cpu,cpuacct``, counted once)."""
+    base = CGROUP_ROOT if root is None else root
+    rel = parent.strip("/")
+    candidates = [base / rel]
     with contextlib.suppress(OSError):
-        candidates += [d / parent.lstrip("/") for d in base.iterdir() if d.is_dir()]
+        # a hierarchy before its aliases (symbolic links): the name said is the real one
+        candidates += [d / rel for d in sorted(base.iterdir(), key=lambda d: (d.is_symlink(), d.name)) if d.is_dir()]
+    found: dict[Path, Path] = {}
     for top in candidates:
-        if not top.is_dir():
-            continue
+        with contextlib.suppress(OSError):
+            if top.is_dir():
+                found.setdefault(top.resolve(), top)
+    return list(found.values())
+
+
+def cgroup_pids(tops: Sequence[Path]) -> list[int]:
+    """The processes in the cgroups ``tops`` and every cgroup below them (their ``cgroup.procs``)."""
+    pids: set[int] = set()
+    for top in tops:
+        with contextlib.suppress(OSError):
+            for procs in [top / "cgroup.procs", *top.rglob("*/cgroup.procs")]:
+                with contextlib.suppress(OSError, ValueError):
+                    pids.update(int(w) for w in procs.read_text().split())
+    return sorted(pids)
+
+
+def kill_cgroup_processes(tops: Sequence[Path], timeout: float = 10.0) -> list[int]:
+    """SIGKILL every process of the cgroups ``tops`` (and below; cgroup v2's ``cgroup.kill``
+    where there is one) and wait until they are gone; the pids still there after ``timeout``."""
+    if not cgroup_pids(tops):
+        return []
+    for top in tops:
+        with contextlib.suppress(OSError):
+            if (top / "cgroup.kill").exists():
+                (top / "cgroup.kill").write_text("1")
+    for pid in cgroup_pids(tops):
+        if pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    try:
+        until(lambda: not cgroup_pids(tops), timeout, what="the containers' processes to exit", interval=0.1,
+              error=LabError)  # fmt: skip
+    except LabError:
+        return cgroup_pids(tops)
+    return []
+
+
+def _remove_cgroups(parent: str, root: Path | None = None) -> None:
+    """The engine's cgroup parent in every v1 hierarchy (and v2), once its containers are gone."""
+    for top in engine_cgroups(parent, root):
         for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
                 d.rmdir()

@@ -2,6 +2,7 @@
 applies the whole [log] section."""
 
 import asyncio
+import logging
 from ipaddress import IPv4Address, IPv4Network
 
 from agentd.config.settings import load_config
@@ -276,3 +277,68 @@ def test_the_start_after_a_lost_subnet_warns_that_the_subnet_changed(tmp_path, m
     asyncio.run(main())
     assert asked == [lost]
     assert f"this node's subnet changed from {lost} to {new}" in caplog.text
+
+
+def test_a_changed_pod_mtu_is_warned_about_at_start(tmp_path, monkeypatch, caplog):
+    """The backend changed (host-gw -> vxlan) or the NIC's MTU did: the subnet file's
+    AGENTD_MTU changed without a word, only a changed subnet was warned about, and docker0
+    kept its old --mtu (docs/docker.md said only a lost subnet needs Docker restarted)."""
+    from types import SimpleNamespace
+
+    from agentd.cni.netconf import SubnetFile, render_subnet_file
+    from agentd.daemon import agent as agent_module
+
+    cfg = _cfg(tmp_path)
+    subnet = IPv4Network("10.244.7.0/24")
+    (tmp_path / "subnet.env").write_text(render_subnet_file(
+        SubnetFile(network=IPv4Network("10.244.0.0/16"), subnet=subnet, mtu=1500, backend="host-gw")))
+
+    class Store:
+        on_subnet_lost = None
+
+        async def connect(self):
+            pass
+
+        async def ensure_cluster_config(self, wanted):
+            return wanted
+
+        async def acquire_subnet(self, name, address, backend, data, previous=None, **_):
+            return SubnetLease(subnet, name, address, backend)  # kept
+
+    class Programmer:
+        def __init__(self, **_):
+            self.on_sync = None
+
+        async def start(self):
+            pass
+
+    async def no_forwarding(self):
+        pass
+
+    async def fast_path(self):  # the step after the lease: held for good
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(agent_module, "RouteProgrammer", Programmer)
+    monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
+    monkeypatch.setattr(agent_module, "Tunnels", lambda *a, **kw: SimpleNamespace())
+    monkeypatch.setattr(agent_module, "drop_previous_protocol", lambda *a, **kw: asyncio.sleep(0))
+    monkeypatch.setattr(Agent, "_forwarding", no_forwarding)
+    monkeypatch.setattr(Agent, "_open_fast_path", fast_path)
+
+    async def start(mtu):
+        agent = Agent(cfg)
+        agent.underlay = SimpleNamespace()
+        agent.routes.adopt = lambda programmer: None
+        agent.pod_mtu = mtu  # run() takes it from the underlay and the backend
+        task = asyncio.get_running_loop().create_task(agent._start())
+        for _ in range(50):
+            await asyncio.sleep(0)
+        task.cancel()
+
+    with caplog.at_level(logging.WARNING, logger="agentd"):
+        asyncio.run(start(1500))
+        assert "pod MTU changed" not in caplog.text
+        asyncio.run(start(1450))
+    assert ("the pod MTU changed from 1500 to 1450: pods and containers made before keep the old one until they "
+            "are created again; a Docker host runs `agentd docker-opts` and restarts Docker") in caplog.text
+    assert "subnet changed" not in caplog.text

@@ -237,6 +237,9 @@ def test_what_the_agent_runs_with_decides_not_the_configuration_file(tmp_path, c
     assert err.count("\n") == 1 and f"AGENTD_WRITE_CONFLIST=true in {path}" in err
     config.write_text(config.read_text().replace("[agent]", "write_conflist = false\n[agent]"))  # a Docker host's
     agent_writes(AGENTD_CNI_WRITE_CONFLIST="false")
+    assert main(["docker-opts", "--config", str(config)]) == 1  # the conflist the run before wrote is there
+    assert "10-agentd.conflist is still there" in capsys.readouterr().err
+    (tmp_path / "net.d" / "10-agentd.conflist").unlink()
     assert main(["docker-opts", "--config", str(config), "--format", "args"]) == 0
     assert "ip_masq is off" in capsys.readouterr().err
     path.write_text(path.read_text().replace("AGENTD_MASQUERADE=false", "AGENTD_MASQUERADE=maybe"))
@@ -257,3 +260,71 @@ def test_a_key_a_shell_cannot_take_or_an_empty_output_is_refused(tmp_path, capsy
     assert capsys.readouterr() == ("", "agentd docker-opts: --output: empty path (leave it out for standard output)\n")
     assert main(["docker-opts", "--subnet-file", str(path), "--key", "_docker_opts2"]) == 0
     assert capsys.readouterr().out.startswith('_docker_opts2="--bip=10.244.3.1/24 ')
+
+
+def test_the_subnet_files_word_counts_with_subnet_file_too(tmp_path, capsys, monkeypatch):
+    """With --subnet-file the file's AGENTD_WRITE_CONFLIST=true and AGENTD_MASQUERADE=false
+    were ignored (only read where the configuration was): Docker got the subnet of a node
+    whose agent writes agentd-cni's conflist, without a word."""
+    for name in [k for k in os.environ if k.startswith("AGENTD_")]:
+        monkeypatch.delenv(name)
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF) + "AGENTD_WRITE_CONFLIST=true\nAGENTD_MASQUERADE=false\n")
+    assert main(["docker-opts", "--subnet-file", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert f"AGENTD_WRITE_CONFLIST=true in {path}" in err and "cannot share a node's subnet" in err
+    path.write_text(render_subnet_file(SF) + "AGENTD_WRITE_CONFLIST=false\nAGENTD_MASQUERADE=false\n")
+    assert main(["docker-opts", "--subnet-file", str(path), "--format", "args"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n" and "ip_masq is off" in err
+    path.write_text(render_subnet_file(SF) + "AGENTD_WRITE_CONFLIST=false\nAGENTD_MASQUERADE=true\n")
+    assert main(["docker-opts", "--subnet-file", str(path), "--format", "args"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_agentds_conflist_left_from_a_cni_node_is_refused(tmp_path, capsys, monkeypatch):
+    """A CNI node turned Docker host (write_conflist true -> false, restarted) keeps
+    10-agentd.conflist: container runtimes go on running agentd-cni on the subnet Docker
+    would be given.  An operator's own file of that name is not agentd's and does not count."""
+    from agentd.cni.netconf import write_conflist
+
+    for name in [k for k in os.environ if k.startswith("AGENTD_")]:
+        monkeypatch.delenv(name)
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF) + "AGENTD_WRITE_CONFLIST=false\nAGENTD_MASQUERADE=true\n")
+    conf, data = tmp_path / "net.d", tmp_path / "cni"
+    write_conflist(str(conf), mtu=1450, subnet_file=str(path), data_dir=str(data),
+                   ipam_data_dir=str(tmp_path / "ipam"), bin_dir="/opt/cni/bin")
+    config = tmp_path / "agentd.toml"
+    config.write_text(f'[cni]\nsubnet_file = "{path}"\ndata_dir = "{data}"\nconf_dir = "{conf}"\n'
+                      f'write_conflist = false\n[network]\nip_masq = true\n')
+    assert main(["docker-opts", "--config", str(config)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert f"conflist {conf / '10-agentd.conflist'} is still there" in err and "cannot share" in err
+    (conf / "10-agentd.conflist").write_text(json.dumps({"plugins": [{"type": "bridge"}]}))  # the operator's
+    assert main(["docker-opts", "--config", str(config), "--format", "args"]) == 0
+    assert capsys.readouterr() == ("--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n", "")
+
+
+def test_individual_variables_as_mk_docker_opts_i_writes_them(tmp_path, capsys):
+    """flannel's mk-docker-opts.sh -i: a variable per option, for units that compose dockerd's
+    command line from some of them."""
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF))
+    assert main(["docker-opts", "--subnet-file", str(path), "-i"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        'DOCKER_OPT_BIP="--bip=10.244.3.1/24"', 'DOCKER_OPT_IPMASQ="--ip-masq=false"', 'DOCKER_OPT_MTU="--mtu=1450"']
+    v6 = SubnetFile(network=SF.network, subnet=SF.subnet, mtu=1450, network_v6=IPv6Network("fd00:10:244::/48"),
+                    subnet_v6=IPv6Network("fd00:10:244:3::/64"))
+    path.write_text(render_subnet_file(v6))
+    out = tmp_path / "docker_opts.env"
+    assert main(["docker-opts", "--subnet-file", str(path), "--individual", "--allow-direct-routing", "-o", str(out)]) == 0
+    assert out.read_text().splitlines() == [
+        'DOCKER_OPT_BIP="--bip=10.244.3.1/24"', 'DOCKER_OPT_IPV6="--ipv6=true"',
+        'DOCKER_OPT_FIXED_CIDR_V6="--fixed-cidr-v6=fd00:10:244:3::/64"', 'DOCKER_OPT_IPMASQ="--ip-masq=false"',
+        'DOCKER_OPT_MTU="--mtu=1450"', 'DOCKER_OPT_ALLOW_DIRECT_ROUTING="--allow-direct-routing=true"']
+    for fmt in ("args", "json"):
+        assert main(["docker-opts", "--subnet-file", str(path), "-i", "--format", fmt]) == 2
+        assert "--individual writes variables" in capsys.readouterr().err

@@ -1,0 +1,181 @@
+"""The Docker engines of the lab (agentd.lab.dockerd, docker_hosts, compose) torn down when
+something is wrong -- a dockerd stuck past SIGKILL, one already dead with its containers'
+processes still running, an engine that does not answer --, and the names and paths they are
+made from.  Pure: fake cgroup trees and mountinfo files in tmp_path, os.kill and the waits
+stubbed (no process is started or signalled)."""
+
+from __future__ import annotations
+
+import argparse
+import types
+
+import pytest
+
+from agentd.lab import compose, docker_hosts, dockerd
+from agentd.lab.cli import _lab_name
+from agentd.lab.docker_hosts import DockerHosts, stop_leftover_engines
+from agentd.lab.errors import LabError
+from agentd.lab.netns import Netns
+
+
+def _fake_until(pred, timeout, *, what="", interval=0.1, error=AssertionError, **_):
+    """lab.wait.until without the waiting: one try, then the deadline has passed."""
+    if result := pred():
+        return result
+    raise error(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def no_host(tmp_path, monkeypatch):
+    """dockerd's paths, cgroups and mounts in tmp_path; signals recorded, never sent."""
+    signals = []
+    for module in (dockerd, docker_hosts):
+        monkeypatch.setattr(module, "RUN_ROOT", tmp_path / "run")
+        monkeypatch.setattr(module, "DATA_ROOT", tmp_path / "data")
+    monkeypatch.setattr(dockerd, "CGROUP_ROOT", tmp_path / "cg")
+    monkeypatch.setattr(dockerd, "MOUNTINFO", tmp_path / "mountinfo")
+    monkeypatch.setattr(dockerd, "until", _fake_until)
+    monkeypatch.setattr(dockerd.os, "kill", lambda pid, sig: signals.append((pid, sig)))
+    monkeypatch.setattr(dockerd.DockerEngine, "_kill_leftovers", lambda self: None)
+    monkeypatch.setattr(dockerd.DockerEngine, "remove_containers", lambda self, label=None: None)
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "mountinfo").write_text("")
+    return signals
+
+
+def _lab(name="x", nodes=2):
+    node = lambda i: types.SimpleNamespace(name=f"node{i}", ns=Netns(f"ad-{name}-node{i}"))
+    return types.SimpleNamespace(spec=types.SimpleNamespace(name=name), nodes=[node(i) for i in range(1, nodes + 1)])
+
+
+def test_a_dockerd_that_outlives_sigkill_does_not_stop_the_other_engines_or_the_teardown(no_host, monkeypatch, capsys):
+    """until(..., 10, ...) after SIGKILL raised AssertionError, which DockerHosts.stop did not
+    suppress: the second engine was never stopped and Lab.down ended there (etcd, namespaces,
+    bpffs and files left) with a traceback."""
+    import signal
+
+    monkeypatch.setattr(dockerd, "_alive", lambda pid: True)  # stuck in the kernel
+    monkeypatch.setattr(dockerd.DockerEngine, "running_pid", lambda self: 424242)
+    hosts = DockerHosts(_lab())
+    failed = hosts.stop()
+    assert no_host.count((424242, signal.SIGTERM)) == 2 and no_host.count((424242, signal.SIGKILL)) == 2
+    assert [f.split(":")[0] for f in failed] == ["lab-x-node1", "lab-x-node2"]
+    assert "dockerd 424242 to exit after SIGKILL" in failed[0]
+    assert capsys.readouterr().err.count("not stopped cleanly") == 2
+    # A stuck engine's files stay, and the leftover sweep (no state file) tries every one too.
+    for n in (1, 2):
+        (dockerd.RUN_ROOT / f"lab-x-node{n}").mkdir(parents=True)
+    assert DockerHosts(_lab()).stop() and len(list(dockerd.RUN_ROOT.iterdir())) == 2
+    capsys.readouterr()
+    assert stop_leftover_engines("x") == []
+    assert no_host.count((424242, signal.SIGTERM)) == 6 and capsys.readouterr().err.count("not stopped cleanly") == 2
+    monkeypatch.setattr(dockerd, "_alive", lambda pid: False)  # it did die after all
+    assert stop_leftover_engines("x") == ["lab-x-node1", "lab-x-node2"]
+    assert not list(dockerd.RUN_ROOT.iterdir())
+
+
+def _cgroup(path, pids=()):
+    path.mkdir(parents=True)
+    (path / "cgroup.procs").write_text("".join(f"{p}\n" for p in pids))
+
+
+@pytest.mark.parametrize("layout", ["v1", "v2"])
+def test_containers_of_a_dead_dockerd_are_killed_by_their_cgroups(no_host, monkeypatch, tmp_path, layout):
+    """With dockerd dead already, no container was removed through the API, the shims were
+    killed, and the containers' processes, in namespaces of their own, ran on; the cgroup
+    parent was not removed either (rmdir of a cgroup with processes fails, silently)."""
+    import signal
+
+    monkeypatch.setattr(dockerd.DockerEngine, "running_pid", lambda self: None)  # dockerd is gone
+    cg = tmp_path / "cg"
+    tops = [cg / "ad-docker-e1"] if layout == "v2" else [cg / "cpu,cpuacct" / "ad-docker-e1",
+                                                         cg / "memory" / "ad-docker-e1"]
+    for top in tops:
+        _cgroup(top)
+        _cgroup(top / "c0ffee", [4242, 4243])
+        _cgroup(top / "beef", [4244])
+    if layout == "v1":
+        (cg / "cpu").symlink_to("cpu,cpuacct")  # an alias: the same hierarchy
+    killed = []
+
+    def kill(pid, sig):  # the kernel empties the cgroups of what was killed
+        killed.append((pid, sig))
+        for procs in cg.rglob("cgroup.procs"):
+            procs.write_text("".join(f"{p}\n" for p in map(int, procs.read_text().split()) if p != pid))
+
+    monkeypatch.setattr(dockerd.os, "kill", kill)
+    # (rmdir of a real cgroup takes its control files with it, a fake one's cannot: the removal
+    # is seen being asked for, with the cgroups empty by then.)
+    removing = []
+    monkeypatch.setattr(dockerd, "_remove_cgroups",
+                        lambda parent: removing.append((parent, dockerd.cgroup_pids(dockerd.engine_cgroups(parent)))))
+    assert sorted(dockerd.engine_cgroups("/ad-docker-e1")) == sorted(tops)
+    assert dockerd.cgroup_pids(dockerd.engine_cgroups("/ad-docker-e1")) == [4242, 4243, 4244]
+    dockerd.DockerEngine("e1", netns=None).stop()
+    assert sorted(killed) == [(4242, signal.SIGKILL), (4243, signal.SIGKILL), (4244, signal.SIGKILL)]
+    assert removing == [("/ad-docker-e1", [])]
+
+
+def test_container_processes_that_outlive_sigkill_are_said(no_host, monkeypatch, tmp_path):
+    monkeypatch.setattr(dockerd.DockerEngine, "running_pid", lambda self: None)
+    _cgroup(tmp_path / "cg" / "ad-docker-e1" / "c0ffee", [4242])
+    with pytest.raises(LabError, match="processes 4242 of its containers outlived SIGKILL"):
+        dockerd.DockerEngine("e1", netns=None).stop()
+    assert no_host == [(4242, 9)]
+
+
+def test_compose_leftovers_finds_the_engines_cgroup_on_cgroup_v2(no_host, tmp_path):
+    """leftovers() globbed /sys/fs/cgroup/*/ad-docker-compose-<name> (v1's layout): on cgroup
+    v2 the cgroup is /sys/fs/cgroup/ad-docker-compose-<name> and the check never fired."""
+    engine = dockerd.DockerEngine("compose-t1", netns=None, run_root=tmp_path / "r", data_root=tmp_path / "d")
+    assert compose.leftovers(engine) == []
+    _cgroup(tmp_path / "cg" / "ad-docker-compose-t1" / "c0ffee", [4242])
+    assert compose.leftovers(engine) == [f"cgroup {tmp_path / 'cg' / 'ad-docker-compose-t1'} (processes 4242)"]
+    _cgroup(tmp_path / "cg" / "memory" / "ad-docker-compose-t1")  # and v1's
+    assert compose.leftovers(engine)[1] == f"cgroup {tmp_path / 'cg' / 'memory' / 'ad-docker-compose-t1'}"
+
+
+def test_compose_down_keeps_the_record_when_the_users_engine_does_not_answer(tmp_path, monkeypatch, capsys):
+    """The engine down or restarting: docker-compose down and rmi were skipped, yet the record
+    went and "removed (images too)" was printed, exit 0 -- the containers, networks and images
+    stayed, with nothing left to find them by."""
+    monkeypatch.setattr(compose, "STATE_ROOT", tmp_path / "state")
+    ran = []
+    monkeypatch.setattr(compose.DockerEngine, "answers", lambda self: False)
+    monkeypatch.setattr(compose, "compose", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(compose.DockerEngine, "docker", lambda self, *a, **k: ran.append(a))
+    compose.ComposeState(name="lab", project="agentdlab", host="unix:///var/run/docker.sock", private=False,
+                         netns=None, backend="host-gw", images=["agentd:latest"], env={}).save()
+    assert compose.main(["down", "--images"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "unix:///var/run/docker.sock does not answer: nothing removed" in err
+    assert ran == [] and compose.ComposeState.load("lab") is not None
+    monkeypatch.setattr(compose.ComposeLab, "down", lambda self: ran.append("down"))
+    monkeypatch.setattr(compose.DockerEngine, "answers", lambda self: True)  # back
+    assert compose.main(["down", "--images"]) == 0
+    assert ran == ["down", ("rmi", "agentd:latest")] and compose.ComposeState.load("lab") is None
+    assert "removed (images too)" in capsys.readouterr().out
+
+
+def test_a_lab_name_with_a_final_newline_is_refused():
+    """NAME_RE.match with "$" let "dk\\n" through (compose's fullmatch did not): a newline in
+    namespace names, paths and cgroups."""
+    assert _lab_name("dk") == "dk"
+    for bad in ("dk\n", "dk\n\n", "DK", "", "a" * 13, "d-k"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _lab_name(bad)
+
+
+def test_unmount_under_decodes_every_octal_escape_of_mountinfo(tmp_path, monkeypatch):
+    """The kernel writes a newline in a mount point as \\012 (tab \\011, backslash \\134): only
+    \\040 was decoded, so such a mount under the engine's root was never unmounted."""
+    root = tmp_path / "data"
+    info = tmp_path / "mountinfo"
+    lines = [f"36 35 0:1 / {root}/a\\012b rw - tmpfs t rw", f"37 35 0:1 / {root}/c\\040d\\011e\\134 rw - tmpfs t rw",
+             f"38 35 0:1 / {root} rw - tmpfs t rw", "39 35 0:1 / /elsewhere rw - tmpfs t rw"]
+    info.write_text("\n".join(lines) + "\n")
+    assert dockerd.mount_point("/x\\012y\\040z\\134") == "/x\ny z\\"
+    umounted = []
+    monkeypatch.setattr(dockerd.subprocess, "run", lambda argv, **kw: umounted.append(argv[-1]))
+    dockerd.unmount_under(root, info)
+    assert umounted == [f"{root}/c d\te\\", f"{root}/a\nb", str(root)]
