@@ -39,6 +39,7 @@ from .views import ServiceViews
 log = logging.getLogger("agentd.services")
 
 COUNTERS_INTERVAL = 2.0
+RETRY_MAX = 30.0  # the longest pause before a failed sync pass is tried again
 REJECT_IN_PREROUTING = "5.9"  # the kernel that takes reject in a chain on the prerouting hook (filter-prerouting)
 KINDS = ("Service", "EndpointSlice", "Pod")
 # Service DNS that could not start (its address taken, port 53 in use) is tried again after
@@ -85,7 +86,9 @@ class ServiceAgent:
         self.revision = 0
         self.applied_revision = 0
         self.syncs = 0
-        self.sync_errors = 0
+        self.sync_errors = 0  # passes that failed: the kernel refused the transaction, or a bug raised
+        self.retry_delay = 1.0  # the pause before a pass that raised is tried again (doubled while they keep failing)
+        self._failing = 0  # passes that raised in a row
         self.flushed = 0  # UDP conntrack entries deleted
         self.last_sync: dict[str, Any] | None = None
         self.error: str | None = None
@@ -313,77 +316,103 @@ class ServiceAgent:
     # ------------------------------------------------------------------ syncing
 
     async def _sync_loop(self) -> None:
+        """One pass per wake-up.  A pass that raises (a bug in the UDP flush bookkeeping, the
+        DNS names, a callback: anything but the kernel's refusal, handled in the pass) does not
+        end the loop, which nothing else would start again with other records than those that
+        raised: one line says why, it is counted (``sync_errors``) and shown (``error``, GET
+        /services and /status), the kernel keeps what it has, and the whole table is built
+        again at the next pass, after a pause that doubles while passes keep failing."""
         assert self.programmer is not None
         while True:
             await self._wake.wait()
             self._wake.clear()
             if not self._have_snapshot:
                 continue
-            revision = self.revision
-            start = time.perf_counter()
-            dirty, self._dirty = self._dirty, set()
-            full = dirty is None or self._table is None
-            if full:
-                self._table = compiler.Table(self.node, self.drop_log, self.families, self.pod_subnets, self.service_ranges)
-                dirty = set(self.objects["Service"]) | set(self._applied)  # and those gone since
-                keys = None
-            else:
-                keys = set()
-            gone: list[conntrack.Flush] = list(self._unflushed)
-            if not self._compile(dirty, full, keys):
-                # The table was left half-updated by a Service that could not be compiled: built
-                # again at once without it (it stays out until its records change).
-                self._table = None
-                self._dirty = None
-                self._wake.set()
-                continue
-            # The flows to flush follow the ports as compiled, not as asked: a cluster IP or
-            # node port an older Service holds is not this one's (its endpoints coming or going
-            # say nothing of the holder's flows), and one a Service gains or loses by a conflict
-            # changing is compiled anew without an update of its own.
-            built = {key: list(self._table.compiled(key)) for key in self._table.take_recompiled() | dirty}
-            for key, after in sorted(built.items()):
-                gone += stale_udp(self._applied.get(key, []), after, self.node, short_circuit=tuple(self.pod_subnets.values()))
-                gone += unusable_udp(self._applied.get(key, []), after, self.node, first=self._fresh,
-                                     short_circuit=tuple(self.pod_subnets.values()))
-            translating = self._table.translating()
             try:
-                if translating and self.on_translating is not None:
-                    await self.on_translating(True)
-                result = await self.programmer.sync(self._table.rs, keys)
-                if not translating and self.on_translating is not None:
-                    await self.on_translating(False)
-            except NftError as err:
-                self._table = None  # rebuild everything next time
+                if await self._sync_pass():
+                    self._failing = 0
+                    continue
+            except Exception as err:  # one pass's bug must not stop every later change
+                self._table = None  # rebuilt whole: whatever the pass changed before it raised
                 self._dirty = None
                 self.sync_errors += 1
-                self.error = str(err)
-                if "not supported" in self.error.lower():
-                    self.error += f" (a reject in a prerouting chain needs Linux {REJECT_IN_PREROUTING} or later)"
-                log.error("programming services failed: %s", self.error)
-                await asyncio.sleep(1.0)
-                self._wake.set()
-                continue
-            self._rename(dirty, full)
-            for key, after in built.items():
-                if after:
-                    self._applied[key] = after
-                else:
-                    self._applied.pop(key, None)
-            self._unflushed = []
-            self._fresh = False
-            if gone:  # before the revision counts as applied: the change includes the flows' move
-                try:
-                    self.flushed += await asyncio.to_thread(conntrack.flush_udp, list(dict.fromkeys(gone)))
-                except OSError as err:
-                    log.warning("flushing UDP conntrack entries failed (tried again at the next change): %s", err)
-                    self._unflushed = list(dict.fromkeys(gone))
-            self.error = None
-            self.syncs += 1
-            if revision <= self.revision:  # else a snapshot from a restore came meanwhile: the next sync counts
-                self.applied_revision = revision
-            self.last_sync = {"commands": result.commands, "seconds": round(time.perf_counter() - start, 6),
-                              "full": result.full, "services": len(dirty)}  # fmt: skip
+                self.error = f"a services sync pass failed (tried again): {type(err).__name__}: {err}"
+                log.error("%s", self.error)
+                log.debug("the failed services sync pass", exc_info=err)
+            self._failing += 1
+            await asyncio.sleep(min(RETRY_MAX, self.retry_delay * 2 ** (self._failing - 1)))
+            self._wake.set()
+
+    async def _sync_pass(self) -> bool:
+        """Compile what changed, program it, rename, flush the UDP flows that must move; False
+        if the kernel refused the transaction (said and counted: the pass is tried again)."""
+        assert self.programmer is not None
+        revision = self.revision
+        start = time.perf_counter()
+        dirty, self._dirty = self._dirty, set()
+        full = dirty is None or self._table is None
+        if full:
+            self._table = compiler.Table(self.node, self.drop_log, self.families, self.pod_subnets, self.service_ranges)
+            dirty = set(self.objects["Service"]) | set(self._applied)  # and those gone since
+            keys = None
+        else:
+            keys = set()
+        gone: list[conntrack.Flush] = list(self._unflushed)
+        if not self._compile(dirty, full, keys):
+            # The table was left half-updated by a Service that could not be compiled: built
+            # again at once without it (it stays out until its records change).
+            self._table = None
+            self._dirty = None
+            self._wake.set()
+            return True
+        # The flows to flush follow the ports as compiled, not as asked: a cluster IP or
+        # node port an older Service holds is not this one's (its endpoints coming or going
+        # say nothing of the holder's flows), and one a Service gains or loses by a conflict
+        # changing is compiled anew without an update of its own.
+        built = {key: list(self._table.compiled(key)) for key in self._table.take_recompiled() | dirty}
+        for key, after in sorted(built.items()):
+            gone += stale_udp(self._applied.get(key, []), after, self.node, short_circuit=tuple(self.pod_subnets.values()))
+            gone += unusable_udp(self._applied.get(key, []), after, self.node, first=self._fresh,
+                                 short_circuit=tuple(self.pod_subnets.values()))
+        translating = self._table.translating()
+        try:
+            if translating and self.on_translating is not None:
+                await self.on_translating(True)
+            result = await self.programmer.sync(self._table.rs, keys)
+            if not translating and self.on_translating is not None:
+                await self.on_translating(False)
+        except NftError as err:
+            self._table = None  # rebuild everything next time
+            self._dirty = None
+            self.sync_errors += 1
+            self.error = str(err)
+            if "not supported" in self.error.lower():
+                self.error += f" (a reject in a prerouting chain needs Linux {REJECT_IN_PREROUTING} or later)"
+            log.error("programming services failed: %s", self.error)
+            return False
+        self._rename(dirty, full)
+        for key, after in built.items():
+            if after:
+                self._applied[key] = after
+            else:
+                self._applied.pop(key, None)
+        self._fresh = False
+        # Until flushed, they wait: a flush that fails, or raises (the pass then fails), keeps them.
+        self._unflushed = list(dict.fromkeys(gone))
+        if self._unflushed:  # before the revision counts as applied: the change includes the flows' move
+            try:
+                self.flushed += await asyncio.to_thread(conntrack.flush_udp, self._unflushed)
+            except OSError as err:
+                log.warning("flushing UDP conntrack entries failed (tried again at the next change): %s", err)
+            else:
+                self._unflushed = []
+        self.error = None
+        self.syncs += 1
+        if revision <= self.revision:  # else a snapshot from a restore came meanwhile: the next sync counts
+            self.applied_revision = revision
+        self.last_sync = {"commands": result.commands, "seconds": round(time.perf_counter() - start, 6),
+                          "full": result.full, "services": len(dirty)}  # fmt: skip
+        return True
 
     def _compile(self, dirty: set[tuple[str, str]], full: bool, keys: set[Any] | None) -> bool:
         """Update the table with the ``dirty`` Services (``keys``: the changed objects, added);

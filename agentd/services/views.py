@@ -22,6 +22,7 @@ class ServiceState(Protocol):
     error: str | None
     error_dns: str | None
     syncs: int
+    sync_errors: int
     last_sync: dict[str, Any] | None
     flushed: int
     counters: dict[str, int]
@@ -53,7 +54,7 @@ class ServiceViews:
         a = self.agent
         if summary:
             return {"node": a.node, "revision": a.applied_revision, "error": a.error, "syncs": a.syncs,
-                    "last_sync": a.last_sync, "service_ports": a.port_count, "failed": _failed(a)}  # fmt: skip
+                    "sync_errors": a.sync_errors, "last_sync": a.last_sync, "service_ports": a.port_count, "failed": _failed(a)}  # fmt: skip
         services: dict[str, dict[str, Any]] = {}
         conflicts = a.conflicts
         # What the kernel carries of each port: its cluster IP and node port unless an older
@@ -113,7 +114,7 @@ class ServiceViews:
             })  # fmt: skip
         return {
             "node": a.node, "revision": a.applied_revision, "error": a.error, "syncs": a.syncs,
-            "last_sync": a.last_sync, "udp_flushed": a.flushed, "failed": _failed(a),
+            "sync_errors": a.sync_errors, "last_sync": a.last_sync, "udp_flushed": a.flushed, "failed": _failed(a),
             "dns": None if a.dns_server is None else {
                 "address": a.dns_server.address, "addresses": a.dns_server.addresses, "queries": a.dns_server.queries,
                 "forwarded": a.dns_server.forwarded, "servfail": a.dns_server.failed,
@@ -144,6 +145,9 @@ class ServiceViews:
             eps.add_metric(list(labels), n)
         yield eps
         yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=a.syncs)
+        errors = CounterMetricFamily("agentd_services_sync_errors", "services sync passes that failed (tried again)")
+        errors.add_metric([], float(a.sync_errors))
+        yield errors
         outcomes = a.dns_outcomes()  # those of the servers before too: a restarted task's counts from 0
         if outcomes is not None:
             q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])

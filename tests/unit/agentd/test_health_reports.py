@@ -331,7 +331,7 @@ async def test_dns_query_counts_survive_a_restart_of_the_services_task(monkeypat
         await asyncio.Event().wait()
 
     agent._watch, agent._sync_loop, agent._counters_loop = watch, idle, idle
-    agent.counters, agent.node, agent.syncs, agent._table = {}, "n1", 0, None
+    agent.counters, agent.node, agent.syncs, agent.sync_errors, agent._table = {}, "n1", 0, 0, None
     registry = CollectorRegistry()
     registry.register(ServiceViews(agent))
 

@@ -398,7 +398,7 @@ async def test_query_outcomes_are_monotonic_counters_counted_once_when_the_reply
     monkeypatch.setattr(dns.asyncquery, "udp", udp)
     server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53)])
 
-    state = SimpleNamespace(node="n1", applied_revision=1, error=None, error_dns=None, syncs=1, last_sync=None, flushed=0,
+    state = SimpleNamespace(node="n1", applied_revision=1, error=None, error_dns=None, syncs=1, sync_errors=0, last_sync=None, flushed=0,
                             counters={}, ports=[], port_count=0, dns_server=server,
                             dns_outcomes=lambda: dict(server.outcomes))  # fmt: skip
     registry = CollectorRegistry()

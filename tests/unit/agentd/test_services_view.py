@@ -10,7 +10,7 @@ from agentd.services.views import ServiceViews
 
 
 class _State:
-    node, applied_revision, error, error_dns, syncs, last_sync, flushed = "n1", 1, None, None, 1, None, 0
+    node, applied_revision, error, error_dns, syncs, sync_errors, last_sync, flushed = "n1", 1, None, None, 1, 0, None, 0
     counters: dict[str, int] = {}
     failed: dict[tuple[str, str], str] = {}
     dns_server = None
