@@ -54,7 +54,7 @@ from agentd.kernel import netlink as nl
 from agentd.kernel.netlink_links import Vxlan, decode_vxlan
 from agentd.kernel.netlink_socket import NetlinkSocket
 from agentd.kernel.rtnl import Rtnl
-from agentd.kernel.forwarding import LocalPaths, PeerPlan, peer_in_userspace
+from agentd.kernel.forwarding import HOST_GW, LocalPaths, PeerPlan, peer_in_userspace
 from agentd.kernel.netinfo import Underlay
 
 log = logging.getLogger("agentd.backends")
@@ -668,8 +668,9 @@ class Tunnels:
         self.subnets: dict[int, IPv4Network | IPv6Network] = {}  # this node's pod subnets, by IP version
         self.active: dict[str, Any] = {}
         self.failed: dict[str, str] = {}  # backend -> why it is not up (tried again with back-off while a peer names it)
-        # The backends the peers' node records name (None until the node registry has been read).
-        self._named: set[str] | None = None
+        # The backends the node records of the peers reached through a tunnel name (None until
+        # the node registry has been read).
+        self._needed: set[str] | None = None
         self._retries = _Retries()  # of ``failed`` and ``helper_failed`` (as "helper:<backend>")
         self.fallbacks: dict[str, str] = {}  # backend -> why it does not run on its first data path
         self.unfiltered: dict[str, str] = {}  # backend -> why its member filter cannot run
@@ -868,7 +869,13 @@ class Tunnels:
         if members_known:
             self.members = {str(n.peer_address) for n in nodes.values()} | {str(self.underlay.interface.ip)}
             self._members_known = True
-            self._named = {str(n.backend.get("type") or self.own) for n in nodes.values() if n.name != self.node_name}
+            # Only the peers reached through a tunnel need the backend their record names: one
+            # reached directly (cross-subnet, on our segment) needs none, so a backend named only
+            # by such peers is not tried again when it failed.  ("none": planned so because its
+            # backend failed here -- it needs it all the same.)
+            tunnelled = {p.node for p in [*plans.values(), *self.plans_v6.values()] if p.backend != HOST_GW}
+            self._needed = {str(n.backend.get("type") or self.own) for n in nodes.values()
+                            if n.name != self.node_name and n.name in tunnelled}
         self._dirty.set()
 
     async def _remove_unused(self) -> None:
@@ -903,13 +910,13 @@ class Tunnels:
         """One pass of the sync loop: the backends, workers, underlay next hops, peer entries
         and BPF maps the last ``apply`` asks for."""
         plans, next_hops, prune = self._plans, self._next_hops, self._prune
-        named = self._named
-        for backend in sorted(b for b in self.failed if named is not None and b not in named and b != self.own):
-            # No peer's record names it any more: no longer tried (a success would make a device
-            # nobody uses); a peer that names it later has it tried at once.
+        needed = self._needed
+        for backend in sorted(b for b in self.failed if needed is not None and b not in needed and b != self.own):
+            # No peer reached through a tunnel names it any more: no longer tried (a success
+            # would make a device nobody uses); a peer that needs it later has it tried at once.
             del self.failed[backend]
             self._retries.forget(backend)
-            log.info("backend %s: no peer uses it any more; no longer trying to bring it up", backend)
+            log.info("backend %s: no peer reached through a tunnel uses it any more; no longer trying to bring it up", backend)
         # (a backend that failed is planned "none" for its peers: tried again all the same)
         wanted = {p.backend for p in [*plans.values(), *self.plans_v6.values()]} | set(self.failed)
         for backend in sorted(wanted & set(BACKENDS)):

@@ -203,14 +203,14 @@ def _apply(t: Tunnels, records) -> dict:
     """What the route computation hands the tunnels for ``records`` (every node but this one)."""
     from agentd.kernel.forwarding import plan_peer
 
-    plans = {str(r.address): plan_peer(r, UNDERLAY, own_backend=CFG.network.backend, encap=CFG.network.encap,
+    plans = {str(r.address): plan_peer(r, UNDERLAY, own_backend=t.cfg.network.backend, encap=t.cfg.network.encap,
                                        available=t.available, paths=t.paths()) for r in records}
     t.apply(plans, {}, {r.name: r for r in records})
     return plans
 
 
-def _stubbed_tunnels(paths: list) -> Tunnels:
-    t = Tunnels(CFG, UNDERLAY, "n3", on_paths=lambda: paths.append(1))
+def _stubbed_tunnels(paths: list, cfg=CFG) -> Tunnels:
+    t = Tunnels(cfg, UNDERLAY, "n3", on_paths=lambda: paths.append(1))
     t.subnet = IPv4Network("10.244.3.0/24")
     t._leftovers_removed = True
 
@@ -362,6 +362,42 @@ def test_a_failed_backend_no_peer_names_any_more_is_forgotten(monkeypatch):
         assert len(_Flaky.ups) == 1
         assert t.available("vxlan") is None and t.status()["failed"] == {}
         assert _apply(t, [_vxlan_peer()])["10.0.0.4"].backend == "vxlan"  # it comes back
+        await t._pass()
+        assert len(_Flaky.ups) == 2
+
+    asyncio.run(main())
+
+
+def test_a_failed_backend_named_only_by_peers_reached_directly_is_forgotten(monkeypatch):
+    """cross-subnet: n4 (another segment) needs VXLAN, n5 (on this segment) names it too but is
+    reached directly.  VXLAN cannot come up; n4 leaves: nothing needs VXLAN any more, so it is
+    no longer tried (n5's record still naming it kept it tried, and reported, forever); n4
+    back has it tried at once."""
+    clock = [1000.0]
+    monkeypatch.setattr(backends_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setitem(backends_mod.IMPLEMENTATIONS, "vxlan-device", _Vtep)
+    monkeypatch.setattr(_Flaky, "fails", 1000)
+    monkeypatch.setattr(_Flaky, "ups", [])
+    monkeypatch.setattr(_Flaky, "discarded", [])
+    cfg = load_config(None, env={}, overrides={"node.address": "10.0.0.3", "node.name": "n3",
+                                               "network.backend": "udp", "network.encap": "cross-subnet"})
+    far = _record("n4", "10.0.1.4", 4, type="vxlan", vtep_ip="10.244.4.0", vtep_mac=MAC4, datapath="bpf")
+    near = _record("n5", "10.0.0.5", 5, type="vxlan", vtep_ip="10.244.5.0", vtep_mac="02:00:00:00:00:05",
+                   datapath="bpf")
+
+    async def main():
+        t = _stubbed_tunnels([], cfg)
+        assert _apply(t, [far, near])["10.0.1.4"].backend == "vxlan"
+        await t._pass()
+        assert t.available("vxlan") is not None and len(_Flaky.ups) == 1
+        assert _apply(t, [near])["10.0.0.5"].backend == "host-gw"  # n4 leaves
+        await t._pass()
+        # (the passes asked for are GATEWAY_REFRESH's periodic ones only: n5 has a plan)
+        asked = await _ticks_asking_for_a_pass(t, clock, backends_mod.RETRY_MAX + 10)
+        assert len(asked) <= (backends_mod.RETRY_MAX + 10) // GATEWAY_REFRESH
+        assert len(_Flaky.ups) == 1, "a backend only a peer reached directly names is tried again"
+        assert t.available("vxlan") is None and t.status()["failed"] == {}
+        assert _apply(t, [far, near])["10.0.1.4"].backend == "vxlan"  # n4 comes back
         await t._pass()
         assert len(_Flaky.ups) == 2
 
