@@ -345,6 +345,9 @@ class _Worker:
         # dropped, by reason, and (pid, drops) of the one last read (kept after it died).
         self.drops_before: dict[str, int] = {}
         self._counted: tuple[Any, dict[str, int]] = (None, {})
+        self.attached_pid: int | None = None  # the pid of a previous run's worker we re-attached to
+        # No peer needs it any more: stopped for good (a peer that needs one later gets another).
+        self.retired = False
         # udp: the socket on udp_port, held for the agent's life and handed to each worker
         # (agentd/dataplane/udp_port.py): no other user can take the port while we run.
         self.port_socket: socket.socket | None = None
@@ -390,6 +393,8 @@ class _Worker:
             await self._hold_worker_socket(config.get("pid"), wanted["local_ip"], wanted["port"])
         if have == wanted:
             self.client = client
+            pid = config.get("pid")
+            self.attached_pid = pid if isinstance(pid, int) and pid > 0 else None
             # Its table keeps traffic flowing until BGP has re-learned every route.
             self.base = dict(held.get("next_hops") or {})
             log.info("re-attached to the running %s data-plane worker (%d next hops)", self.name, len(self.base))
@@ -489,6 +494,8 @@ class _Worker:
         self.client = None
         assert self.t.subnet is not None
         await self.up(self.t.subnet)
+        if self.retired:  # stopped meanwhile (no peer needs it): what this up started goes too
+            await self.retire()
 
     async def discard(self) -> None:
         """After an ``up`` that failed: a worker it started goes (one of a previous run it
@@ -509,7 +516,9 @@ class _Worker:
     async def refresh_stats(self) -> None:
         """The worker's counters; a worker that no longer answers (it died: its TUN and our
         routes through it stay, so its traffic would be dropped unseen) is started again and
-        given its table."""
+        given its table.  One stopped for want of peers (``retire``) is not started again."""
+        if self.retired:
+            return
         try:
             if self.client is None:
                 raise DataplaneError("not connected")
@@ -518,6 +527,8 @@ class _Worker:
             self.last_stats = stats
             return
         except DataplaneError as err:
+            if self.retired:  # stopped while we asked: no longer ours to start again
+                return
             if self.error is None:  # (one that stays down is not news every 2 s)
                 log.warning("%s data-plane worker not answering (%s): starting it again", self.name, err)
         self.pushed = None
@@ -582,6 +593,23 @@ class _Worker:
         with contextlib.suppress(Exception):
             await self.client.close()
         self.client = None
+
+    async def retire(self) -> None:
+        """No peer needs this worker any more: it stops and takes its TUN device, control socket
+        and state file along; udp's port is released.  A previous run's worker we re-attached
+        to is waited for (the next worker makes the TUN device again); what a worker that no
+        longer answered left (it died) is removed."""
+        self.retired = True
+        pid = self.process.pid if self.process is not None else self.attached_pid
+        answering = self.client is not None
+        await self.down(remove=True)  # (a worker we started: waited for)
+        self.process = None
+        if answering and pid is not None:
+            for _ in range(int(WORKER_EXIT_TIMEOUT / 0.05)):
+                if not os.path.exists(f"/proc/{pid}"):
+                    break
+                await asyncio.sleep(0.05)
+        await remove_worker_leftovers(Path(self.t.cfg.agent.state_dir), [self.name])
 
 
 def control_path(state_dir: Path, kind: str) -> str:
@@ -677,6 +705,10 @@ class Tunnels:
         self.bpf = BpfPath(cfg, underlay)
         self.helpers: dict[str, _Worker] = {}  # bpf backends' workers for peers that receive in user space
         self.helper_failed: dict[str, str] = {}
+        # What the user-space workers stopped for want of peers dropped, by backend and reason
+        # (agentd_dataplane_drops is a counter: the next worker goes on from it).
+        self.worker_drops: dict[str, dict[str, int]] = {}
+        self._retiring: set[_Worker] = set()  # being stopped by a pass (a stop meanwhile finishes the job)
         self.gateways: dict[str, str] = {}  # peer -> underlay next hop (BPF routes to off-link peers)
         self.unreachable: dict[str, str] = {}
         self._gateways_at = 0.0
@@ -747,6 +779,8 @@ class Tunnels:
                 await _discard(impl)
                 continue
             self.active[backend] = impl
+            if isinstance(impl, _Worker):  # one stopped for want of peers before: counted on from there
+                impl.drops_before = dict(self.worker_drops.get(backend, {}))
             break
         if backend not in self.active:
             failed = f"cannot bring up {backend}: {'; '.join(reasons)}"
@@ -805,9 +839,9 @@ class Tunnels:
             flags |= layout.TO_WORKER.get(backend, 0)
         return dict.fromkeys(self._userspace_peers(plans), flags) if flags else {}
 
-    async def _ensure_helpers(self, plans: Mapping[str, PeerPlan]) -> None:
-        """User-space workers beside BPF for the peers that run udp/ipip in user space: one for
-        each such peer's backend (to send to it) and one for our own (what it sends us)."""
+    def _helpers_wanted(self, plans: Mapping[str, PeerPlan]) -> set[str]:
+        """The backends that need a user-space worker beside BPF for the peers that run udp/ipip
+        in user space: each such peer's backend (to send to it) and our own (what it sends us)."""
         def in_bpf(backend: str) -> bool:
             return backend in self.active and self.active[backend].datapath == "bpf"
 
@@ -815,6 +849,12 @@ class Tunnels:
         wanted = {plans[a].backend for a in userspace if in_bpf(plans[a].backend)}
         if userspace and in_bpf(self.own):
             wanted.add(self.own)
+        return wanted
+
+    async def _ensure_helpers(self, plans: Mapping[str, PeerPlan]) -> None:
+        """User-space workers beside BPF for the peers that run udp/ipip in user space
+        (``_helpers_wanted``); those no peer needs any more go in ``_retire_workers``."""
+        wanted = self._helpers_wanted(plans)
         for backend in sorted(set(self.helper_failed) - wanted):
             # Its peers are gone: no longer tried (the readiness loop would ask for a whole
             # tunnel pass each time a retry fell due), nor reported.
@@ -840,9 +880,50 @@ class Tunnels:
             self.helper_failed.pop(backend, None)
             self._retries.succeeded(f"helper:{backend}")
             self.helpers[backend] = worker
+            worker.drops_before = dict(self.worker_drops.get(backend, {}))
             log.info("backend %s: user-space worker up for the peers that receive in user space", backend)
             if self.on_paths is not None:
                 self.on_paths()
+
+    async def _retire_workers(self) -> None:
+        """The user-space workers no peer needs any more (their last peer left, or reaches us
+        otherwise now) stop, and their process, socket and TUN device go -- as flannel takes a
+        departed node's routes away; another starts when a peer needs one.  Our own backend's
+        stays while we run (peers must be able to reach us; flannel0 stays while flanneld
+        runs).  Decided on the latest plans, and a worker leaves the data paths the routes are
+        computed from before anything is waited for: a peer that arrived meanwhile keeps it."""
+        plans = [*self._plans.values(), *self.plans_v6.values()]
+        used = {p.backend for p in plans}
+        helpers = self._helpers_wanted(self._plans)
+        retired: list[tuple[_Worker, str]] = []
+        for backend, impl in list(self.active.items()):
+            if backend != self.own and backend not in used and isinstance(impl, _Worker):
+                del self.active[backend]
+                self.fallbacks.pop(backend, None)
+                retired.append((impl, ""))
+        for backend, worker in list(self.helpers.items()):
+            if backend not in helpers:
+                del self.helpers[backend]
+                retired.append((worker, " for peers that receive in user space"))
+        if not retired:
+            return
+        if self.on_paths is not None:
+            self.on_paths()  # (their peers are gone: no route goes through them)
+        for worker, what in retired:
+            self.worker_drops[worker.name] = worker.drops()
+            self._retiring.add(worker)
+            try:
+                await worker.retire()
+            except Exception as err:  # noqa: BLE001 -- the others still go; a later start replaces what stays
+                log.warning("backend %s: could not stop the user-space worker%s no peer needs any more: %s",
+                            worker.name, what, err)
+            else:
+                log.info("backend %s: no peer needs the user-space worker%s any more: stopped, %s removed",
+                         worker.name, what, worker.device)
+            finally:
+                self._retiring.discard(worker)
+        if self.on_node_data is not None and any(not what for _w, what in retired):
+            self.on_node_data()  # its data (udp_port) leaves our node record
 
     def apply(
         self,
@@ -925,6 +1006,8 @@ class Tunnels:
         await self._resolve_gateways(plans)
         if not self._members_known:
             return
+        if prune:  # (not before BGP has re-learned every route: a re-attached worker's table carries them)
+            await self._retire_workers()
         for impl in [*self.active.values(), *self.helpers.values()]:
             await impl.sync(plans, next_hops, prune)
         if prune and not self._leftovers_removed:
@@ -1044,6 +1127,9 @@ class Tunnels:
 
         for name, impl in [*self.active.items(), *self.helpers.items()]:
             await down(name, lambda impl=impl: impl.down(remove))
+        for worker in list(self._retiring):  # a pass stopping it was cancelled: it goes all the same
+            job = worker.retire if remove else (lambda w=worker: w.down(False))
+            await down(f"the {worker.name} worker no peer needs", job)
         await down("the BPF data path", lambda: self.bpf.down(remove))
         if remove and "vxlan" not in self.active:  # a previous run's (nothing of ours survives a leave)
             await down("the VXLAN device", lambda: asyncio.to_thread(remove_vxlan_leftover))
@@ -1099,9 +1185,15 @@ def dataplane_metrics(t: Tunnels):
                                 labels=["datapath", "backend", "reason"])
     for reason, c in (t.bpf.counters.get("drops") or {}).items():
         drops.add_metric(["bpf", "", reason], float(c["packets"]))
+    running = set()
     for backend, impl in [*t.active.items(), *t.helpers.items()]:
         if isinstance(impl, _Worker):
+            running.add(backend)
             for reason, n in impl.drops().items():
+                drops.add_metric(["userspace", backend, reason], float(n))
+    for backend, counted in t.worker_drops.items():  # stopped for want of peers: what they counted stays
+        if backend not in running:
+            for reason, n in counted.items():
                 drops.add_metric(["userspace", backend, reason], float(n))
     return [packets, nbytes, drops]
 
