@@ -495,7 +495,7 @@ class _Worker:
         assert self.t.subnet is not None
         await self.up(self.t.subnet)
         if self.retired:  # stopped meanwhile (no peer needs it): what this up started goes too
-            await self.retire()
+            self.t.hold_port(self.name, await self.retire())
 
     async def discard(self) -> None:
         """After an ``up`` that failed: a worker it started goes (one of a previous run it
@@ -578,9 +578,10 @@ class _Worker:
             "counters": {k: v for k, v in s.items() if isinstance(v, int)},
         }
 
-    async def down(self, remove: bool) -> None:
+    async def down(self, remove: bool, *, keep_port: bool = False) -> None:
         # Without remove a worker keeps its own duplicate of the socket (graceful restart).
-        self._release_port()
+        if not keep_port:
+            self._release_port()
         if self.client is None:
             return
         if remove:
@@ -594,15 +595,16 @@ class _Worker:
             await self.client.close()
         self.client = None
 
-    async def retire(self) -> None:
+    async def retire(self) -> socket.socket | None:
         """No peer needs this worker any more: it stops and takes its TUN device, control socket
-        and state file along; udp's port is released.  A previous run's worker we re-attached
-        to is waited for (the next worker makes the TUN device again); what a worker that no
-        longer answered left (it died) is removed."""
+        and state file along.  A previous run's worker we re-attached to is waited for (the next
+        worker makes the TUN device again); what a worker that no longer answered left (it
+        died) is removed.  Returns udp's port socket, which the agent keeps holding (no other
+        user may take the port while it runs: docs/networking.md) for the next worker."""
         self.retired = True
         pid = self.process.pid if self.process is not None else self.attached_pid
         answering = self.client is not None
-        await self.down(remove=True)  # (a worker we started: waited for)
+        await self.down(remove=True, keep_port=True)  # (a worker we started: waited for)
         self.process = None
         if answering and pid is not None:
             for _ in range(int(WORKER_EXIT_TIMEOUT / 0.05)):
@@ -610,6 +612,8 @@ class _Worker:
                     break
                 await asyncio.sleep(0.05)
         await remove_worker_leftovers(Path(self.t.cfg.agent.state_dir), [self.name])
+        port, self.port_socket = self.port_socket, None
+        return port
 
 
 def control_path(state_dir: Path, kind: str) -> str:
@@ -709,6 +713,7 @@ class Tunnels:
         # (agentd_dataplane_drops is a counter: the next worker goes on from it).
         self.worker_drops: dict[str, dict[str, int]] = {}
         self._retiring: set[_Worker] = set()  # being stopped by a pass (a stop meanwhile finishes the job)
+        self._held_ports: dict[str, socket.socket] = {}  # udp_port of a worker stopped, for the next one
         self.gateways: dict[str, str] = {}  # peer -> underlay next hop (BPF routes to off-link peers)
         self.unreachable: dict[str, str] = {}
         self._gateways_at = 0.0
@@ -771,7 +776,7 @@ class Tunnels:
         assert self.subnet is not None
         reasons = []
         for datapath in self._candidates(backend):
-            impl = IMPLEMENTATIONS[datapath](self, backend)
+            impl = self._new_worker(IMPLEMENTATIONS[datapath](self, backend))
             try:
                 await impl.up(self.subnet)
             except (OSError, DataplaneError, RuntimeError) as err:  # nl.NetlinkError is an OSError
@@ -866,7 +871,7 @@ class Tunnels:
             if backend in self.helper_failed and not self._retries.due(f"helper:{backend}", now):
                 continue
             assert self.subnet is not None
-            worker = _Worker(self, backend)
+            worker = self._new_worker(_Worker(self, backend))
             try:
                 await worker.up(self.subnet)
             except (OSError, DataplaneError, RuntimeError) as err:  # nl.NetlinkError is an OSError
@@ -913,7 +918,7 @@ class Tunnels:
             self.worker_drops[worker.name] = worker.drops()
             self._retiring.add(worker)
             try:
-                await worker.retire()
+                self.hold_port(worker.name, await worker.retire())
             except Exception as err:  # noqa: BLE001 -- the others still go; a later start replaces what stays
                 log.warning("backend %s: could not stop the user-space worker%s no peer needs any more: %s",
                             worker.name, what, err)
@@ -924,6 +929,20 @@ class Tunnels:
                 self._retiring.discard(worker)
         if self.on_node_data is not None and any(not what for _w, what in retired):
             self.on_node_data()  # its data (udp_port) leaves our node record
+
+    def hold_port(self, backend: str, port: socket.socket | None) -> None:
+        """Keep the port socket of a worker that stopped for want of peers until the next one."""
+        if port is not None:
+            held = self._held_ports.pop(backend, None)
+            if held is not None and held is not port:
+                held.close()
+            self._held_ports[backend] = port
+
+    def _new_worker(self, impl: Any) -> Any:
+        """A worker about to start takes the port socket the one before it held."""
+        if isinstance(impl, _Worker) and impl.port_socket is None:
+            impl.port_socket = self._held_ports.pop(impl.name, None)
+        return impl
 
     def apply(
         self,
@@ -1127,9 +1146,17 @@ class Tunnels:
 
         for name, impl in [*self.active.items(), *self.helpers.items()]:
             await down(name, lambda impl=impl: impl.down(remove))
+        async def retire(worker: _Worker) -> None:
+            port = await worker.retire()
+            if port is not None:
+                port.close()
+
         for worker in list(self._retiring):  # a pass stopping it was cancelled: it goes all the same
-            job = worker.retire if remove else (lambda w=worker: w.down(False))
+            job = (lambda w=worker: retire(w)) if remove else (lambda w=worker: w.down(False))
             await down(f"the {worker.name} worker no peer needs", job)
+        for port in self._held_ports.values():
+            port.close()
+        self._held_ports.clear()
         await down("the BPF data path", lambda: self.bpf.down(remove))
         if remove and "vxlan" not in self.active:  # a previous run's (nothing of ours survives a leave)
             await down("the VXLAN device", lambda: asyncio.to_thread(remove_vxlan_leftover))

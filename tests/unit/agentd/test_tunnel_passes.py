@@ -412,19 +412,28 @@ USERSPACE = load_config(None, env={}, overrides={"node.address": "10.0.0.3", "no
                                                  "network.datapath": "userspace"})
 
 
+class _PortSocket:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
 class _AnsweringClient:
     async def stats(self):
         return {}
 
 
 def _recorded_workers(monkeypatch, stubbed=("sync", "refresh_stats")) -> SimpleNamespace:
-    seen = SimpleNamespace(ups=[], downs=[], leftovers=[])
+    seen = SimpleNamespace(ups=[], downs=[], leftovers=[], ports=[])
 
     async def up(self, subnet):
         seen.ups.append(self)
+        seen.ports.append(self.port_socket)
+        self.port_socket = self.port_socket or _PortSocket()
         self.client = _AnsweringClient()
 
-    async def down(self, remove):
+    async def down(self, remove, *, keep_port=False):
         seen.downs.append((self, remove))
         self.client = None
 
@@ -596,5 +605,31 @@ def test_a_stopped_workers_refresh_does_not_start_it_again_and_its_drops_stay_co
         await t._pass()
         t.active["udp"]._counted = (5678, {"not_member": 2})
         assert drops() == {("userspace", "udp", "not_member"): 9.0}
+
+    asyncio.run(main())
+
+
+def test_the_udp_port_stays_held_while_no_worker_runs_and_goes_to_the_next_one(monkeypatch):
+    """The agent holds udp_port for as long as it runs, with or without a worker
+    (docs/networking.md: no local user may take it and send members forged pod packets from
+    it): a worker stopped for want of peers leaves it to the agent, the next worker takes it,
+    a stop of the agent closes it."""
+    seen = _recorded_workers(monkeypatch)
+
+    async def main():
+        t = _stubbed_tunnels([], USERSPACE)
+        _apply_pruning(t, [_udp_peer()])
+        await t._pass()
+        port = seen.ups[0].port_socket
+        _apply_pruning(t, [])
+        await t._pass()
+        assert "udp" not in t.active and not port.closed and seen.ups[0].port_socket is None
+        _apply_pruning(t, [_udp_peer()])
+        await t._pass()
+        assert seen.ports == [None, port] and t.active["udp"].port_socket is port
+        _apply_pruning(t, [])
+        await t._pass()
+        await t.stop(remove=False)
+        assert port.closed
 
     asyncio.run(main())
