@@ -4,7 +4,9 @@ that encapsulated peers need.  host-gw needs none of it.
 The agent runs backends *per peer*: a peer is reached with the backend it advertises in
 its node record (``backend.type``), so nodes on different backends still reach each
 other.  Our own backend is brought up at start (peers must be able to reach us); any
-other is brought up the first time a peer needs it.  Each backend runs on the first of its
+other is brought up the first time a peer needs it (a user-space worker of another backend,
+or one beside BPF, stops again, its TUN device with it, once no peer needs it; our own
+backend's runs while we do).  Each backend runs on the first of its
 data paths (agentd.backend_table) that comes up here, and says why it fell back:
 
 ============  ==========================================================================
