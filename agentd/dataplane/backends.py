@@ -4,7 +4,9 @@ that encapsulated peers need.  host-gw needs none of it.
 The agent runs backends *per peer*: a peer is reached with the backend it advertises in
 its node record (``backend.type``), so nodes on different backends still reach each
 other.  Our own backend is brought up at start (peers must be able to reach us); any
-other is brought up the first time a peer needs it.  Each backend runs on the first of its
+other is brought up the first time a peer needs it (a user-space worker of another backend,
+or one beside BPF, stops again, its TUN device with it, once no peer needs it; our own
+backend's runs while we do).  Each backend runs on the first of its
 data paths (agentd.backend_table) that comes up here, and says why it fell back:
 
 ============  ==========================================================================
@@ -54,7 +56,7 @@ from agentd.kernel import netlink as nl
 from agentd.kernel.netlink_links import Vxlan, decode_vxlan
 from agentd.kernel.netlink_socket import NetlinkSocket
 from agentd.kernel.rtnl import Rtnl
-from agentd.kernel.forwarding import LocalPaths, PeerPlan, peer_in_userspace
+from agentd.kernel.forwarding import HOST_GW, LocalPaths, PeerPlan, peer_in_userspace
 from agentd.kernel.netinfo import Underlay
 
 log = logging.getLogger("agentd.backends")
@@ -345,6 +347,9 @@ class _Worker:
         # dropped, by reason, and (pid, drops) of the one last read (kept after it died).
         self.drops_before: dict[str, int] = {}
         self._counted: tuple[Any, dict[str, int]] = (None, {})
+        self.attached_pid: int | None = None  # the pid of a previous run's worker we re-attached to
+        # No peer needs it any more: stopped for good (a peer that needs one later gets another).
+        self.retired = False
         # udp: the socket on udp_port, held for the agent's life and handed to each worker
         # (agentd/dataplane/udp_port.py): no other user can take the port while we run.
         self.port_socket: socket.socket | None = None
@@ -390,6 +395,8 @@ class _Worker:
             await self._hold_worker_socket(config.get("pid"), wanted["local_ip"], wanted["port"])
         if have == wanted:
             self.client = client
+            pid = config.get("pid")
+            self.attached_pid = pid if isinstance(pid, int) and pid > 0 else None
             # Its table keeps traffic flowing until BGP has re-learned every route.
             self.base = dict(held.get("next_hops") or {})
             log.info("re-attached to the running %s data-plane worker (%d next hops)", self.name, len(self.base))
@@ -489,6 +496,8 @@ class _Worker:
         self.client = None
         assert self.t.subnet is not None
         await self.up(self.t.subnet)
+        if self.retired:  # stopped meanwhile (no peer needs it): what this up started goes too
+            self.t.hold_port(self.name, await self.retire())
 
     async def discard(self) -> None:
         """After an ``up`` that failed: a worker it started goes (one of a previous run it
@@ -509,7 +518,9 @@ class _Worker:
     async def refresh_stats(self) -> None:
         """The worker's counters; a worker that no longer answers (it died: its TUN and our
         routes through it stay, so its traffic would be dropped unseen) is started again and
-        given its table."""
+        given its table.  One stopped for want of peers (``retire``) is not started again."""
+        if self.retired:
+            return
         try:
             if self.client is None:
                 raise DataplaneError("not connected")
@@ -518,6 +529,8 @@ class _Worker:
             self.last_stats = stats
             return
         except DataplaneError as err:
+            if self.retired:  # stopped while we asked: no longer ours to start again
+                return
             if self.error is None:  # (one that stays down is not news every 2 s)
                 log.warning("%s data-plane worker not answering (%s): starting it again", self.name, err)
         self.pushed = None
@@ -567,9 +580,10 @@ class _Worker:
             "counters": {k: v for k, v in s.items() if isinstance(v, int)},
         }
 
-    async def down(self, remove: bool) -> None:
+    async def down(self, remove: bool, *, keep_port: bool = False) -> None:
         # Without remove a worker keeps its own duplicate of the socket (graceful restart).
-        self._release_port()
+        if not keep_port:
+            self._release_port()
         if self.client is None:
             return
         if remove:
@@ -582,6 +596,26 @@ class _Worker:
         with contextlib.suppress(Exception):
             await self.client.close()
         self.client = None
+
+    async def retire(self) -> socket.socket | None:
+        """No peer needs this worker any more: it stops and takes its TUN device, control socket
+        and state file along.  A previous run's worker we re-attached to is waited for (the next
+        worker makes the TUN device again); what a worker that no longer answered left (it
+        died) is removed.  Returns udp's port socket, which the agent keeps holding (no other
+        user may take the port while it runs: docs/networking.md) for the next worker."""
+        self.retired = True
+        pid = self.process.pid if self.process is not None else self.attached_pid
+        answering = self.client is not None
+        await self.down(remove=True, keep_port=True)  # (a worker we started: waited for)
+        self.process = None
+        if answering and pid is not None:
+            for _ in range(int(WORKER_EXIT_TIMEOUT / 0.05)):
+                if not os.path.exists(f"/proc/{pid}"):
+                    break
+                await asyncio.sleep(0.05)
+        await remove_worker_leftovers(Path(self.t.cfg.agent.state_dir), [self.name])
+        port, self.port_socket = self.port_socket, None
+        return port
 
 
 def control_path(state_dir: Path, kind: str) -> str:
@@ -668,14 +702,20 @@ class Tunnels:
         self.subnets: dict[int, IPv4Network | IPv6Network] = {}  # this node's pod subnets, by IP version
         self.active: dict[str, Any] = {}
         self.failed: dict[str, str] = {}  # backend -> why it is not up (tried again with back-off while a peer names it)
-        # The backends the peers' node records name (None until the node registry has been read).
-        self._named: set[str] | None = None
+        # The backends the node records of the peers reached through a tunnel name (None until
+        # the node registry has been read).
+        self._needed: set[str] | None = None
         self._retries = _Retries()  # of ``failed`` and ``helper_failed`` (as "helper:<backend>")
         self.fallbacks: dict[str, str] = {}  # backend -> why it does not run on its first data path
         self.unfiltered: dict[str, str] = {}  # backend -> why its member filter cannot run
         self.bpf = BpfPath(cfg, underlay)
         self.helpers: dict[str, _Worker] = {}  # bpf backends' workers for peers that receive in user space
         self.helper_failed: dict[str, str] = {}
+        # What the user-space workers stopped for want of peers dropped, by backend and reason
+        # (agentd_dataplane_drops is a counter: the next worker goes on from it).
+        self.worker_drops: dict[str, dict[str, int]] = {}
+        self._retiring: set[_Worker] = set()  # being stopped by a pass (a stop meanwhile finishes the job)
+        self._held_ports: dict[str, socket.socket] = {}  # udp_port of a worker stopped, for the next one
         self.gateways: dict[str, str] = {}  # peer -> underlay next hop (BPF routes to off-link peers)
         self.unreachable: dict[str, str] = {}
         self._gateways_at = 0.0
@@ -738,7 +778,7 @@ class Tunnels:
         assert self.subnet is not None
         reasons = []
         for datapath in self._candidates(backend):
-            impl = IMPLEMENTATIONS[datapath](self, backend)
+            impl = self._new_worker(IMPLEMENTATIONS[datapath](self, backend))
             try:
                 await impl.up(self.subnet)
             except (OSError, DataplaneError, RuntimeError) as err:  # nl.NetlinkError is an OSError
@@ -746,6 +786,8 @@ class Tunnels:
                 await _discard(impl)
                 continue
             self.active[backend] = impl
+            if isinstance(impl, _Worker):  # one stopped for want of peers before: counted on from there
+                impl.drops_before = dict(self.worker_drops.get(backend, {}))
             break
         if backend not in self.active:
             failed = f"cannot bring up {backend}: {'; '.join(reasons)}"
@@ -804,9 +846,9 @@ class Tunnels:
             flags |= layout.TO_WORKER.get(backend, 0)
         return dict.fromkeys(self._userspace_peers(plans), flags) if flags else {}
 
-    async def _ensure_helpers(self, plans: Mapping[str, PeerPlan]) -> None:
-        """User-space workers beside BPF for the peers that run udp/ipip in user space: one for
-        each such peer's backend (to send to it) and one for our own (what it sends us)."""
+    def _helpers_wanted(self, plans: Mapping[str, PeerPlan]) -> set[str]:
+        """The backends that need a user-space worker beside BPF for the peers that run udp/ipip
+        in user space: each such peer's backend (to send to it) and our own (what it sends us)."""
         def in_bpf(backend: str) -> bool:
             return backend in self.active and self.active[backend].datapath == "bpf"
 
@@ -814,6 +856,12 @@ class Tunnels:
         wanted = {plans[a].backend for a in userspace if in_bpf(plans[a].backend)}
         if userspace and in_bpf(self.own):
             wanted.add(self.own)
+        return wanted
+
+    async def _ensure_helpers(self, plans: Mapping[str, PeerPlan]) -> None:
+        """User-space workers beside BPF for the peers that run udp/ipip in user space
+        (``_helpers_wanted``); those no peer needs any more go in ``_retire_workers``."""
+        wanted = self._helpers_wanted(plans)
         for backend in sorted(set(self.helper_failed) - wanted):
             # Its peers are gone: no longer tried (the readiness loop would ask for a whole
             # tunnel pass each time a retry fell due), nor reported.
@@ -825,7 +873,7 @@ class Tunnels:
             if backend in self.helper_failed and not self._retries.due(f"helper:{backend}", now):
                 continue
             assert self.subnet is not None
-            worker = _Worker(self, backend)
+            worker = self._new_worker(_Worker(self, backend))
             try:
                 await worker.up(self.subnet)
             except (OSError, DataplaneError, RuntimeError) as err:  # nl.NetlinkError is an OSError
@@ -839,9 +887,64 @@ class Tunnels:
             self.helper_failed.pop(backend, None)
             self._retries.succeeded(f"helper:{backend}")
             self.helpers[backend] = worker
+            worker.drops_before = dict(self.worker_drops.get(backend, {}))
             log.info("backend %s: user-space worker up for the peers that receive in user space", backend)
             if self.on_paths is not None:
                 self.on_paths()
+
+    async def _retire_workers(self) -> None:
+        """The user-space workers no peer needs any more (their last peer left, or reaches us
+        otherwise now) stop, and their process, socket and TUN device go -- as flannel takes a
+        departed node's routes away; another starts when a peer needs one.  Our own backend's
+        stays while we run (peers must be able to reach us; flannel0 stays while flanneld
+        runs).  Decided on the latest plans, and a worker leaves the data paths the routes are
+        computed from before anything is waited for: a peer that arrived meanwhile keeps it."""
+        plans = [*self._plans.values(), *self.plans_v6.values()]
+        used = {p.backend for p in plans}
+        helpers = self._helpers_wanted(self._plans)
+        retired: list[tuple[_Worker, str]] = []
+        for backend, impl in list(self.active.items()):
+            if backend != self.own and backend not in used and isinstance(impl, _Worker):
+                del self.active[backend]
+                self.fallbacks.pop(backend, None)
+                retired.append((impl, ""))
+        for backend, worker in list(self.helpers.items()):
+            if backend not in helpers:
+                del self.helpers[backend]
+                retired.append((worker, " for peers that receive in user space"))
+        if not retired:
+            return
+        if self.on_paths is not None:
+            self.on_paths()  # (their peers are gone: no route goes through them)
+        for worker, what in retired:
+            self.worker_drops[worker.name] = worker.drops()
+            self._retiring.add(worker)
+            try:
+                self.hold_port(worker.name, await worker.retire())
+            except Exception as err:  # noqa: BLE001 -- the others still go; a later start replaces what stays
+                log.warning("backend %s: could not stop the user-space worker%s no peer needs any more: %s",
+                            worker.name, what, err)
+            else:
+                log.info("backend %s: no peer needs the user-space worker%s any more: stopped, %s removed",
+                         worker.name, what, worker.device)
+            finally:
+                self._retiring.discard(worker)
+        if self.on_node_data is not None and any(not what for _w, what in retired):
+            self.on_node_data()  # its data (udp_port) leaves our node record
+
+    def hold_port(self, backend: str, port: socket.socket | None) -> None:
+        """Keep the port socket of a worker that stopped for want of peers until the next one."""
+        if port is not None:
+            held = self._held_ports.pop(backend, None)
+            if held is not None and held is not port:
+                held.close()
+            self._held_ports[backend] = port
+
+    def _new_worker(self, impl: Any) -> Any:
+        """A worker about to start takes the port socket the one before it held."""
+        if isinstance(impl, _Worker) and impl.port_socket is None:
+            impl.port_socket = self._held_ports.pop(impl.name, None)
+        return impl
 
     def apply(
         self,
@@ -868,7 +971,13 @@ class Tunnels:
         if members_known:
             self.members = {str(n.peer_address) for n in nodes.values()} | {str(self.underlay.interface.ip)}
             self._members_known = True
-            self._named = {str(n.backend.get("type") or self.own) for n in nodes.values() if n.name != self.node_name}
+            # Only the peers reached through a tunnel need the backend their record names: one
+            # reached directly (cross-subnet, on our segment) needs none, so a backend named only
+            # by such peers is not tried again when it failed.  ("none": planned so because its
+            # backend failed here -- it needs it all the same.)
+            tunnelled = {p.node for p in [*plans.values(), *self.plans_v6.values()] if p.backend != HOST_GW}
+            self._needed = {str(n.backend.get("type") or self.own) for n in nodes.values()
+                            if n.name != self.node_name and n.name in tunnelled}
         self._dirty.set()
 
     async def _remove_unused(self) -> None:
@@ -903,13 +1012,13 @@ class Tunnels:
         """One pass of the sync loop: the backends, workers, underlay next hops, peer entries
         and BPF maps the last ``apply`` asks for."""
         plans, next_hops, prune = self._plans, self._next_hops, self._prune
-        named = self._named
-        for backend in sorted(b for b in self.failed if named is not None and b not in named and b != self.own):
-            # No peer's record names it any more: no longer tried (a success would make a device
-            # nobody uses); a peer that names it later has it tried at once.
+        needed = self._needed
+        for backend in sorted(b for b in self.failed if needed is not None and b not in needed and b != self.own):
+            # No peer reached through a tunnel names it any more: no longer tried (a success
+            # would make a device nobody uses); a peer that needs it later has it tried at once.
             del self.failed[backend]
             self._retries.forget(backend)
-            log.info("backend %s: no peer uses it any more; no longer trying to bring it up", backend)
+            log.info("backend %s: no peer reached through a tunnel uses it any more; no longer trying to bring it up", backend)
         # (a backend that failed is planned "none" for its peers: tried again all the same)
         wanted = {p.backend for p in [*plans.values(), *self.plans_v6.values()]} | set(self.failed)
         for backend in sorted(wanted & set(BACKENDS)):
@@ -918,6 +1027,8 @@ class Tunnels:
         await self._resolve_gateways(plans)
         if not self._members_known:
             return
+        if prune:  # (not before BGP has re-learned every route: a re-attached worker's table carries them)
+            await self._retire_workers()
         for impl in [*self.active.values(), *self.helpers.values()]:
             await impl.sync(plans, next_hops, prune)
         if prune and not self._leftovers_removed:
@@ -1037,6 +1148,17 @@ class Tunnels:
 
         for name, impl in [*self.active.items(), *self.helpers.items()]:
             await down(name, lambda impl=impl: impl.down(remove))
+        async def retire(worker: _Worker) -> None:
+            port = await worker.retire()
+            if port is not None:
+                port.close()
+
+        for worker in list(self._retiring):  # a pass stopping it was cancelled: it goes all the same
+            job = (lambda w=worker: retire(w)) if remove else (lambda w=worker: w.down(False))
+            await down(f"the {worker.name} worker no peer needs", job)
+        for port in self._held_ports.values():
+            port.close()
+        self._held_ports.clear()
         await down("the BPF data path", lambda: self.bpf.down(remove))
         if remove and "vxlan" not in self.active:  # a previous run's (nothing of ours survives a leave)
             await down("the VXLAN device", lambda: asyncio.to_thread(remove_vxlan_leftover))
@@ -1092,9 +1214,15 @@ def dataplane_metrics(t: Tunnels):
                                 labels=["datapath", "backend", "reason"])
     for reason, c in (t.bpf.counters.get("drops") or {}).items():
         drops.add_metric(["bpf", "", reason], float(c["packets"]))
+    running = set()
     for backend, impl in [*t.active.items(), *t.helpers.items()]:
         if isinstance(impl, _Worker):
+            running.add(backend)
             for reason, n in impl.drops().items():
+                drops.add_metric(["userspace", backend, reason], float(n))
+    for backend, counted in t.worker_drops.items():  # stopped for want of peers: what they counted stays
+        if backend not in running:
+            for reason, n in counted.items():
                 drops.add_metric(["userspace", backend, reason], float(n))
     return [packets, nbytes, drops]
 

@@ -46,6 +46,7 @@ class _WorkerClient:
 def _tunnels(worker: backends._Worker) -> backends.Tunnels:
     t = backends.Tunnels.__new__(backends.Tunnels)
     t.active, t.helpers, t.bpf = {"udp": worker}, {}, SimpleNamespace(counters={})
+    t.worker_drops = {}
     return t
 
 

@@ -105,6 +105,7 @@ class Backend:
 def _tunnels(backend: Backend, bpf: Backend) -> Tunnels:
     tunnels = object.__new__(Tunnels)
     tunnels._task, tunnels.active, tunnels.helpers, tunnels.bpf = None, {"vxlan": backend}, {}, bpf
+    tunnels._retiring, tunnels._held_ports = set(), {}
     return tunnels
 
 

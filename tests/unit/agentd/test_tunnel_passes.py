@@ -203,14 +203,14 @@ def _apply(t: Tunnels, records) -> dict:
     """What the route computation hands the tunnels for ``records`` (every node but this one)."""
     from agentd.kernel.forwarding import plan_peer
 
-    plans = {str(r.address): plan_peer(r, UNDERLAY, own_backend=CFG.network.backend, encap=CFG.network.encap,
+    plans = {str(r.address): plan_peer(r, UNDERLAY, own_backend=t.cfg.network.backend, encap=t.cfg.network.encap,
                                        available=t.available, paths=t.paths()) for r in records}
     t.apply(plans, {}, {r.name: r for r in records})
     return plans
 
 
-def _stubbed_tunnels(paths: list) -> Tunnels:
-    t = Tunnels(CFG, UNDERLAY, "n3", on_paths=lambda: paths.append(1))
+def _stubbed_tunnels(paths: list, cfg=CFG) -> Tunnels:
+    t = Tunnels(cfg, UNDERLAY, "n3", on_paths=lambda: paths.append(1))
     t.subnet = IPv4Network("10.244.3.0/24")
     t._leftovers_removed = True
 
@@ -364,5 +364,272 @@ def test_a_failed_backend_no_peer_names_any_more_is_forgotten(monkeypatch):
         assert _apply(t, [_vxlan_peer()])["10.0.0.4"].backend == "vxlan"  # it comes back
         await t._pass()
         assert len(_Flaky.ups) == 2
+
+    asyncio.run(main())
+
+
+def test_a_failed_backend_named_only_by_peers_reached_directly_is_forgotten(monkeypatch):
+    """cross-subnet: n4 (another segment) needs VXLAN, n5 (on this segment) names it too but is
+    reached directly.  VXLAN cannot come up; n4 leaves: nothing needs VXLAN any more, so it is
+    no longer tried (n5's record still naming it kept it tried, and reported, forever); n4
+    back has it tried at once."""
+    clock = [1000.0]
+    monkeypatch.setattr(backends_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setitem(backends_mod.IMPLEMENTATIONS, "vxlan-device", _Vtep)
+    monkeypatch.setattr(_Flaky, "fails", 1000)
+    monkeypatch.setattr(_Flaky, "ups", [])
+    monkeypatch.setattr(_Flaky, "discarded", [])
+    cfg = load_config(None, env={}, overrides={"node.address": "10.0.0.3", "node.name": "n3",
+                                               "network.backend": "udp", "network.encap": "cross-subnet"})
+    far = _record("n4", "10.0.1.4", 4, type="vxlan", vtep_ip="10.244.4.0", vtep_mac=MAC4, datapath="bpf")
+    near = _record("n5", "10.0.0.5", 5, type="vxlan", vtep_ip="10.244.5.0", vtep_mac="02:00:00:00:00:05",
+                   datapath="bpf")
+
+    async def main():
+        t = _stubbed_tunnels([], cfg)
+        assert _apply(t, [far, near])["10.0.1.4"].backend == "vxlan"
+        await t._pass()
+        assert t.available("vxlan") is not None and len(_Flaky.ups) == 1
+        assert _apply(t, [near])["10.0.0.5"].backend == "host-gw"  # n4 leaves
+        await t._pass()
+        # (the passes asked for are GATEWAY_REFRESH's periodic ones only: n5 has a plan)
+        asked = await _ticks_asking_for_a_pass(t, clock, backends_mod.RETRY_MAX + 10)
+        assert len(asked) <= (backends_mod.RETRY_MAX + 10) // GATEWAY_REFRESH
+        assert len(_Flaky.ups) == 1, "a backend only a peer reached directly names is tried again"
+        assert t.available("vxlan") is None and t.status()["failed"] == {}
+        assert _apply(t, [far, near])["10.0.1.4"].backend == "vxlan"  # n4 comes back
+        await t._pass()
+        assert len(_Flaky.ups) == 2
+
+    asyncio.run(main())
+
+
+# A user-space worker no peer needs any more stops (its process, socket and TUN device go) and
+# starts again when a peer needs one.  The workers' process side stubbed: what was started and
+# stopped is recorded.
+
+USERSPACE = load_config(None, env={}, overrides={"node.address": "10.0.0.3", "node.name": "n3",
+                                                 "network.datapath": "userspace"})
+
+
+class _PortSocket:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+class _AnsweringClient:
+    async def stats(self):
+        return {}
+
+
+def _recorded_workers(monkeypatch, stubbed=("sync", "refresh_stats")) -> SimpleNamespace:
+    seen = SimpleNamespace(ups=[], downs=[], leftovers=[], ports=[])
+
+    async def up(self, subnet):
+        seen.ups.append(self)
+        seen.ports.append(self.port_socket)
+        self.port_socket = self.port_socket or _PortSocket()
+        self.client = _AnsweringClient()
+
+    async def down(self, remove, *, keep_port=False):
+        seen.downs.append((self, remove))
+        self.client = None
+
+    async def nothing(self, *args):
+        pass
+
+    async def leftovers(state_dir, kinds=("udp", "ipip")):
+        seen.leftovers.append(list(kinds))
+        return []
+
+    monkeypatch.setattr(backends_mod._Worker, "up", up)
+    monkeypatch.setattr(backends_mod._Worker, "down", down)
+    for name in stubbed:
+        monkeypatch.setattr(backends_mod._Worker, name, nothing)
+    monkeypatch.setattr(backends_mod, "remove_worker_leftovers", leftovers)
+    return seen
+
+
+def _udp_peer(name="n4", address="10.0.0.4", n=4):
+    return _record(name, address, n, type="udp", datapath="userspace")
+
+
+def _apply_pruning(t: Tunnels, records, *, prune=True) -> dict:
+    from agentd.kernel.forwarding import plan_peer
+
+    plans = {str(r.address): plan_peer(r, UNDERLAY, own_backend=t.cfg.network.backend, encap=t.cfg.network.encap,
+                                       available=t.available, paths=t.paths()) for r in records}
+    t.apply(plans, {}, {r.name: r for r in records}, prune=prune)
+    return plans
+
+
+def test_a_user_space_worker_stops_once_its_last_peer_leaves_and_starts_again_when_one_comes_back(monkeypatch):
+    """A host-gw node reaches its udp peers through a worker of its own: once they have all
+    left, the worker stops -- its process, its TUN device and its files go, the port is
+    released (it ran on for nothing) -- and the routes are recomputed; a udp peer back has one
+    started again.  Not before BGP has re-learned every route after a restart (prune False)."""
+    seen = _recorded_workers(monkeypatch)
+    paths: list = []
+
+    async def main():
+        t = _stubbed_tunnels(paths, USERSPACE)
+        _apply_pruning(t, [_udp_peer(), _udp_peer("n5", "10.0.0.5", 5)])
+        await t._pass()
+        assert len(seen.ups) == 1 and t.active["udp"] is seen.ups[0]
+        _apply_pruning(t, [_udp_peer("n5", "10.0.0.5", 5)])  # n4 leaves: n5 still needs it
+        await t._pass()
+        assert seen.downs == [] and "udp" in t.active
+        _apply_pruning(t, [], prune=False)  # (a restart's first passes: nothing removed)
+        await t._pass()
+        assert seen.downs == [] and "udp" in t.active
+        paths.clear()
+        _apply_pruning(t, [])  # n5 leaves too
+        await t._pass()
+        assert seen.downs == [(seen.ups[0], True)], "the worker no peer needs runs on"
+        assert seen.leftovers == [["udp"]]  # (what a worker that had died would have left)
+        assert "udp" not in t.active and "udp" not in t.status()["active"] and paths
+        assert seen.ups[0].retired
+        await t._pass()
+        assert len(seen.downs) == 1
+        _apply_pruning(t, [_udp_peer()])  # n4 comes back
+        await t._pass()
+        assert len(seen.ups) == 2 and t.active["udp"] is seen.ups[1] and not seen.ups[1].retired
+
+    asyncio.run(main())
+
+
+def test_a_worker_is_kept_when_a_peer_leaves_and_another_arrives_in_one_pass(monkeypatch):
+    """n4 leaves and n6 (udp too) arrives in the same recompute, or in one made while the pass
+    runs: the worker n6 needs is not stopped under it."""
+    seen = _recorded_workers(monkeypatch)
+
+    async def main():
+        t = _stubbed_tunnels([], USERSPACE)
+        _apply_pruning(t, [_udp_peer()])
+        await t._pass()
+        _apply_pruning(t, [_udp_peer("n6", "10.0.0.6", 6)])
+        await t._pass()
+        assert seen.downs == [] and t.active["udp"] is seen.ups[0]
+        # n6 leaves, and n7 arrives while the pass that would stop the worker is under way.
+        _apply_pruning(t, [])
+        ensure_helpers = t._ensure_helpers
+
+        async def recompute_meanwhile(plans):
+            await ensure_helpers(plans)
+            _apply_pruning(t, [_udp_peer("n7", "10.0.0.7", 7)])
+
+        t._ensure_helpers = recompute_meanwhile
+        await t._pass()
+        assert seen.downs == [] and t.active["udp"] is seen.ups[0] and len(seen.ups) == 1
+
+    asyncio.run(main())
+
+
+def test_our_own_backends_worker_stays_without_peers(monkeypatch):
+    """Peers must be able to reach us: our own backend's worker runs while we do (flannel0
+    stays while flanneld runs), whoever our peers are."""
+    seen = _recorded_workers(monkeypatch)
+    cfg = load_config(None, env={}, overrides={"node.address": "10.0.0.3", "node.name": "n3",
+                                               "network.backend": "udp", "network.datapath": "userspace"})
+
+    async def main():
+        t = _stubbed_tunnels([], cfg)
+        await t._ensure("udp")  # (what start does)
+        _apply_pruning(t, [_udp_peer()])
+        await t._pass()
+        _apply_pruning(t, [])
+        await t._pass()
+        assert seen.downs == [] and t.active["udp"] is seen.ups[0]
+
+    asyncio.run(main())
+
+
+def test_a_worker_beside_bpf_stops_once_no_peer_receives_in_user_space(monkeypatch):
+    """udp runs in BPF here; n4 runs it in user space, so a worker speaks to it.  n4 leaves
+    (n5, in BPF, stays): the worker stops and the BPF peers' routes are recomputed; n4 back
+    has one started again."""
+    seen = _recorded_workers(monkeypatch)
+    paths: list = []
+
+    async def main():
+        t = _stubbed_tunnels(paths)
+        t.active["udp"] = InBpf(t, "udp")
+        _apply_pruning(t, _udp_peers())
+        await t._pass()
+        assert t.helpers["udp"] is seen.ups[0]
+        paths.clear()
+        _apply_pruning(t, _udp_peers()[1:])
+        await t._pass()
+        assert seen.downs == [(seen.ups[0], True)] and t.helpers == {} and paths
+        assert t.status()["userspace_peers_worker"] == {} and t.paths().helpers == frozenset()
+        assert isinstance(t.active["udp"], InBpf)  # (our own backend, in BPF, stays)
+        _apply_pruning(t, _udp_peers())
+        await t._pass()
+        assert len(seen.ups) == 2 and t.helpers["udp"] is seen.ups[1]
+
+    asyncio.run(main())
+
+
+def test_a_stopped_workers_refresh_does_not_start_it_again_and_its_drops_stay_counted(monkeypatch):
+    """The readiness loop's refresh may hold a worker the pass has just stopped: it must not
+    take the worker for dead and start another (one nobody would ever stop).  What the stopped
+    worker dropped stays in agentd_dataplane_drops, and the next worker counts on from it."""
+    _recorded_workers(monkeypatch, stubbed=("sync",))  # the real refresh_stats
+    reconnects: list = []
+
+    async def reconnect(self):
+        reconnects.append(self)
+
+    monkeypatch.setattr(backends_mod._Worker, "_reconnect", reconnect)
+
+    async def main():
+        t = _stubbed_tunnels([], USERSPACE)
+        _apply_pruning(t, [_udp_peer()])
+        await t._pass()
+        worker = t.active["udp"]
+        worker._counted = (1234, {"not_member": 7})
+        _apply_pruning(t, [])
+        await t._pass()
+        assert "udp" not in t.active
+        await worker.refresh_stats()  # (the refresh's copy of the workers held it)
+        assert reconnects == [], "a worker stopped for want of peers is started again"
+
+        def drops() -> dict:
+            (family,) = [f for f in backends_mod.dataplane_metrics(t) if f.name == "agentd_dataplane_drops"]
+            return {tuple(s.labels.values()): s.value for s in family.samples if s.labels["datapath"] == "userspace"}
+
+        assert drops() == {("userspace", "udp", "not_member"): 7.0}
+        _apply_pruning(t, [_udp_peer()])
+        await t._pass()
+        t.active["udp"]._counted = (5678, {"not_member": 2})
+        assert drops() == {("userspace", "udp", "not_member"): 9.0}
+
+    asyncio.run(main())
+
+
+def test_the_udp_port_stays_held_while_no_worker_runs_and_goes_to_the_next_one(monkeypatch):
+    """The agent holds udp_port for as long as it runs, with or without a worker
+    (docs/networking.md: no local user may take it and send members forged pod packets from
+    it): a worker stopped for want of peers leaves it to the agent, the next worker takes it,
+    a stop of the agent closes it."""
+    seen = _recorded_workers(monkeypatch)
+
+    async def main():
+        t = _stubbed_tunnels([], USERSPACE)
+        _apply_pruning(t, [_udp_peer()])
+        await t._pass()
+        port = seen.ups[0].port_socket
+        _apply_pruning(t, [])
+        await t._pass()
+        assert "udp" not in t.active and not port.closed and seen.ups[0].port_socket is None
+        _apply_pruning(t, [_udp_peer()])
+        await t._pass()
+        assert seen.ports == [None, port] and t.active["udp"].port_socket is port
+        _apply_pruning(t, [])
+        await t._pass()
+        await t.stop(remove=False)
+        assert port.closed
 
     asyncio.run(main())
