@@ -338,7 +338,7 @@ class IpipTransport:
             return
         v = mv[off + ihl : off + n]
         ln = n - ihl
-        if ln < 20 or v[0] >> 4 != 4 or (v[0] & 0x0F) < 5 or ((v[2] << 8) | v[3]) != ln:  # as _fastpath.c's inner_ok
+        if ln < 20 or v[0] >> 4 != 4 or not 5 <= (v[0] & 0x0F) <= ln >> 2 or ((v[2] << 8) | v[3]) != ln:  # as _fastpath.c's inner_ok
             drops["malformed"] += 1
             return
         c["rx_packets"] += 1

@@ -68,11 +68,11 @@ def check_bound(sock: socket.socket, local_ip: str, port: int) -> None:
 
 def inner_packet_ok(v, n: int) -> bool:
     """Whether the ``n`` bytes ``v`` are exactly one IP packet: IPv4 whose header length is at
-    least 20 and whose total length is ``n``, or IPv6 whose payload length plus its 40-byte
-    header is ``n`` (flannel's format: one inner packet per datagram; a jumbogram's payload
-    length 0 is not one).  As the C loop's inner_ok (_fastpath.c)."""
+    least 20 and within the packet and whose total length is ``n``, or IPv6 whose payload
+    length plus its 40-byte header is ``n`` (flannel's format: one inner packet per datagram; a
+    jumbogram's payload length 0 is not one).  As the C loop's inner_ok (_fastpath.c)."""
     if n >= 20 and v[0] >> 4 == 4:
-        return (v[0] & 0x0F) >= 5 and (v[2] << 8 | v[3]) == n
+        return 5 <= (v[0] & 0x0F) <= n >> 2 and (v[2] << 8 | v[3]) == n
     return n >= 40 and v[0] >> 4 == 6 and (v[4] << 8 | v[5]) + 40 == n
 
 

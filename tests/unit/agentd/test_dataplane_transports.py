@@ -403,6 +403,21 @@ def test_an_inner_ipv4_header_shorter_than_20_bytes_is_malformed_on_every_path(m
         assert _python_receive(kind, offload, datagram, monkeypatch) == want, offload
 
 
+@pytest.mark.parametrize("ihl", [6, 15])
+@pytest.mark.parametrize("kind", ["udp", "ipip"])
+def test_an_inner_ipv4_header_longer_than_its_packet_is_malformed_on_every_path(monkeypatch, kind, ihl):
+    """An inner IPv4 packet of 20 bytes whose IHL says more (its total length right): a header
+    past the packet's end, malformed on the C loop (inner_ok) and the Python workers alike."""
+    inner = bytearray(tcp(b"")[:20])
+    inner[0] = 0x40 | ihl
+    inner[2:4] = (20).to_bytes(2, "big")
+    inner = bytes(inner)
+    datagram = P.ipip_encapsulate(inner, LOCAL, LOCAL) if kind == "ipip" else inner
+    assert _c_receive(kind, datagram) == ([], 1)
+    for offload in (True, False):
+        assert _python_receive(kind, offload, datagram, monkeypatch) == ([], 1), offload
+
+
 def _short_header_run() -> list[bytes]:
     """Eight segments of one flow; the fourth's IHL is 4 (its header checksum made right for
     20 bytes, so only the IHL is wrong)."""
