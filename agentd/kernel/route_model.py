@@ -27,12 +27,9 @@ PROTOCOL_NAMES = {
 }
 RTM_F_CLONED = 0x200
 
-ADD, APPEND, REPLACE, DELETE = "add", "append", "replace", "delete"
+ADD, REPLACE, DELETE = "add", "replace", "delete"
 REQUEST_FLAGS = {
     ADD: nl.NLM_F_REQUEST | nl.NLM_F_CREATE | nl.NLM_F_EXCL,
-    # ``ip -6 route append``: an IPv6 gateway route becomes a sibling of the ones holding its
-    # (dst, metric), whoever's; EEXIST only if one has the very next hop (gateway and device).
-    APPEND: nl.NLM_F_REQUEST | nl.NLM_F_CREATE | nl.NLM_F_APPEND,
     REPLACE: nl.NLM_F_REQUEST | nl.NLM_F_REPLACE,
     DELETE: nl.NLM_F_REQUEST,
 }
@@ -233,22 +230,15 @@ class Group(NamedTuple):
     route deleted whole is reported so too: with their protocol, our next hops among its.)"""
 
     hops: tuple[tuple[Route | None, Stray], ...]
-    # The first next hop is another daemon's (the message has its protocol): ours, if any, is
-    # among the others -- the kernel dumps the group once, as its first next hop's route, so a
-    # dump filtered by our protocol does not show it.
-    foreign: bool = False
 
 
 class Unreadable(NamedTuple):
     """An IPv6 multipath route whose next hops do not decode: which are ours nobody can say,
     and a delete naming no gateway would take them all, another daemon's and our desired one
-    too.  It is never deleted whole; a route of ours filed under its (dst, metric) is checked
-    again.  ``hops``: the next hops that did decode (the first is ours: the message has our
-    protocol), which ``agentd leave`` deletes by gateway."""
+    too.  It is never deleted; a route of ours filed under its (dst, metric) is checked again."""
 
     text: str  # its destination
     priority: int  # its metric
-    hops: tuple[Stray, ...] = ()
 
 
 def hop_of(route: Route) -> Stray:
@@ -261,18 +251,6 @@ def stray_of_own(route: Route) -> Stray:
     (a second metric): an IPv6 gateway route by its next hop, as another daemon's next hop may
     be appended to it; any other by its key."""
     return hop_of(route) if route.gateway is not None and ":" in route.dst else stray_of(route)
-
-
-def ecmp(route: Route) -> bool:
-    """Is this an IPv6 gateway route, one the kernel keeps as a sibling (a next hop) beside
-    other routes' next hops at its (dst, metric), whoever's (rt6_qualify_for_ecmp)?"""
-    return route.gateway is not None and route.kind == "unicast" and ":" in route.dst
-
-
-def same_hop(a: Route, b: Route) -> bool:
-    """Do two IPv6 gateway routes name the same next hop (the kernel's duplicate: gateway and
-    device; a route without a device takes whichever the kernel chose)?"""
-    return a.gateway == b.gateway and (a.dev is None or b.dev is None or a.dev == b.dev)
 
 
 def takes(gone: Route, current: Route) -> bool:

@@ -13,7 +13,6 @@ import errno as _errno
 import logging
 import os
 import socket
-import struct
 from collections.abc import Callable
 
 from agentd.kernel import netlink as nl
@@ -42,8 +41,6 @@ from agentd.kernel.route_model import (
 )
 
 log = logging.getLogger("agentd.routing")
-_RTNH_LEN = struct.Struct("=H")
-_RTA = struct.Struct("=HH")
 
 MONITOR_GROUPS = (nl.RTMGRP_IPV4_ROUTE | nl.RTMGRP_IPV6_ROUTE | nl.RTMGRP_LINK
                   | nl.RTMGRP_IPV4_IFADDR | nl.RTMGRP_IPV6_IFADDR)
@@ -60,20 +57,6 @@ def open_netlink_sockets() -> tuple[NetlinkSocket, NetlinkSocket]:
     except BaseException:
         req.close()
         raise
-
-
-def has_multipath(buf: bytes, start: int, end: int) -> bool:
-    """Does the route message in ``buf[start:end]`` carry RTA_MULTIPATH (a look at its
-    attribute headers only)?"""
-    pos = start + nl.RTMSG_LEN
-    while end - pos >= 4:
-        length, atype = _RTA.unpack_from(buf, pos)
-        if length < 4:
-            return False
-        if atype & nl.NLA_TYPE_MASK == nl.RTA_MULTIPATH:
-            return True
-        pos += (length + 3) & ~3
-    return False
 
 
 class RouteMonitor:
@@ -298,30 +281,11 @@ class RouteNetlink:
                         self._unreadable.clear()
                     self._unreadable.add(whole.text)
                     log.error("%s: undecodable RTA_MULTIPATH (%s): left alone, our route for it checked", whole.text, exc)
-                return Unreadable(whole.text, msg.priority or 0, self.readable_hops(msg, whole))
+                return Unreadable(whole.text, msg.priority or 0)
             group = self.group_of(msg, whole, hops)
             if group is not None:
                 return group
         return stray_of_message(msg)
-
-    def readable_hops(self, msg: nl.RouteMessage, whole: Stray) -> tuple[Stray, ...]:
-        """The next hops of an undecodable RTA_MULTIPATH before the first that does not decode
-        (each deletes just its next hop by gateway and device)."""
-        hops: list[Stray] = []
-        raw, pos = msg.multipath, 0
-        while len(raw) - pos >= _RTNH_LEN.size:
-            (length,) = _RTNH_LEN.unpack_from(raw, pos)  # rtnh_len: each next hop decoded on its own
-            try:
-                decoded = nl.decode_nexthops(msg.family, raw[pos:pos + length])
-            except nl.NetlinkDecodeError:
-                break
-            if len(decoded) != 1 or decoded[0].gateway is None or pos + length > len(raw):
-                break
-            hop = decoded[0]
-            dev = (self.ifname.get(hop.ifindex) or f"if#{hop.ifindex}") if hop.ifindex else None
-            hops.append(whole._replace(gateway=socket.inet_ntop(msg.family, hop.gateway), dev=dev))
-            pos += (length + 3) & ~3
-        return tuple(hops)
 
     def group_of(self, msg: nl.RouteMessage, whole: Stray, hops: list[nl.NextHop]) -> Group | None:
         """An IPv6 multipath message's next hops (None if one has no gateway: then it is no
@@ -343,39 +307,23 @@ class RouteNetlink:
                 route = kernel_route(dst, gateway, dev, bool(hop.flags & nl.RTNH_F_ONLINK), kind, metric,
                                      msg.mtu or None, prefsrc)
             group.append((route, whole._replace(gateway=gateway, dev=dev)))
-        return Group(tuple(group), msg.protocol != self.protocol)
+        return Group(tuple(group))
 
     async def dump_own(self) -> list[Route | Stray | Group | Unreadable]:
         """Every route of ours (our protocol, our table) in the kernel.
 
         A route whose message bytes are exactly those of the last dump is the same Route
         again: the periodic resync of 100k unchanged routes then costs a dict lookup each,
-        not a parse (the price is the bytes kept, ~80-130 per route).
-
-        IPv6 is dumped whoever's: the kernel reports a multipath route once, as its first next
-        hop's route, with that one's protocol (and filters a dump by it), so a next hop of ours
-        behind another daemon's is in a message with their protocol.  Those multipath messages
-        are read (as Groups with ``foreign`` set); others' plain routes are skipped unparsed."""
+        not a parse (the price is the bytes kept, ~80-130 per route)."""
         protocol, table = self.protocol, self.table
-        others: list[nl.RouteMessage] = []  # other daemons' IPv6 multipath routes
         for _attempt in range(3):
-            others.clear()
             known: list[Route] = []
             fresh: list[tuple[bytes, nl.RouteMessage]] = []
             previous, seen = self._seen, {}
 
             def handle(mtype: int, buf: bytes, start: int, end: int) -> None:
-                if mtype != nl.RTM_NEWROUTE or end - start < nl.RTMSG_LEN:
-                    return
-                if buf[start + 5] != protocol:  # rtmsg byte 5 is rtm_protocol
-                    if buf[start] == AF_INET6 and has_multipath(buf, start, end):
-                        try:
-                            msg = nl.decode_route(buf, start, end)
-                        except nl.NetlinkDecodeError:
-                            return
-                        if msg.table == table and not msg.flags & RTM_F_CLONED:
-                            others.append(msg)
-                    return  # others' plain routes unparsed
+                if mtype != nl.RTM_NEWROUTE or end - start < nl.RTMSG_LEN or buf[start + 5] != protocol:
+                    return  # rtmsg byte 5 is rtm_protocol: skip others' routes unparsed
                 body = buf[start:end]
                 route = previous.get(body)
                 if route is not None:
@@ -393,24 +341,13 @@ class RouteNetlink:
             consistent = True
             for family in (AF_INET, AF_INET6):
                 seq = self.next_seq()
-                request = nl.encode_getroute_dump(seq, family, table=table,
-                                                  protocol=protocol if family == AF_INET else 0)
+                request = nl.encode_getroute_dump(seq, family, table=table, protocol=protocol)
                 consistent &= await self.req.dump(request, seq, handle, what="route dump")
             if consistent:
                 break
         if any(msg.oif and msg.oif not in self.ifname for _body, msg in fresh):
             await self.dump_links()
         found: list[Route | Stray | Group | Unreadable] = list(known)
-        for msg in others:
-            # Another daemon's multipath route: as a group of next hops it may hold ours (one
-            # whose next hops do not decode is left out: whose they are nobody can say).
-            if msg.nh_id is None and not msg.tos:
-                try:
-                    group = self.group_of(msg, stray_of_message(msg), nl.decode_nexthops(msg.family, msg.multipath))
-                except nl.NetlinkDecodeError:
-                    group = None
-                if group is not None:
-                    found.append(group)
         for count, (body, msg) in enumerate(fresh, 1):
             item = self.found_of(msg)
             if type(item) is Route:

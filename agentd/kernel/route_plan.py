@@ -27,10 +27,8 @@ from agentd.kernel.route_model import (
     Stray,
     Unreadable,
     canonical_dst,
-    ecmp,
     hop_of,
     kernel_metric,
-    same_hop,
     same_route,
     stray_of,
     stray_of_own,
@@ -40,27 +38,12 @@ from agentd.kernel.route_model import (
 
 class RoutePlan(NamedTuple):
     """What one reconcile sends, and the destinations nobody wants any more (their
-    failures and conflicts are forgotten).
-
-    ``appends`` and ``swaps`` are IPv6 gateway routes sent as ``ip -6 route append`` (no
-    NLM_F_EXCL, no NLM_F_REPLACE): beside whatever next hops hold their (dst, metric), other
-    daemons' among them.  ``appends`` put back a route of ours someone deleted (reported as
-    added); ``swaps`` change our route to another next hop (reported as replaced), the old
-    next hop deleted after them by its gateway (in ``deletes``): NLM_F_REPLACE would replace
-    the key's first next hop, maybe another daemon's, and drop every other one."""
+    failures and conflicts are forgotten)."""
 
     adds: list[Route]
     replaces: list[Route]
     deletes: list[Route | Stray]
     stale: list[str]
-    appends: list[Route]
-    swaps: list[Route]
-    # IPv6 routes of ours changing their attributes (MTU, source) but not their next hop, or
-    # becoming no gateway route, at a key other next hops share: ours is deleted by its
-    # gateway, then the new one appended (an append would meet the old one: EEXIST), or added
-    # (another's next hops then hold the key: a conflict).  A replace would drop the others.
-    # Each with what is deleted first: our old route, or our stray with the new next hop.
-    resets: list[tuple[Route, Route | Stray]]
 
 
 class Work(NamedTuple):
@@ -94,9 +77,6 @@ class RouteState:
         # kernel deleted only a next hop of our protocol).  Not filed as strays while a full
         # re-read finds them (agentd.kernel.route_adopt.adopt drops the rest).
         self.foreign_hops: set[Stray] = set()
-        # IPv6 keys (dst, metric) of ours the kernel showed holding other next hops too (maybe
-        # other daemons'): a replace there would drop them.  Re-learnt at every full re-read.
-        self.shared: set[tuple[str, int]] = set()
 
     # --- the caller's declarations ---------------------------------------------------------
 
@@ -194,36 +174,13 @@ class RouteState:
         replaces: list[Route] = []
         deletes: list[Route | Stray] = []
         stale: list[str] = []
-        appends: list[Route] = []
-        swaps: list[Route] = []
-        resets: list[tuple[Route, Route | Stray]] = []
-        restoring, shared = self.restoring, self.shared
-
-        def add(want: Route) -> None:
-            # Ours was there and someone deleted it: other daemons' next hops may still hold
-            # its key (an add with NLM_F_EXCL would meet EEXIST): it is appended beside them.
-            if restoring and want.dst in restoring and ecmp(want):
-                appends.append(want)
-            else:
-                adds.append(want)
 
         def change(want: Route, have: Route) -> None:
-            if kernel_metric(want) != kernel_metric(have):  # a new key: add the new route first, then delete the old one
+            if kernel_metric(want) == kernel_metric(have):
+                replaces.append(want)
+            else:  # a new key: add the new route first, then delete the old one
                 adds.append(want)
                 deletes.append(have)
-            elif ecmp(want) and ecmp(have) and not same_hop(want, have) and (stray := self._stray_hop(want)) is None:
-                # Another next hop at an IPv6 key other daemons' next hops may share: the new
-                # one appended, then the old one deleted by its gateway (ours only).
-                swaps.append(want)
-                deletes.append(have)
-            elif shared and ecmp(have) and (want.dst, kernel_metric(want)) in shared:
-                if ecmp(want) and not same_hop(want, have):
-                    resets.append((want, stray))  # our stray with its next hop goes first
-                    deletes.append(have)
-                else:
-                    resets.append((want, have))
-            else:
-                replaces.append(want)
 
         if dsts is None:
             for dst, want in desired.items():
@@ -232,7 +189,7 @@ class RouteState:
                     # Re-checking a conflict costs a table read: only full resyncs retry them,
                     # and a conflict whose destination or desired route changed.
                     if full or dst not in conflicts or dst in retry:
-                        add(want)
+                        adds.append(want)
                 elif have is not want and not same_route(want, have):
                     change(want, have)
             if may_delete:
@@ -248,7 +205,7 @@ class RouteState:
                     if have is not None and (may_delete or dst in discarded):
                         deletes.append(have)
                 elif have is None:
-                    add(want)
+                    adds.append(want)
                 elif not same_route(want, have):
                     change(want, have)
         if may_delete:
@@ -260,17 +217,7 @@ class RouteState:
             deletes.extend(s for s in self.strays if s.text in desired or s.text in discarded)
         if (adds or replaces) and self.strays:
             self._replace_keyed_strays(adds, replaces, deletes)
-        if resets:
-            first = {target for _want, target in resets}
-            deletes[:] = [d for d in deletes if d not in first]
-        return RoutePlan(adds, replaces, deletes, stale, appends, swaps, resets)
-
-    def _stray_hop(self, want: Route) -> Stray | None:
-        """Our stray at this IPv6 route's key with its next hop (ours with other attributes),
-        if any: an append would meet it (EEXIST)."""
-        key = (want.dst, kernel_metric(want))
-        return next((s for s in self.strays if (s.text, s.priority) == key and s.gateway == want.gateway
-                     and (want.dev is None or s.dev is None or s.dev == want.dev)), None)
+        return RoutePlan(adds, replaces, deletes, stale)
 
     def _keyed_strays(self) -> dict[tuple[str, int], list[Stray]]:
         """Our strays by the key (dst, metric) they hold (tos 0, no source prefix): one, or
@@ -396,7 +343,6 @@ class RouteState:
             return
         if type(found) is Group:  # an IPv6 multipath route, maybe with others' next hops
             file_group(found, self.kernel, self.strays, self.desired, self.foreign_hops)
-            self.share(found)
             dst = found.hops[0][1].text
             self.dirty.add(dst)
             want, have = self.desired.get(dst), self.kernel.get(dst)
@@ -413,13 +359,6 @@ class RouteState:
         else:
             self.strays.add(found)
             self.dirty.add(found.text)
-
-    def share(self, found: Group) -> None:
-        """A multipath report: if it holds a next hop of ours, its key holds others' too."""
-        if len(found.hops) > 1:
-            route = self.kernel.get(found.hops[0][1].text)
-            if route is not None and ecmp(route) and kernel_metric(route) == (found.hops[0][1].priority or 0):
-                self.shared.add((route.dst, kernel_metric(route)))
 
     def own_route_removed(self, found: Route | Stray | Group | Unreadable) -> None:
         """Someone else (or the kernel) removed a route with our protocol."""
@@ -471,7 +410,6 @@ class RouteState:
     def other_route_removed(self, dst: str) -> None:
         if dst in self.conflicts:
             self.dirty.add(dst)  # the route in our way is gone: try again
-        # (``shared`` keeps its dst: others' next hops may remain; the next full re-read says.)
         if self.foreign_hops:
             # Maybe another daemon's next hop in our route: a next hop of ours by the same
             # gateway may follow, and must be deleted.

@@ -42,19 +42,15 @@ from agentd.kernel import netlink_links as links
 from agentd.kernel.route_adopt import adopt, classify_existing
 from agentd.kernel.route_model import (
     ADD,
-    APPEND,
     DELETE,
     REPLACE,
     RTM_F_CLONED,
     RTPROT_AGENTD,
     ZERO_ADDRESS,
-    Group,
     Outcome,
     Route,
     RouteCounters,
     SyncResult,
-    Unreadable,
-    ecmp,
 )
 from agentd.kernel.route_netlink import RouteNetlink, open_netlink_sockets
 from agentd.kernel.route_plan import RouteState, dst_of
@@ -189,9 +185,11 @@ class RouteProgrammer:
         try:
             if remove_routes:
                 async with self._lock:
-                    _removed, stay = await self._remove_own()
-                for reason in stay:
-                    log.warning("could not remove %s", reason)
+                    await self._dump_own()
+                    victims = [*self.state.kernel.values(), *self.state.strays]
+                    for target, err, message in await self._execute(DELETE, victims, Outcome()):
+                        stay.append(f"{dst_of(target)}: {nl.describe_error(err, message)}")
+                        log.warning("could not remove %s", stay[-1])
         finally:
             self.netlink.close()
         if stay:
@@ -261,8 +259,7 @@ class RouteProgrammer:
             work = state.take_work(full)
             plan = state.plan(work.dsts, work.full, work.retry)
             state.forget(plan.stale)
-            added, replaced, removed, failed, conflicts = await self._apply(
-                plan.adds, plan.replaces, plan.deletes, plan.appends, plan.swaps, plan.resets)
+            added, replaced, removed, failed, conflicts = await self._apply(plan.adds, plan.replaces, plan.deletes)
             seconds = time.perf_counter() - started
             result = SyncResult(added, replaced, removed, failed, conflicts, seconds, full)
             self.counters.reconciles += 1
@@ -278,60 +275,33 @@ class RouteProgrammer:
                 log.exception("on_sync callback failed")
         return result
 
-    async def _apply(self, adds: list[Route], replaces: list[Route], deletes: list,
-                     appends: list[Route] = (), swaps: list[Route] = (), resets: list[Route] = ()):
+    async def _apply(self, adds: list[Route], replaces: list[Route], deletes: list):
         outcome = Outcome()
-        if resets:
-            # Our old next hop goes first (by its gateway), then the new one is appended.
-            errors = await self._execute(DELETE, [first for _route, first in resets], Outcome())
-            failed_dsts = {dst_of(target) for target, _err, _message in errors}
-            resets = [route for route, _first in resets if route.dst not in failed_dsts]
-            swaps = [*swaps, *(route for route in resets if ecmp(route))]
-            adds = [*adds, *(route for route in resets if not ecmp(route))]
         failed: list[tuple[str, str]] = []
         conflicts: list[tuple[str, str]] = []
         exists: list[Route] = []
         vanished: list[Route] = []
-        unswapped: set[str] = set()  # swaps that failed: their old next hop stays
-        steps = ((ADD, adds, outcome.added), (APPEND, appends, outcome.added), (APPEND, swaps, outcome.replaced),
-                 (REPLACE, replaces, outcome.replaced))
-        for code, targets, report in steps:
-            if not targets:
-                continue
-            for target, err, message in await self._execute(code, targets, outcome, report):
-                if code != REPLACE and err == errno.EEXIST:
-                    exists.append(target)  # an append: another next hop with its gateway is there
+        for code, targets in ((ADD, adds), (REPLACE, replaces), (DELETE, deletes)):
+            for target, err, message in await self._execute(code, targets, outcome):
+                if code == ADD and err == errno.EEXIST:
+                    exists.append(target)
                 elif code == REPLACE and err == errno.ENOENT:
                     vanished.append(target)  # gone since we looked: add it instead
                 else:
                     failed.append((dst_of(target), nl.describe_error(err, message)))
-                if targets is swaps:
-                    unswapped.add(target.dst)
-        if unswapped:
-            kernel = self.state.kernel
-            deletes = [d for d in deletes if not (type(d) is Route and d.dst in unswapped and kernel.get(d.dst) is d)]
-        if deletes:
-            for target, err, message in await self._execute(DELETE, deletes, outcome):
-                failed.append((dst_of(target), nl.describe_error(err, message)))
         if exists or vanished:
             own: list[Route] = []
-            swap: list[Route] = []
             if exists:
                 messages = await self.netlink.dump_table({route.family for route in exists})
                 found = classify_existing(exists, messages, table=self.table, protocol=self.protocol,
-                                          route_of=self.netlink.route_of, found_of=self.netlink.found_of)
+                                          route_of=self.netlink.route_of)
                 self.state.kernel.update(found.adopted)
-                own, swap = found.own, found.swaps
+                own = found.own
                 conflicts += found.conflicts
                 failed += found.unexplained
-            olds = [self.state.kernel[route.dst] for route in swap]
-            for code, targets in ((REPLACE, own), (ADD, vanished), (APPEND, swap)):
-                for target, err, message in await self._execute(code, targets, outcome, outcome.replaced):
+            for code, targets in ((REPLACE, own), (ADD, vanished)):
+                for target, err, message in await self._execute(code, targets, outcome):
                     failed.append((target.dst, nl.describe_error(err, message)))
-                    if code == APPEND:
-                        olds = [old for old in olds if old.dst != target.dst]
-            for target, err, message in await self._execute(DELETE, olds, outcome):
-                failed.append((dst_of(target), nl.describe_error(err, message)))
         for reason in self.state.record(failed, conflicts):
             log.warning("route conflict: %s", reason)
         self.counters.errors += len(failed)
@@ -340,43 +310,18 @@ class RouteProgrammer:
         self.counters.routes_removed += len(outcome.removed)
         return tuple(outcome.added), tuple(outcome.replaced), tuple(outcome.removed), tuple(failed), tuple(conflicts)
 
-    async def _execute(self, code: str, targets: list, outcome: Outcome, report: list[str] | None = None):
-        """Send ``targets`` and record each success in the state (failures are returned);
-        installed routes are reported in ``report`` (by default: added, or replaced)."""
+    async def _execute(self, code: str, targets: list, outcome: Outcome):
+        """Send ``targets`` and record each success in the state (failures are returned)."""
         state = self.state
-        if not targets:
-            return []
         if code == DELETE:
             return await self.netlink.execute(code, targets, lambda done: state.deleted(done, outcome.removed),
                                               state.gone)
-        if report is None:
-            report = outcome.added if code == ADD else outcome.replaced
+        report = outcome.added if code == ADD else outcome.replaced
         return await self.netlink.execute(code, targets, lambda done: state.installed(done, report))
 
-    async def _remove_own(self, inside: Callable[[str], bool] = lambda dst: True) -> tuple[list[str], list[str]]:
-        """Delete every route of ours (whose destination is ``inside``), each next hop of ours
-        in an IPv6 multipath route by its gateway (others' stay).  Returns (the destinations
-        removed, a reason per route that stays).  A multipath route of ours whose next hops do
-        not decode loses those that do; if it is still there then, it is said to stay."""
-        found = await self._dump_own(everything=True)
-        state = self.state
-        victims = [t for t in (*state.kernel.values(), *state.strays) if inside(dst_of(t))]
-        outcome = Outcome()
-        errors = await self._execute(DELETE, victims, outcome)
-        stay = [f"{dst_of(t)}: {nl.describe_error(err, message)}" for t, err, message in errors]
-        if any(type(item) is Unreadable and inside(item.text) for item in found):
-            for item in await self.netlink.dump_own():
-                if type(item) is Unreadable and inside(item.text):
-                    stay.append(f"{item.text} (metric {item.priority}): its next hops (RTA_MULTIPATH) do not decode, so "
-                                "which are ours cannot be told, and a delete naming no gateway would take other "
-                                "daemons' too: left alone; remove ours with `ip -6 route del DST via GATEWAY dev DEV "
-                                f"proto {self.protocol}`")
-        return outcome.removed, stay
-
-    async def _dump_own(self, links: bool = False, everything: bool = False) -> list:
+    async def _dump_own(self, links: bool = False) -> None:
         """Re-read every route of ours (our protocol, our table) and adopt them as the kernel
-        state (returned as the dump found them); with ``links``, the links first (after lost
-        events); with ``everything`` (removing them all), every next hop that may be ours.
+        state; with ``links``, the links first (after lost events).
 
         The monitor is paused meanwhile: an event about a route the dump already passed would
         otherwise be applied to the old state and then lost when the new one replaces it.
@@ -387,16 +332,10 @@ class RouteProgrammer:
                 self._links_stale = False
                 await self.netlink.dump_links()
             found = await self.netlink.dump_own()
-            state = self.state
-            state.kernel, state.strays = adopt(found, state.desired, state.foreign_hops, everything, state.kernel)
-            state.shared = set()
-            for item in found:
-                if type(item) is Group:
-                    state.share(item)
+            self.state.kernel, self.state.strays = adopt(found, self.state.desired, self.state.foreign_hops)
         finally:
             if paused:
                 self.netlink.monitor.resume()
-        return found
 
     # --- the monitor -------------------------------------------------------------------------
 
@@ -415,10 +354,6 @@ class RouteProgrammer:
             dst = f"{socket.inet_ntop(msg.family, msg.dst or ZERO_ADDRESS[msg.family])}/{msg.dst_len}"
             if mtype == nl.RTM_NEWROUTE and mflags & nl.NLM_F_REPLACE:
                 state.other_route_replaced(dst, msg.priority or 0)
-            elif mtype == nl.RTM_NEWROUTE and msg.multipath is not None and msg.family == socket.AF_INET6:
-                found = netlink.found_of(msg)  # another daemon's next hop appended: maybe to ours
-                if type(found) is Group:
-                    state.share(found)
             elif mtype == nl.RTM_DELROUTE:
                 if msg.family == socket.AF_INET6 and msg.multipath is not None and msg.nh_id is None and not msg.tos:
                     # A delete naming no gateway (``ip -6 route del DST proto static``, BIRD's
@@ -482,6 +417,11 @@ async def remove_routes_of(
     try:
         await prog.netlink.dump_links()
         async with prog._lock:
-            return await prog._remove_own(inside)
+            await prog._dump_own()
+            state = prog.state
+            victims = [t for t in (*state.kernel.values(), *state.strays) if inside(dst_of(t))]
+            outcome = Outcome()
+            errors = await prog._execute(DELETE, victims, outcome)
     finally:
         prog.netlink.close()
+    return outcome.removed, [f"{dst_of(t)}: {nl.describe_error(err, message)}" for t, err, message in errors]

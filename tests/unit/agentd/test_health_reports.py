@@ -217,7 +217,7 @@ async def test_readiness_waits_for_a_reconcile_after_the_initial_sync(monkeypatc
     async def dump_own(links=False) -> None:
         pass
 
-    async def apply(adds, replaces, deletes, *_ipv6):
+    async def apply(adds, replaces, deletes):
         if failing[0]:
             raise _Outcome("netlink: no buffer space")
         return (), (), (), (), ()
