@@ -239,7 +239,11 @@ class FlowDirectory:
                     vips[(sp.cluster_ip, sp.protocol, sp.port)] = name
                 if sp.node_port is not None:
                     nodeports[(sp.protocol, sp.node_port)] = name
-            self._names = _ServiceNames(vips, nodeports, self.is_local).name
+            then = getattr(self._names, "__self__", None)
+            # Unchanged (an endpoint's change): the same snapshot, which the recorder's waiting
+            # events hold already (a new one has them look their Services up: recorder.py).
+            if not (isinstance(then, _ServiceNames) and then.vips == vips and then.nodeports == nodeports):
+                self._names = _ServiceNames(vips, nodeports, self.is_local).name
             self._services_seen = self.services.syncs
         return self._names
 

@@ -118,6 +118,7 @@ CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and podpath.h's fin_ack_hi, clie
 CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
 _KEY_KIND_FIRST = struct.Struct("<12sI32xQ24x")  # a record's key, kind and its connection's SYN's time
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
+_TUPLE_LEN = struct.Struct("=H")  # the first attribute's nla_len: CTA_TUPLE_ORIG's
 _UNKNOWN = object()  # an address not named yet
 TCP = 6
 
@@ -272,7 +273,9 @@ class ConntrackTimeouts:
                     values[name] = int((self.root / f"nf_conntrack_{name}").read_text())
                 except (OSError, ValueError):
                     continue
-            self._values, self._read_at = values, now
+            if values != self._values:  # else the same dict: what events of before hold is this one
+                self._values = values
+            self._read_at = now
         return self._values
 
 
@@ -302,7 +305,7 @@ class PendingConnection(Deferred):
     """A conntrack event as the kernel sent it, with its ends named when it came; the record
     is made when it is first read."""
 
-    __slots__ = ("recorder", "event", "carried", "received", "services", "timeouts", "_flow")
+    __slots__ = ("recorder", "event", "carried", "received", "services", "service", "timeouts", "_flow")
 
     def __init__(self, recorder: FlowRecorder, event: Event, carried: tuple[int, int, int, int] | None,
                  received: float, services: Callable[[str, int, int], str | None] | None = None,
@@ -311,9 +314,24 @@ class PendingConnection(Deferred):
         self.event: Event | None = event
         self.carried = carried  # (packets, bytes) each way of the original direction, by the fast path
         self.received = received
-        self.services = services  # the Services as they were when it came (shared by a read's events)
-        self.timeouts = timeouts  # conntrack's timeouts when it came (shared alike)
+        # The Services as they were when it came (shared by every event since the last sync) --
+        # until the next sync, when its Service's name is looked up there and kept instead
+        # (:meth:`settle`): no older snapshot is kept alive by what waits in the ring.
+        self.services = services
+        self.service: str | None | object = _UNKNOWN
+        self.timeouts = timeouts  # conntrack's timeouts when it came (shared alike: one dict while they stay)
         self._flow: Flow | None = None
+
+    def settle(self) -> None:
+        """Its Service named as the Services it holds name it, and that snapshot let go (the
+        original destination, protocol and port at their fixed offsets: one look-up)."""
+        services, event = self.services, self.event
+        if services is None or event is None:
+            return
+        data, mtype = event[0], event[1]
+        fields = ct.ipv4_tuples(mtype, data, nl.NLMSG_HDRLEN, len(data))
+        self.service = None if fields is None else services(socket.inet_ntoa(fields[1]), fields[2], fields[4])
+        self.services = None
 
     def flow(self) -> Flow:
         if self._flow is None:
@@ -328,7 +346,7 @@ class PendingConnection(Deferred):
             assert ev is not None  # its tuples were read when it came
             flow = self.recorder.connection(ev, names=tuple(names), carried=self.carried,  # type: ignore[arg-type]
                                             received=self.received, services=self.services,
-                                            timeouts=self.timeouts)
+                                            timeouts=self.timeouts, service=self.service)
             assert flow is not None
             flow.seq = self.seq
             self._flow = flow
@@ -516,6 +534,7 @@ class FlowRecorder:
         self.mask = mask
         self.recording: Recording | None = None  # the pod programs, once they record connections
         self._get_sock: NetlinkSocket | None = None  # the sweep's conntrack look-ups
+        self._get_seq = 0  # the last one's sequence number
         self.swept = 0  # recorded connections the sweep ended
         # Connections the sweep took that were not the one judged and could not be put back:
         # "ended" there (past their SYN), "lost" (unanswered SYNs: recorded by nobody).
@@ -529,6 +548,13 @@ class FlowRecorder:
         self._reset_due: dict[bytes, int] = {}
         self._resets: list[tuple[int, bytes]] = []
         self._names: dict[bytes, Identity | None] = {}
+        # The Services' snapshot the events read since the last sync hold, and those reads (their
+        # entries lists, oldest first, no more than the ring holds: :meth:`_extend`); conntrack's
+        # timeouts the last read gave (kept while equal).
+        self._services_then: Callable[[str, int, int], str | None] | None = None
+        self._unsettled: deque[list[Entry]] = deque()
+        self._unsettled_count = 0
+        self._timeouts_then: dict[str, int] | None = None
         # Addresses (packed: 4 or 16 bytes) that became someone else's or nobody's while
         # recording: [(when, CLOCK_TAI ns; whom it named until then)], oldest first -- an end
         # names its connection's ends as they were named when it started (:meth:`_named_then`).
@@ -846,6 +872,11 @@ class FlowRecorder:
             except (OSError, nl.NetlinkError) as err:
                 log.warning("flows: looking over the recorded connections: %s", err)
                 continue
+            except Exception:  # a bug, not the kernel: the next sweep goes on all the same
+                # (no one awaits this task: ended, no idle or flushed connection would ever end)
+                log.exception("flows: looking over the recorded connections failed; the next look is in %s s",
+                              SWEEP_INTERVAL)
+                continue
             if ended:
                 self._on_recorded(ended, self.clock())
             with contextlib.suppress(OSError):
@@ -872,7 +903,7 @@ class FlowRecorder:
         out: list[bytes] = []
         held_at = self._held_at
         conns = rec.recorded_open()
-        failed: OSError | None = None
+        failed: Exception | None = None
         for key, raw in conns:
             # One key's trouble (a conntrack look-up or a map operation failing) skips that key
             # alone: what was taken before it is returned all the same (it is out of the map).
@@ -892,7 +923,7 @@ class FlowRecorder:
                 else:
                     continue
                 taken = self._take(rec, key, v, out)
-            except (OSError, nl.NetlinkError) as err:
+            except (OSError, ValueError) as err:  # ValueError: nl.NetlinkDecodeError, an answer malformed
                 failed = err
                 continue
             if taken is not None:
@@ -938,7 +969,9 @@ class FlowRecorder:
             kind, why = REC_REUSED, "its tuple was reused meanwhile"
         except OSError as err:
             kind, why = REC_GONE, str(err)
-        self._held_at.pop(key, None)
+        # Its _held_at entry is left alone: end_resets runs this on the loop's thread while a
+        # sweep's thread may be rebuilding that dict; the next sweep forgets what the programs
+        # no longer hold, and one remembered for a connection of another SYN is not taken for it.
         peer = f"{socket.inet_ntoa(key[0:4])}:{int.from_bytes(key[8:10], 'big')} " \
                f"{socket.inet_ntoa(key[4:8])}:{int.from_bytes(key[10:12], 'big')}"
         if v[6] == CONN_SYN:
@@ -966,7 +999,10 @@ class FlowRecorder:
             self._get_sock = NetlinkSocket(rcvbuf=1 << 16, sndbuf=1 << 16, protocol=nl.NETLINK_NETFILTER)
         t = ct.CtTuple(socket.inet_ntoa(key[0:4]), socket.inet_ntoa(key[4:8]), TCP,
                        int.from_bytes(key[8:10], "big"), int.from_bytes(key[10:12], "big"))
-        return ct.holds(self._get_sock, t)
+        # A sequence number of its own per look-up: a late answer to one that timed out is
+        # skipped (NetlinkSocket.request matches by it), not taken for this one's.
+        self._get_seq = self._get_seq % 0xFFFFFFFF + 1
+        return ct.holds(self._get_sock, t, seq=self._get_seq)
 
     # ------------------------------------------------------------------ reading conntrack events
 
@@ -1158,6 +1194,11 @@ class FlowRecorder:
             if fields is None:
                 out.append(data)
                 continue
+            # What follows the tuples (52 bytes each, ICMP's 60) framed and sized as decode_event
+            # reads it, else the long way, which counts it malformed now.
+            if not ct.rest_ok(data, hdr + nl.NFGENMSG_LEN + 2 * _TUPLE_LEN.unpack_from(data, hdr + nl.NFGENMSG_LEN)[0], mlen):
+                out.append(data)
+                continue
             src, dst, proto, sport, dport, reply_src, _reply_sport = fields
             n_src, n_dst, n_reply = names.get(src, _UNKNOWN), names.get(dst, _UNKNOWN), names.get(reply_src, _UNKNOWN)
             if n_src is _UNKNOWN:
@@ -1189,7 +1230,15 @@ class FlowRecorder:
         entries: list[Entry] = []
         carried = self._carried
         services = self.directory.service_names()
+        if services is not self._services_then:  # the Services synced: the waiting let go of the old ones
+            self._settle_services()
+            self._services_then = services
         timeouts = self.ct_timeouts() if self.ct_timeouts is not None else None
+        if timeouts is not None:  # one dict while they stay the same, however often read
+            if timeouts == self._timeouts_then:
+                timeouts = self._timeouts_then
+            else:
+                self._timeouts_then = timeouts
         history, delete = self._history, ct.MSG_DELETE
         for item in items:
             if type(item) is bytes:
@@ -1244,6 +1293,25 @@ class FlowRecorder:
     def _extend(self, entries: list[Entry]) -> None:
         self.events += len(entries)
         self.ring.extend(entries)
+        # Kept (the reads since the last sync, as many as the ring holds) for the next sync to
+        # settle (:meth:`_settle_services`): one append a read, nothing an event.
+        reads = self._unsettled
+        reads.append(entries)
+        self._unsettled_count += len(entries)
+        while self._unsettled_count - len(reads[0]) >= self.ring.size:  # the oldest left the ring
+            self._unsettled_count -= len(reads.popleft())
+
+    def _settle_services(self) -> None:
+        """The Services synced (a new snapshot, :meth:`Directory.service_names`): each event
+        still waiting in the ring unread names its Service as the snapshot it holds does, and
+        holds that name (or None) instead -- a snapshot (a dict of every Service port) is kept
+        alive only while it is the current one, not by every event read under it."""
+        for entries in self._unsettled:
+            for entry in entries:
+                if type(entry) is PendingConnection:
+                    entry.settle()
+        self._unsettled.clear()
+        self._unsettled_count = 0
 
     def _on_conntrack_datagram(self, data: bytes, now: float) -> None:
         """One datagram of conntrack events, whatever its layout."""
@@ -1256,7 +1324,9 @@ class FlowRecorder:
             for mtype, _flags, _seq, _pid, start, end in nl.iter_messages(data):
                 try:
                     self._on_conntrack(mtype, data, start, end)
-                except (nl.NetlinkDecodeError, struct.error) as err:  # skipped: the rest are read
+                # skipped: the rest are read (ValueError: nl.NetlinkDecodeError; OSError: an
+                # address inet_pton refuses, should one come that decode_event let through)
+                except (ValueError, OSError, struct.error) as err:
                     self.malformed += 1
                     log.debug("flows: malformed conntrack message: %s", err)
         except nl.NetlinkDecodeError as err:  # the framing: the rest of the datagram cannot be found
@@ -1449,23 +1519,25 @@ class FlowRecorder:
     def connection(self, ev: ct.CtEvent, *, names: tuple[Identity | None, Identity | None, Identity | None] | None = None,
                    carried: tuple[int, int, int, int] | None = None, received: float | None = None,
                    services: Callable[[str, int, int], str | None] | None = None,
-                   timeouts: dict[str, int] | None = None) -> Flow | None:
+                   timeouts: dict[str, int] | None = None, service: str | None | object = _UNKNOWN) -> Flow | None:
         """A conntrack event as a record; None if no end of it is a pod or a Service.
         ``names``: its ends as named when it came (original source, destination, reply source);
         ``carried``: what the pod fast path carried of it (packets, bytes each way);
         ``received``: when it came; ``services``: the Services then (Directory.service_names),
-        else as they are now; ``timeouts``: conntrack's then, else as they are now."""
+        else as they are now; ``service``: the Service's name already looked up there (a
+        :class:`PendingConnection` settled); ``timeouts``: conntrack's then, else as they are now."""
         orig, reply = ev.orig, ev.reply
         d = self.directory
         if names is None:
             names = (d.identity(orig.src), d.identity(orig.dst), d.identity(reply.src))
         src_id = names[0]
-        service = None
         if ev.status & ct.IPS_DST_NAT:  # a Service: the endpoint is where the replies come from
             dst = Peer(reply.src, reply.sport, names[2])
-            service = (services or d.service)(orig.dst, orig.proto, orig.dport)
+            if service is _UNKNOWN:
+                service = (services or d.service)(orig.dst, orig.proto, orig.dport)
         else:
             dst = Peer(orig.dst, orig.dport, names[1])
+            service = None
         # A Service's node port to an endpoint outside the pod network is no pod's either (as the
         # kernel's filter judges IPv4: the same for both families).
         if (src_id is None and dst.identity is None and received is None
@@ -1481,7 +1553,7 @@ class FlowRecorder:
         flow = Flow(
             time=when, node=self.node, event="end" if ev.destroyed else "new", protocol=protocol_name(orig.proto),
             src=Peer(orig.src, orig.sport, src_id), dst=dst, direction=direction_of(src_id, dst.identity),
-            service=service, received=received,
+            service=service, received=received,  # type: ignore[arg-type]
         )  # fmt: skip
         if ev.status & ct.IPS_DST_NAT:
             flow.service_ip, flow.service_port = orig.dst, orig.dport

@@ -137,6 +137,52 @@ static int walk_lifetime(const uint8_t *p, Py_ssize_t n, uint64_t *born, uint64_
 	return 0;
 }
 
+/* Whether the attributes at p[pos, end) are framed and sized as netlink_ct.decode_event reads
+ * them (netlink_ct.rest_ok does the same), ``level`` saying whose they are: 0 the event's own
+ * after its tuples (CTA_STATUS, _ID, _TIMEOUT 4 bytes, CTA_TIMESTAMP_EVENT 8, a tuple again not
+ * read here), 1 CTA_COUNTERS_* (PACKETS, BYTES 8), 2 CTA_TIMESTAMP (START, STOP 8),
+ * 3 CTA_PROTOINFO, 4 CTA_PROTOINFO_TCP (STATE 1).  An event otherwise goes to Python whole,
+ * which counts it malformed when it is read, not when (if ever) its record is made. */
+static int rest_ok(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, int level)
+{
+	while (end - pos >= 4) {
+		uint16_t len = h16(p + pos), type = h16(p + pos + 2) & 0x3fff;
+		Py_ssize_t v = pos + 4, ve = pos + len;
+		if (len < 4 || ve > end)
+			return 0;
+		switch (level) {
+		case 0:
+			if (type == 1 || type == 2)
+				return 0;
+			if ((type == 3 || type == 7 || type == 12) && len != 8)
+				return 0;
+			if (type == 27 && len != 12)
+				return 0;
+			if ((type == 9 || type == 10) && !rest_ok(p, v, ve, 1))
+				return 0;
+			if (type == 20 && !rest_ok(p, v, ve, 2))
+				return 0;
+			if (type == 4 && !rest_ok(p, v, ve, 3))
+				return 0;
+			break;
+		case 1:
+		case 2:
+			if ((type == 1 || type == 2) && len != 12)
+				return 0;
+			break;
+		case 3:
+			if (type == 1 && !rest_ok(p, v, ve, 4))
+				return 0;
+			break;
+		default:
+			if (type == 1 && len != 5)
+				return 0;
+		}
+		pos += (len + 3) & ~3;
+	}
+	return 1;
+}
+
 /* One datagram: a new reference to its item, Py_None (borrowed, not to be kept) if it is the
  * node's own, NULL on error. */
 static PyObject *event(struct ctx *c, PyObject *datagram, const uint8_t *p, Py_ssize_t n)
@@ -153,8 +199,12 @@ static PyObject *event(struct ctx *c, PyObject *datagram, const uint8_t *p, Py_s
 		goto raw;
 	if (fits(b, n - BODY, &ports)) {
 		src = b + 12, dst = b + 20, proto = b[32], sport = be16(b + 40), dport = be16(b + 48), rsrc = b + 64;
+		if (!rest_ok(p, BODY + 104, n, 0))
+			goto raw;
 	} else if (fits(b, n - BODY, &icmp)) {
 		src = b + 12, dst = b + 20, proto = b[32], sport = b[48], dport = b[56], rsrc = b + 72;
+		if (!rest_ok(p, BODY + 120, n, 0))
+			goto raw;
 	} else {
 		goto raw;
 	}

@@ -284,6 +284,9 @@ def decode_event(mtype: int, buf: bytes, start: int, end: int) -> CtEvent | None
                             state = buf[ts]
     if orig is None or reply is None:
         return None
+    v6 = ":" in orig.src
+    if (":" in orig.dst) != v6 or (":" in reply.src) != v6 or (":" in reply.dst) != v6:
+        raise nl.NetlinkDecodeError(f"conntrack tuples mix IPv4 and IPv6 addresses: {orig}, {reply}")
     return CtEvent(mtype == MSG_DELETE, family, orig, reply, status, ident, op, ob, rp, rb, t0, t1, te, state, left)
 
 
@@ -397,6 +400,39 @@ def ipv4_tuples(mtype: int, buf: bytes, start: int, end: int) -> tuple[bytes, by
     if end - pos >= _ICMP_LEN and int.from_bytes(buf[pos:pos + _ICMP_LEN], "little") & _ICMP_MASK == _ICMP_WANT:
         return _ICMP_FIELDS.unpack_from(buf, pos)  # type: ignore[return-value]
     return None
+
+
+_H = struct.Struct("=HH")
+# rest_ok's sizes (nla_len, the header's 4 bytes and the value) by level and type; nested: the
+# level of what is inside.  Level 0: the event's own attributes after its tuples.
+_REST_SIZES = {0: {CTA_STATUS: 8, CTA_ID: 8, CTA_TIMEOUT: 8, CTA_TIMESTAMP_EVENT: 12},
+               1: {CTA_COUNTERS_PACKETS: 12, CTA_COUNTERS_BYTES: 12},
+               2: {CTA_TIMESTAMP_START: 12, CTA_TIMESTAMP_STOP: 12},
+               3: {}, 4: {CTA_PROTOINFO_TCP_STATE: 5}}
+_REST_NESTED = {0: {CTA_COUNTERS_ORIG: 1, CTA_COUNTERS_REPLY: 1, CTA_TIMESTAMP: 2, CTA_PROTOINFO: 3},
+                1: {}, 2: {}, 3: {CTA_PROTOINFO_TCP: 4}, 4: {}}
+
+
+def rest_ok(buf: bytes, pos: int, end: int, level: int = 0) -> bool:
+    """Whether the attributes of an event read at fixed offsets after its tuples (``pos``) are
+    framed and sized as :func:`decode_event` reads them (agentd/kernel/_ctevents.c, rest_ok,
+    does the same): an event that is not is malformed, read (and counted) the long way."""
+    sizes, nested = _REST_SIZES[level], _REST_NESTED[level]
+    while end - pos >= 4:
+        alen, atype = _H.unpack_from(buf, pos)
+        atype &= nl.NLA_TYPE_MASK
+        if alen < 4 or pos + alen > end:
+            return False
+        if level == 0 and atype in (CTA_TUPLE_ORIG, CTA_TUPLE_REPLY):
+            return False
+        want = sizes.get(atype)
+        if want is not None and alen != want:
+            return False
+        inner = nested.get(atype)
+        if inner is not None and not rest_ok(buf, pos + 4, pos + alen, inner):
+            return False
+        pos += (alen + 3) & ~3
+    return True
 
 
 def brief(mtype: int, buf: bytes, start: int, end: int) -> CtBrief | None:

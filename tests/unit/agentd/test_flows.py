@@ -3242,3 +3242,342 @@ async def test_a_gathered_last_n_over_its_byte_budget_says_what_it_left_out(monk
     assert sum(len(line) for line in records[2:]) <= 400
     assert [r["time"] for r in kept] == sorted(r["time"] for r in kept) and kept[-1]["time"] == 9.5
     assert errors == {}
+
+
+# ------------------------------------------------------------------ review r5: what waits in the ring, the sweep, bounds
+
+
+def test_events_waiting_in_the_ring_hold_their_services_name_not_every_snapshot_of_the_services():
+    """Each sync of the services agent (any Service's or endpoint's change in the cluster) makes
+    a new snapshot of the Services (a dict of every Service port); an event waiting unread in
+    the ring keeps its Service's name, not the snapshot: 500 reads of one event, a sync before
+    each, hold well under 2 MB -- not the 162 MB every snapshot held alive did -- and a record
+    read later still names the Service of when its event came."""
+    import gc
+    import tracemalloc
+    from types import SimpleNamespace as NS
+
+    from agentd.daemon.flow_directory import FlowDirectory
+
+    def port(i, name=None):
+        return NS(namespace=f"ns{i % 50}", service=name or f"svc-{i}", cluster_ip=f"10.96.{i // 250}.{i % 250}",
+                  protocol="TCP", port=80, node_port=None)
+
+    agent = NS(syncs=0, compiled_ports=[port(i) for i in range(2000)])
+    d = FlowDirectory(None, agent, ("192.0.2.1",))
+    d.identity = lambda ip: None
+    r = FlowRecorder("n1", d, "/nonexistent", group=1, ring_size=10_000, clock=lambda: 1000.0,
+                     pods=[ip_network("10.244.0.0/16")], services=[ip_network("10.96.0.0/12")])
+    msg = destroy_event(ct.IPS_DST_NAT)  # to 10.96.0.10:80, svc-10's
+    tracemalloc.start()
+    try:
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(500):
+            agent.compiled_ports = list(agent.compiled_ports)
+            agent.compiled_ports[10] = port(10, f"svc-10-v{i}")  # a Service changed: a new snapshot
+            agent.syncs += 1
+            r._on_conntrack_datagrams([msg], 1000.0 + i)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert len(r.ring) == 500 and held < 2_000_000, held
+    first, last = r.ring.last(FlowFilter(), 500)[0], r.ring.last(FlowFilter(), 500)[-1]
+    assert (first.service, last.service) == ("ns10/svc-10-v0", "ns10/svc-10-v499")
+
+
+def test_conntracks_timeouts_read_again_unchanged_are_the_same_dict():
+    """What an event waiting in the ring holds of conntrack's timeouts is one dict while they
+    stay the same (read again every second)."""
+    import tempfile
+    from pathlib import Path
+
+    from agentd.flows.recorder import ConntrackTimeouts
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "nf_conntrack_udp_timeout").write_text("30\n")
+        now = [0.0]
+        t = ConntrackTimeouts(Path(tmp), clock=lambda: now[0], release="6.1.0")
+        first = t()
+        now[0] = 5.0
+        assert t() is first and first == {"udp_timeout": 30}
+        (Path(tmp) / "nf_conntrack_udp_timeout").write_text("20\n")
+        now[0] = 10.0
+        assert t() == {"udp_timeout": 20}
+
+
+def test_a_malformed_answer_from_conntrack_skips_one_key_and_the_next_sweep_ends_it():
+    """A conntrack look-up whose answer cannot be read (nl.NetlinkDecodeError, a ValueError)
+    leaves that key for the next sweep, which ends it."""
+    now = 1_000 * 10**9
+    key, value = _conn(False, CONN_OPEN, 0, 0)  # idle for ages: conntrack is asked
+    r = recorder()
+    r.recording = Programs({key: value})
+    calls = []
+
+    def held(k):
+        calls.append(k)
+        if len(calls) == 1:
+            raise nl.NetlinkDecodeError("NLMSG_ERROR body is 4 bytes, needs 20")
+        return False
+
+    r._held = held
+    assert r.sweep(now) == [] and key in r.recording.held
+    (end,) = r.sweep(now + 1)
+    assert CONN_RECORD.unpack(end)[:2] == (key, REC_GONE) and r.recording.held == {}
+
+
+def test_the_sweep_task_goes_on_after_a_sweep_fails_unexpectedly(monkeypatch):
+    """Nobody awaits the sweep's task: one sweep's unexpected exception (a bug) is logged and
+    the next sweep comes all the same."""
+    from agentd.flows import recorder as rec_mod
+
+    class Stop(BaseException):
+        pass
+
+    sleeps = []
+
+    async def sleep(_s):
+        sleeps.append(_s)
+        if len(sleeps) > 3:
+            raise Stop
+
+    async def to_thread(fn, *a):
+        return fn(*a)
+
+    monkeypatch.setattr(rec_mod.asyncio, "sleep", sleep)
+    monkeypatch.setattr(rec_mod.asyncio, "to_thread", to_thread)
+    r = recorder()
+    swept = []
+
+    def sweep():
+        swept.append(1)
+        if len(swept) == 1:
+            raise RuntimeError("dictionary changed size during iteration")
+        return []
+
+    r.sweep = sweep
+    with pytest.raises(Stop):
+        asyncio.run(r._sweep_loop())
+    assert len(swept) == 3
+
+
+def test_a_connection_that_cannot_be_put_back_leaves_held_at_alone():
+    """end_resets puts back on the loop's thread while a sweep's thread may rebuild _held_at:
+    putting back never touches that dict (a sweep forgets what the programs no longer hold)."""
+    from types import MappingProxyType
+
+    key, value = _conn(False, CONN_OPEN, 5, 6)
+
+    class Full(Programs):
+        def put_recorded(self, key, value):
+            raise OSError(7, "Argument list too long")
+
+    r = recorder()
+    r._held_at = MappingProxyType({key: (5, 1)})  # read-only: a change would raise
+    out: list[bytes] = []
+    r._put_back(Full({}), key, value, CONN_VALUE.unpack(value), out)
+    assert [CONN_RECORD.unpack(x)[:2] for x in out] == [(key, REC_GONE)]
+
+
+def test_each_conntrack_look_up_has_its_own_sequence_number():
+    """A late answer to a look-up that timed out is not taken for the next one's: each asks
+    with a sequence number of its own (NetlinkSocket.request matches answers by it)."""
+    seqs = []
+
+    class Sock:
+        def request(self, message, what, dump):
+            seqs.append(struct.unpack_from("=IHHI", message)[3])
+            return []
+
+    r = recorder()
+    r._get_sock = Sock()
+    key, _v = _conn(False, CONN_OPEN, 0, 0)
+    assert r._held(key) and r._held(key)
+    assert len(set(seqs)) == 2 and 0 not in seqs
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_an_event_malformed_after_its_tuples_is_counted_when_read(fast):
+    """An event whose tuples read at fixed offsets but whose later attributes are malformed (a
+    CTA_STATUS of 2 bytes) is counted in ``malformed`` when it is read, not when (if ever) its
+    record is made; the good ones around it are kept."""
+    if fast and ct.fast_events is None:
+        pytest.skip("agentd/kernel/_ctevents.c not built")
+    r = recorder()
+    r.fast = fast
+    body = (_tuple(ct.CTA_TUPLE_ORIG, "10.244.1.2", "10.244.2.3", 6, 40000, 80)
+            + _tuple(ct.CTA_TUPLE_REPLY, "10.244.2.3", "10.244.1.2", 6, 80, 40000)
+            + nl.attr(ct.CTA_STATUS, b"\x00\x00"))
+    bad = nl.encode_nfgen(ct.MSG_NEW, 0, 0, socket.AF_INET, body)
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT), bad, destroy_event(ct.IPS_DST_NAT)], 1000.0)
+    assert r.malformed == 1 and len(r.ring) == 2
+    assert [f.service for f in r.ring] == ["shop/web", "shop/web"] and r.malformed == 1
+
+
+@pytest.mark.parametrize("nested", [b"", nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, b"\x00" * 4)),
+                                    nl.nested(ct.CTA_COUNTERS_ORIG, nl.attr(ct.CTA_COUNTERS_BYTES, b"\x00" * 2)),
+                                    nl.nested(ct.CTA_PROTOINFO, nl.nested(ct.CTA_PROTOINFO_TCP,
+                                                                          nl.attr(ct.CTA_PROTOINFO_TCP_STATE, b"\x00\x00"))),
+                                    nl.attr(ct.CTA_TIMESTAMP_EVENT, b"\x00" * 4), b"\x30\x00\x03\x00"])
+def test_what_follows_the_tuples_is_checked_in_c_and_in_python_as_decode_event_reads_it(nested):
+    """Both loops send an event the long way exactly where decode_event refuses it."""
+    body = (_tuple(ct.CTA_TUPLE_ORIG, "10.244.1.2", "10.244.2.3", 6, 40000, 80)
+            + _tuple(ct.CTA_TUPLE_REPLY, "10.244.2.3", "10.244.1.2", 6, 80, 40000)
+            + nl.attr(ct.CTA_STATUS, struct.pack("!I", 8)) + nested)
+    msg = nl.encode_nfgen(ct.MSG_DELETE, 0, 0, socket.AF_INET, body)
+    try:
+        ct.decode_event(ct.MSG_DELETE, msg, nl.NLMSG_HDRLEN, len(msg))
+        good = True
+    except nl.NetlinkDecodeError:
+        good = False
+    assert good == (nested == b"")
+    r = recorder()
+    ways = [False] + ([True] if ct.fast_events is not None else [])
+    for fast in ways:
+        r.fast = fast
+        (item,) = r._decode([msg])
+        assert (type(item) is bytes) == (not good), fast
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_an_event_mixing_ipv4_and_ipv6_in_a_tuple_is_malformed_and_the_rest_of_the_read_kept(fast):
+    if fast and ct.fast_events is None:
+        pytest.skip("agentd/kernel/_ctevents.c not built")
+
+    def tup(kind, src, dst, sport, dport):
+        ip = nl.attr(ct.CTA_IP_V4_SRC, socket.inet_aton(src)) + nl.attr(ct.CTA_IP_V6_DST, socket.inet_pton(socket.AF_INET6, dst))
+        proto = (nl.attr(ct.CTA_PROTO_NUM, bytes([6])) + nl.attr(ct.CTA_PROTO_SRC_PORT, struct.pack("!H", sport))
+                 + nl.attr(ct.CTA_PROTO_DST_PORT, struct.pack("!H", dport)))
+        return nl.nested(kind, nl.nested(ct.CTA_TUPLE_IP, ip), nl.nested(ct.CTA_TUPLE_PROTO, proto))
+
+    r = recorder()
+    r.fast = fast
+    r.directory.ids = dict(r.directory.ids, **{"fd00::3": WEB})
+    r.carried = type("C", (), {"carried_restarts": lambda s: [], "take_carried": lambda s, k: None})()
+    body = (tup(ct.CTA_TUPLE_ORIG, "10.244.1.2", "fd00::3", 1, 2) + tup(ct.CTA_TUPLE_REPLY, "10.244.1.2", "fd00::3", 2, 1)
+            + nl.attr(ct.CTA_STATUS, struct.pack("!I", 0)))
+    odd = nl.encode_nfgen(ct.MSG_DELETE, 0, 0, socket.AF_INET, body)
+    r._on_conntrack_datagrams([destroy_event(0), odd, destroy_event(0)], 1000.0)
+    assert len(r.ring) == 2 and r.malformed == 1
+
+
+TAI = 37 * 10**9  # CLOCK_TAI - CLOCK_REALTIME where leap-second data is loaded
+
+
+@pytest.mark.parametrize("way", ["c", "python", "ipv6"])
+def test_a_conntrack_end_is_named_across_a_change_of_hands_in_tai_with_a_tai_offset(way):
+    """The history of changes is in CLOCK_TAI, conntrack's stamps in real time: with a TAI
+    offset of 37 s, an entry made 10 s before the change names whom the address named then, one
+    made 10 s after whom it names now -- at fixed offsets (C, Python) and the long way (IPv6)."""
+    if way == "c" and ct.fast_events is None:
+        pytest.skip("agentd/kernel/_ctevents.c not built")
+    client, web = ("fd00:244:1::2", "fd00:244:2::3") if way == "ipv6" else ("10.244.1.2", "10.244.2.3")
+    family = socket.AF_INET6 if way == "ipv6" else socket.AF_INET
+    clock = [1000.0]
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, clock=lambda: clock[0])
+    r.tai_offset = lambda: TAI
+    r.fast = way == "c"
+    version = [1]
+    r.directory.version = lambda: version[0]
+    r.directory.ids = {client: CLIENT, web: WEB}
+    r._begin_names()
+    clock[0] = 1100.0  # the client pod deleted, its address another pod's: seen at 1100 (real)
+    r.directory.ids = {client: Identity("other/newpod", "node1", {}, False), web: WEB}
+    version[0] = 2
+    r._begin_names()
+    before = _entry_event(ct.MSG_DELETE, client, web, family, started=1_090 * 10**9)
+    after = _entry_event(ct.MSG_DELETE, client, web, family, started=1_110 * 10**9)
+    r._on_conntrack_datagrams([before, after], 1200.0)
+    b, a = list(r.ring)
+    assert b.src.identity == CLIENT and a.src.identity.pod == "other/newpod"
+
+
+def test_a_change_of_hands_the_engine_timed_is_in_tai_with_a_tai_offset():
+    """A change the policy engine timed (its ``when``, real time) is kept in CLOCK_TAI: with a
+    TAI offset of 37 s, a connection started 10 s before it names the pod before, one started
+    10 s after the pod after."""
+    from ipaddress import ip_address
+    from types import SimpleNamespace as NS
+
+    from agentd.daemon.flow_directory import FlowDirectory
+
+    a = ip_address("10.244.1.2")
+    at = socket.inet_aton("10.244.1.2")
+    eng = PolicyEngine("node2")
+    clock = [1000.0]
+    eng.clock = lambda: clock[0]
+    eng.upsert_pod(Pod("shop", "client", "node1", (a,), {"app": "client"}))
+    r = FlowRecorder("node2", FlowDirectory(NS(engine=eng), None, ()), "/nonexistent", group=143,
+                     clock=lambda: clock[0])
+    r.tai_offset = lambda: TAI
+    r._begin_names()
+    clock[0] = 1010.0
+    eng.remove_pod(("shop", "client"))
+    eng.upsert_pod(Pod("other", "newpod", "node1", (a,), {}))
+    clock[0] = 1030.0
+    r._begin_names()
+    named = r.directory.identity("10.244.1.2")
+    assert r._named_then(at, 1000 * 10**9 + TAI, named).pod == "shop/client"
+    assert r._named_then(at, 1020 * 10**9 + TAI, named).pod == "other/newpod"
+
+
+def test_the_agents_tables_stay_within_their_bounds(monkeypatch):
+    """Carried counts waiting for their end (RESTARTS_MAX), addresses that changed hands
+    (HISTORY_MAX), resets waiting (RESETS_MAX) and names remembered (NAMES_MAX): one past each
+    bound, the oldest is let go (or the newest left out: a reset hint, the sweep's then)."""
+    from agentd.flows import recorder as rec_mod
+
+    monkeypatch.setattr(rec_mod, "RESTARTS_MAX", 3)
+    monkeypatch.setattr(rec_mod, "HISTORY_MAX", 3)
+    monkeypatch.setattr(rec_mod, "RESETS_MAX", 3)
+    monkeypatch.setattr(rec_mod, "NAMES_MAX", 3)
+    r = recorder()
+    keys = [bytes([k]) * 12 for k in range(4)]
+    for k in keys:
+        r._wait(k, (1, 1, 1, 1, 1), True)
+    assert list(r._restarts) == keys[1:]
+    r.note_resets([(k, 5) for k in keys])
+    assert list(r._reset_due) == keys[:3]
+    r.note_resets([(keys[0], 9)])  # a later RST of one waiting: still taken
+    assert r._reset_due[keys[0]] == 9 + RESET_TIMEOUT_NS + 1
+    # Names: past NAMES_MAX, forgotten at the next read (the pods unchanged); up to it, kept.
+    r._begin_names()
+    for k in range(3):
+        r._name(bytes([10, 244, 9, k]))
+    r._begin_names()
+    assert len(r._names) == 3
+    r._name(bytes([10, 244, 9, 3]))
+    r._begin_names()
+    assert r._names == {}
+    # Addresses that changed hands: one past HISTORY_MAX, the first forgotten.
+    version = [1]
+    r.directory.version = lambda: version[0]
+    ips = [f"10.244.9.{k}" for k in range(4)]
+    r.directory.ids = {ip: CLIENT for ip in ips}
+    r._begin_names()
+    for ip in ips:
+        del r.directory.ids[ip]
+        version[0] += 1
+        r._begin_names()
+    assert list(r._history) == [socket.inet_aton(ip) for ip in ips[1:]]
+
+
+def test_the_limiter_evicts_a_quiet_key_whose_bucket_refilled_before_one_still_empty():
+    """A new key past max_keys evicts a quiet key whose bucket refilled (forgetting it loses
+    nothing) before one still empty, wherever they are in the table."""
+    lim = DropLimiter(rate=1.0, burst=1, max_keys=2)
+    assert lim.allow("empty", 5.0) == 0  # its token spent at 5.0: 0.5 of one back at 5.5
+    assert lim.allow("refilled", 3.0) == 0  # a little out of order: its token back by 4.0
+    assert lim.allow("new", 5.5) == 0
+    assert list(lim.buckets) == ["empty", "new"]
+
+
+def test_an_end_the_sweep_found_gone_is_timed_when_it_was_found():
+    """A recorded connection the sweep found no longer held by conntrack (REC_GONE) ends when
+    it was found (``received``), not at its last packet; other ends at their last packet."""
+    key, value = _conn(False, CONN_OPEN, 1_000 * 10**9, 1_010 * 10**9)
+    gone = recorded_flow("node2", CONN_RECORD.pack(key, REC_GONE, value), CLIENT, WEB, 0, 1_075.0)
+    fin = recorded_flow("node2", CONN_RECORD.pack(key, REC_FIN, value), CLIENT, WEB, 0, 1_075.0)
+    assert (gone.time, fin.time, gone.duration) == (1_075.0, 1_010.0, 10.0)
