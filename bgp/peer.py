@@ -438,9 +438,16 @@ class Peer:
             if other is s or not self._alive(other):
                 continue
             if other.state is State.ESTABLISHED:
-                if ev.open.capability(GracefulRestart) is not None:
-                    # RFC 4724 §4.2: a new connection from a GR-capable peer we believe is
-                    # Established means it restarted: the old session goes, its routes stay stale.
+                new_gr = ev.open.capability(GracefulRestart)
+                if self._graceful_agreed(other) and new_gr is not None and new_gr.restart_state:
+                    # RFC 4724 §4.2: a new connection from a peer that advertised graceful
+                    # restart on the session we believe is Established (and we did too), its
+                    # OPEN with the Restart State bit (§3, §4.1: the peer is back from a
+                    # restart), means the old session is gone: it goes, its routes stay stale.
+                    # Anything else is a plain collision with an Established session (RFC 4271
+                    # §6.8): the new connection goes -- a GR-capable OPEN alone proves no
+                    # restart (a stale OPEN of a simultaneous connect, accepted late, has no R
+                    # bit), and without GR agreed the old session's end would withdraw all.
                     old_conn = other.conn
                     other.connection_lost(old_conn, now)
                     # Its SessionDown now, before anything of the new session: with the peer's
@@ -474,6 +481,12 @@ class Peer:
             o is not s and o.conn is not None and o.state in (State.OPEN_SENT, State.OPEN_CONFIRM, State.ESTABLISHED)
             for o in self.sessions()
         )
+
+    def _graceful_agreed(self, s: Session) -> bool:
+        """Graceful restart was agreed both ways on ``s``: we offer it and the peer's OPEN on
+        ``s`` carried the capability (as PeerDown's ``graceful`` reads it)."""
+        neg = s.negotiated
+        return self.local.graceful_restart and neg is not None and neg.peer_graceful_restart is not None
 
     @staticmethod
     def _alive(s: Session) -> bool:

@@ -1,17 +1,23 @@
 """A graceful-restart peer that comes back on a new connection while we still hold the old
 one Established (RFC 4724 §4.2): the old session goes, its routes are kept as stale, and the
 peer's End-of-RIB on the new session flushes the ones it no longer announces -- whether its
-OPEN and first KEEPALIVE come in separate reads or in one.  Sans-IO, float clock."""
+OPEN and first KEEPALIVE come in separate reads or in one.  Only a peer back from a restart
+is taken so: graceful restart agreed both ways on the old session and the new OPEN's Restart
+State bit set; any other OPEN on a second connection is a collision with an Established
+session (RFC 4271 §6.8), the new connection closed with Cease/7.  Sans-IO, float clock."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import struct
 from ipaddress import IPv4Address
 
 import pytest
 
-from bgp import PeerSettings, Speaker
+from bgp import PeerSettings, Speaker, State
+from bgp.peer import Peer, PeerDown, PeerUp
+from bgp.session import Close, Connect, Send
 from bgp.settings import LocalSettings
 from bgp.testing import RawHarness, RawPeer
 from proto.capabilities import (
@@ -23,7 +29,8 @@ from proto.capabilities import (
 from proto.messages import Keepalive, Open
 from proto.nlri import IPV4_UNICAST, prefix_from_str
 
-from .test_connections import A, update  # an UPDATE from A (AS 65001) of one prefix
+# update: an UPDATE from A (AS 65001) of one prefix
+from .test_connections import A, told_collision, update
 
 LOCAL = "10.0.0.1"
 
@@ -56,13 +63,15 @@ def held(sp: Speaker, prefix: str) -> bool:
     return sp.rib.best(IPV4_UNICAST, prefix_from_str(prefix)[1]) is not None
 
 
-def connected() -> tuple[Speaker, RawHarness, GracefulPeer]:
-    """A speaker with graceful peer A connected to it (its first connection)."""
-    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address(LOCAL)), now=0.0, rng=random.Random(1))
+def connected(*, local_gr: bool = True, peer_gr: bool = True) -> tuple[Speaker, RawHarness, RawPeer]:
+    """A speaker with peer A connected to it (its first connection): graceful (``peer_gr``) or
+    not; the speaker offering graceful restart (``local_gr``) or not."""
+    local = LocalSettings(asn=65000, router_id=IPv4Address(LOCAL), graceful_restart=local_gr)
+    sp = Speaker(local, now=0.0, rng=random.Random(1))
     sp.add_peer(PeerSettings(A, 65001, passive=True), 0.0)
     sp.start(0.0)
     h = RawHarness(sp, LOCAL)
-    before = GracefulPeer(conn=-1)
+    before = GracefulPeer(conn=-1) if peer_gr else RawPeer(A, 65001, conn=-1)
     assert h.connect(before)
     return sp, h, before
 
@@ -167,3 +176,104 @@ def test_a_peer_back_without_an_end_of_rib_has_its_stale_routes_purged_after_sta
     assert not other.closed and not after.closed
     assert held_by(other) == {"10.244.1.0/24"}
     assert A not in sp.graceful
+
+
+# ---------------------------------------------------------------- no restart: a collision with the Established session
+
+
+@pytest.mark.parametrize(
+    ("local_gr", "peer_gr", "restarted"),
+    [
+        (False, True, True),  # we do not offer graceful restart
+        (True, False, True),  # the peer's OPEN on the Established session had none
+        (True, True, False),  # agreed, but the new OPEN has no Restart State bit: no restart
+    ],
+)
+def test_a_second_open_without_an_agreed_restart_is_a_collision_and_the_session_stays(local_gr, peer_gr, restarted):
+    """RFC 4271 §6.8: a connection colliding with an Established one is closed (Cease/7).  The
+    RFC 4724 §4.2 reading (the peer restarted: the old session goes) is for a peer that
+    advertised graceful restart on that session to a speaker that did too, and that says it
+    restarted (the R bit, §3, §4.1) -- a GR-capable OPEN proves nothing more."""
+    sp, h, before = connected(local_gr=local_gr, peer_gr=peer_gr)
+    h.send(before, update("10.244.1.0/24"))
+    peer = sp.peers[A]
+    old_conn = peer.session.conn
+    h.advance(1.0)
+
+    after = GracefulPeer(conn=-2, restarted=restarted)
+    assert h.open(after)
+    h.send(after, after.open_message() + Keepalive().encode())
+
+    assert told_collision(after), "the new connection was not closed with Cease/7"
+    assert not before.closed, "the Established session's connection was closed"
+    assert not before.notifications()
+    assert peer.session.conn == old_conn and peer.session.state is State.ESTABLISHED
+    assert peer.established_count == 1
+    assert A not in sp.graceful and held(sp, "10.244.1.0/24"), "the Established session's routes were touched"
+    h.send(before, update("10.244.2.0/24"))  # ... and it still works
+    assert held(sp, "10.244.2.0/24")
+
+
+def test_a_late_open_of_a_simultaneous_connect_leaves_both_sessions_up():
+    """Two graceful speakers connect to each other at once.  One connection comes up; the other
+    one's OPEN (GR capable, no R bit) reaches its end only when that end accepts the connection,
+    late.  That OPEN is a plain collision: both keep the Established session (it used to be taken
+    for a restart there: the good session closed, and both ended Idle)."""
+    la = LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.1"))
+    lb = LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.2"))
+    a = Peer(la, PeerSettings("10.0.0.2", 65000), conn_ids=itertools.count(1), now=0.0, rng=random.Random(1))
+    b = Peer(lb, PeerSettings("10.0.0.1", 65000), conn_ids=itertools.count(100), now=0.0, rng=random.Random(1))
+    peers = {"a": a, "b": b}
+    a.start(0.0)
+    b.start(0.0)
+    ca = next(x for x in a.take_actions() if isinstance(x, Connect)).conn
+    cb = next(x for x in b.take_actions() if isinstance(x, Connect)).conn
+    a.connection_made(ca, 0.0)
+    b.connection_made(cb, 0.0)
+    b.accept(1001, 0.0)  # a's connection, as b sees it
+    link = {("a", ca): ("b", 1001), ("b", 1001): ("a", ca), ("b", cb): ("a", 2001), ("a", 2001): ("b", cb)}
+    accepted = {("a", ca), ("b", 1001), ("b", cb)}  # a accepts b's connection (2001) late
+    queue: list = []
+    held_back: list = []
+    events: list = []
+
+    def collect(name: str) -> None:
+        for x in peers[name].take_actions():
+            if isinstance(x, (Send, Close)):
+                queue.append((name, x))
+        while (ev := peers[name].next_event()) is not None:
+            events.append((name, ev))
+
+    def deliver() -> None:
+        while queue:
+            name, x = queue.pop(0)
+            dst = link.get((name, x.conn))
+            if dst is None:
+                continue
+            if dst not in accepted:
+                held_back.append((name, x))
+                continue
+            if isinstance(x, Send):
+                peers[dst[0]].data_received(dst[1], x.data, 0.0)
+            else:
+                del link[(name, x.conn)], link[dst]
+                peers[dst[0]].connection_lost(dst[1], 0.0)
+            collect("a")
+            collect("b")
+
+    collect("a")
+    collect("b")
+    deliver()
+    assert a.session.state is State.ESTABLISHED and b.session.state is State.ESTABLISHED
+    assert held_back, "b's OPEN on its own connection was not held back"
+    a.accept(2001, 0.0)
+    accepted.add(("a", 2001))
+    collect("a")
+    queue[:0] = held_back
+    deliver()
+
+    assert a.session.state is State.ESTABLISHED and a.session.conn == ca
+    assert b.session.state is State.ESTABLISHED and b.session.conn == 1001
+    assert not a.collisions and not b.collisions
+    assert [type(ev) for _, ev in events] == [PeerUp, PeerUp], events
+    assert not any(isinstance(ev, PeerDown) for _, ev in events)
