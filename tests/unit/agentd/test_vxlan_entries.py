@@ -15,11 +15,16 @@ import pytest
 from agentd.config.settings import load_config
 from agentd.dataplane import backends as backends_mod
 from agentd.dataplane.backends import VXLAN_REREAD, Tunnels, _Vxlan
-from agentd.kernel import netlink as nl
 from agentd.datastore.store import NodeRecord
+from agentd.kernel import netlink as nl
 from agentd.kernel.forwarding import LocalPaths, PeerPlan, desired_routes, plan_peer
 from agentd.kernel.netinfo import Underlay
-from agentd.kernel.netlink_links import Vxlan, decode_vxlan, encode_newlink_vxlan, vxlan_info_data
+from agentd.kernel.netlink_links import (
+    Vxlan,
+    decode_vxlan,
+    encode_newlink_vxlan,
+    vxlan_info_data,
+)
 
 CFG = load_config(None, env={}, overrides={"node.address": "10.0.0.3", "node.name": "n3", "network.backend": "vxlan"})
 UNDERLAY = Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500, (IPv4Network("10.0.0.0/24"),))
