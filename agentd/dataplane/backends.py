@@ -181,6 +181,22 @@ def _mac(address: bytes | None) -> str | None:
     return ":".join(f"{b:02x}" for b in address) if address else None
 
 
+def vtep_mac(node_name: str, vni: int) -> bytes:
+    """The MAC agentd gives the VTEP it makes: the first 6 bytes of SHA-256 of the node's name
+    and the VNI, locally administered and unicast -- the same each time the device is made (a
+    restart, the device deleted and made again), as flannel's persistent MAC is.  Given at
+    creation, the kernel marks it set (not random), so systemd-udev's MACAddressPolicy=
+    persistent leaves it alone instead of swapping it for one peers were never told."""
+    mac = bytearray(hashlib.sha256(f"agentd.vxlan {node_name} {vni}".encode()).digest()[:6])
+    mac[0] = (mac[0] & 0xFC) | 0x02
+    return bytes(mac)
+
+
+def _link_named(name: str) -> nl.LinkMessage | None:
+    with Rtnl() as rt:
+        return rt.link(name)
+
+
 class _Vxlan:
     datapath = "vxlan-device"
 
@@ -198,18 +214,22 @@ class _Vxlan:
         self.reread = False
         self.index: int | None = None
         self.made = False  # ``up`` made the device (rather than adopting a previous run's)
+        self.refused: dict[str, str] = {}  # peer underlay -> why it has no entries (logged once)
+        self.error: str | None = None  # the device went and could not be brought back (problems())
 
     def _up(self, subnet: IPv4Network | IPv6Network) -> None:
         cfg, ul = self.t.cfg.network, self.t.underlay
         mtu = ul.mtu - mtu_overhead("vxlan", ul.family)
-        wanted = Vxlan(cfg.vxlan_vni, cfg.vxlan_port, ul.interface.ip.packed, ul.ifindex, learning=False)
+        wanted = Vxlan(cfg.vxlan_vni, cfg.vxlan_port, ul.interface.ip.packed, ul.ifindex, learning=False,
+                       address=vtep_mac(self.t.node_name, cfg.vxlan_vni))
         with Rtnl() as rt:
             link = rt.link(self.device)
             if link is not None:
-                # Adopt a device left by our previous run if it carries the same VNI, port and local address.
+                # Adopt a device left by our previous run if it carries the same VNI, port and
+                # local address, without learning (which would let any sender rewrite the FDB).
                 have = decode_vxlan(link.info_data) if link.kind == "vxlan" and link.info_data is not None else None
-                if have is None or (have.vni, have.port, have.local) != (wanted.vni, wanted.port, wanted.local):
-                    log.info("replacing %s: its VNI, port or local address changed", self.device)
+                if have is None or have._replace(link=0, address=None) != wanted._replace(link=0, address=None):
+                    log.info("replacing %s: its VNI, port, local address or learning changed", self.device)
                     rt.delete_link(link.index)
                     link = None
             if link is None:
@@ -258,10 +278,22 @@ class _Vxlan:
     async def _sync(self, wanted: dict[str, VtepPeer], prune: bool) -> None:
         """Neighbour and FDB entries through agentd.kernel.netlink, the route programmer's
         rtnetlink codec."""
-        try:
-            index = socket.if_nametoindex(self.device)
-        except OSError:
-            return  # no device (yet): nothing to program
+        link = await asyncio.to_thread(_link_named, self.device)
+        if link is None or not link.flags & nl.IFF_UP:
+            if not await self._bring_back(link):
+                return
+            link = await asyncio.to_thread(_link_named, self.device)
+            if link is None:
+                return
+        index = link.index
+        mac = _mac(link.address)
+        if mac != self.mac:
+            # Another MAC than we published (systemd-udev's MACAddressPolicy=persistent on a
+            # device made with a random one, ``ip link set address``): peers must be told.
+            log.warning("%s has MAC %s, not %s as published: publishing it", self.device, mac, self.mac)
+            self.mac = mac
+            if self.t.on_node_data is not None:
+                self.t.on_node_data()
         if self.reread or index != self.index:
             await self._reread(index)
         sock = NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
@@ -281,16 +313,67 @@ class _Vxlan:
                         with contextlib.suppress(nl.NetlinkError):
                             await _neigh_request(sock, "del", entry, seq)
                     del self.installed[peer]
+            for peer in set(self.refused) - set(wanted):
+                del self.refused[peer]
             for peer, want in wanted.items():
                 if self.installed.get(peer) == want:
                     continue
                 vtep_ips, mac, port, vni = want
-                for entry in vxlan_peer_entries(index, vtep_ips, mac, peer, port, vni):
-                    seq += 1
-                    await _neigh_request(sock, "replace", entry, seq)
+                if self.mac is not None and mac.lower() == self.mac.lower():
+                    # Its FDB entry would send what is for this node's own MAC to it.
+                    self._refuse(peer, f"its record's VTEP MAC {mac} is this node's own")
+                    continue
+                sent: list[nl.NeighMessage] = []
+                try:
+                    for entry in vxlan_peer_entries(index, vtep_ips, mac, peer, port, vni):
+                        seq += 1
+                        await _neigh_request(sock, "replace", entry, seq)
+                        sent.append(entry)
+                except nl.NetlinkError as err:
+                    # That peer's record (a MAC or underlay address the kernel will not take):
+                    # the other peers' entries are made regardless, and it is not half made.
+                    self._refuse(peer, f"the kernel refused its entries: {err}")
+                    for entry in sent:
+                        seq += 1
+                        with contextlib.suppress(nl.NetlinkError):
+                            await _neigh_request(sock, "del", entry, seq)
+                    continue
+                if self.refused.pop(peer, None) is not None:
+                    log.info("%s: the entries of peer %s are made now", self.device, peer)
                 self.installed[peer] = want
         finally:
             sock.close()
+
+    def _refuse(self, peer: str, why: str) -> None:
+        if self.refused.get(peer) != why:
+            log.error("%s: no VXLAN entries for peer %s: %s", self.device, peer, why)
+        self.refused[peer] = why
+        self.installed.pop(peer, None)
+
+    async def _bring_back(self, link: Any) -> bool:
+        """The VTEP deleted (``ip link del``, a network restart, its underlay device removed) or
+        set down while the agent runs: made or set up again as at start, tried again with
+        back-off while that fails (reported by ``problems()`` meanwhile).  True once it is back."""
+        what = "is gone" if link is None else "is down"
+        now = time.monotonic()
+        if not self.t._retries.due(f"vtep:{self.name}", now):
+            return False
+        try:
+            await self.up(self.t.subnet)  # type: ignore[arg-type]
+        except (OSError, RuntimeError) as err:  # nl.NetlinkError is an OSError
+            delay = self.t._retries.failed(f"vtep:{self.name}", now)
+            error = f"the VXLAN device {self.device} {what} and could not be brought back: {err}"
+            (log.error if self.error != error else log.warning)("%s; trying again in %.0f s", error, delay)
+            self.error = error
+            return False
+        self.t._retries.succeeded(f"vtep:{self.name}")
+        self.error = None
+        log.warning("the VXLAN device %s %s: brought it back", self.device, what)
+        if self.t.on_node_data is not None:
+            self.t.on_node_data()  # its MAC, as it is now
+        if self.t.on_paths is not None:
+            self.t.on_paths()  # the kernel took the routes through it away
+        return True
 
     async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], prune: bool) -> None:
         wanted: dict[str, VtepPeer] = {}
@@ -311,6 +394,7 @@ class _Vxlan:
 
     def status(self) -> dict[str, Any]:
         return {"datapath": self.datapath, "device": self.device, **self.data(),
+                **({"error": self.error} if self.error else {}), **({"refused": dict(self.refused)} if self.refused else {}),
                 "peers": {p: {"vtep_ip": v[0] if v else None, "vtep_ips": list(v), "mac": m,
                               **({"vxlan_port": port} if port is not None else {}),
                               **({"vni": vni} if vni is not None else {})}
@@ -1029,13 +1113,19 @@ class Tunnels:
             return
         if prune:  # (not before BGP has re-learned every route: a re-attached worker's table carries them)
             await self._retire_workers()
+        errors = []
         for impl in [*self.active.values(), *self.helpers.values()]:
-            await impl.sync(plans, next_hops, prune)
+            try:
+                await impl.sync(plans, next_hops, prune)
+            except Exception as err:  # noqa: BLE001 -- the others and the BPF maps are synced regardless
+                errors.append(err)
         if prune and not self._leftovers_removed:
             self._leftovers_removed = True
             await self._remove_unused()
         routes = {**self._bpf_routes(plans, next_hops), **self._bpf_routes(self.plans_v6, self.next_hops_v6)}
         await self.bpf.sync(routes, set(self.members), self._peer_flags(plans), prune=prune)
+        if errors:
+            raise errors[0]
 
     def _bpf_routes(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]]) -> dict:
         routes = {}
@@ -1128,7 +1218,8 @@ class Tunnels:
         workers = [(b, w, "") for b, w in self.active.items()] + [
             (b, w, " for peers that receive in user space") for b, w in self.helpers.items()]
         return [f"the {b} data-plane worker{what} is down: {w.error}; trying again"
-                for b, w, what in workers if isinstance(w, _Worker) and w.error]
+                for b, w, what in workers if isinstance(w, _Worker) and w.error] + [
+            f"{v.error}; trying again" for v in self.active.values() if isinstance(v, _Vxlan) and v.error]
 
     async def stop(self, *, remove: bool) -> None:
         """Stop every backend and the BPF data path; with ``remove`` take their devices,

@@ -182,7 +182,7 @@ def plan_peer(
     if problem is not None:
         return plan("none", f"peer uses {peer_backend}: {problem}", extra=False)
     why = "cross-subnet: peer on another segment" if encap == "cross-subnet" else f"peer uses {peer_backend}"
-    bad = _bad_vxlan_data(node.backend) if peer_backend == "vxlan" else None
+    bad = _bad_vxlan_data(node.backend, addr, underlay.family) if peer_backend == "vxlan" else None
     if bad is not None:
         return plan("none", f"peer's record: {bad}", extra=False)
     return plan(peer_backend, why)
@@ -191,12 +191,19 @@ def plan_peer(
 _MAC = re.compile(r"[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}")
 
 
-def _bad_vxlan_data(data: Mapping[str, Any]) -> str | None:
+def _bad_vxlan_data(data: Mapping[str, Any], peer: str | None = None, family: int | None = None) -> str | None:
     """What is wrong with a VXLAN peer's published VTEP (its record is another node's word:
-    one bad field must not stop the routes and tunnel entries of every other peer), or None."""
+    one bad field must not stop the routes and tunnel entries of every other peer), or None.
+    ``peer``: its underlay address, the remote of our FDB entry toward it, which must be of our
+    VTEP's outer ``family`` (4 or 6; the kernel refuses another, EAFNOSUPPORT); nor does the
+    kernel take an FDB entry for a multicast (broadcast) or all-zero MAC (EOPNOTSUPP)."""
     mac = data.get("vtep_mac")
     if mac is not None and not (isinstance(mac, str) and _MAC.fullmatch(mac)):
         return f"backend field 'vtep_mac' = {mac!r} is not a MAC address (aa:bb:cc:dd:ee:ff)"
+    if mac is not None and (int(mac[:2], 16) & 1 or not int(mac.replace(":", ""), 16)):
+        return f"backend field 'vtep_mac' = {mac!r} is not a unicast MAC address (multicast, broadcast or all zero)"
+    if peer is not None and family is not None and ip_address(peer).version != family:
+        return f"its underlay address {peer} is not IPv{family}, as this node's VTEP is: no VXLAN between them"
     for key, version in (("vtep_ip", 4), ("vtep_ip_v6", 6)):
         value = data.get(key)
         if value is None:
@@ -497,6 +504,48 @@ def next_hop_owners(nodes: Iterable[NodeRecord]) -> tuple[dict[str, NodeRecord],
     return owner, ownerless, untrusted
 
 
+def vxlan_vtep_refusals(nodes: Iterable[NodeRecord], held: Mapping[Network, str]) -> dict[str, str]:
+    """Node name -> why the VTEP its record publishes is not taken, for the nodes reached over
+    VXLAN (``nodes``).  A record is its node's own word, but the neighbour entry of a VTEP
+    address and the FDB entry of a VTEP MAC are the kernel's by that address and that MAC
+    alone: a record naming another node's address (``vtep_ip``) would point that node's
+    neighbour entry at its own MAC, one naming another node's MAC (``vtep_mac``) would move
+    that MAC's FDB entry to its own underlay address -- either way the other node's pod
+    traffic would go to it.  So a VTEP address must be the network address of the subnet the
+    node holds (``held``, from :func:`held_subnets`; as flannel takes it from the subnet
+    lease, never from the backend data), and a MAC two records publish is taken from neither."""
+    nodes = list(nodes)
+    why: dict[str, str] = {}
+    for n in nodes:
+        for key, net in (("vtep_ip", n.subnet), ("vtep_ip_v6", n.subnet_v6)):
+            value = n.backend.get(key)
+            if value is None:
+                continue
+            if net is None or held.get(net) != n.name:
+                why[n.name] = (f"backend field {key!r} = {value!r}: its record holds no IPv{4 if key == 'vtep_ip' else 6} "
+                               "subnet whose network address it could be")
+                break
+            try:
+                same = ip_address(value) == net.network_address
+            except ValueError:
+                same = False
+            if not same:
+                why[n.name] = (f"backend field {key!r} = {value!r} is not {net.network_address}, the network "
+                               f"address of its subnet {net}")
+                break
+    by_mac: dict[str, list[str]] = {}
+    for n in nodes:
+        mac = n.backend.get("vtep_mac")
+        if isinstance(mac, str):
+            by_mac.setdefault(mac.lower(), []).append(n.name)
+    for mac, names in by_mac.items():
+        if len(names) > 1:
+            for name in names:
+                why.setdefault(name, f"backend field 'vtep_mac' = {mac!r} is claimed by the records of nodes "
+                                     f"{', '.join(sorted(names))}")
+    return why
+
+
 def _plan_or_none(node: NodeRecord, underlay: Underlay, **kwargs: Any) -> PeerPlan:
     """:func:`plan_peer`, or -- should the peer's record make it fail -- no route to that peer
     (saying why), so that one record cannot stop the routes through every other peer."""
@@ -545,6 +594,13 @@ def desired_routes(
     plans_by = {v: {str(n.peer_address): _plan_or_none(n, underlay, own_backend=own_backend, encap=encap,
                                                         available=available, version=v, paths=paths) for n in nodes}
                 for v in versions}  # fmt: skip
+    vxlan_peers = [n for n in nodes if any(p is not None and p.node == n.name and p.backend == "vxlan"
+                                           for p in (plans_by[v].get(str(n.peer_address)) for v in versions))]
+    for name, why in vxlan_vtep_refusals(vxlan_peers, trusted).items():
+        for v in versions:
+            for addr, p in plans_by[v].items():
+                if p.node == name and p.backend == "vxlan":
+                    plans_by[v][addr] = PeerPlan(addr, "none", f"peer's record: {why}", name, {}, v)
     primary = versions[0]
     owner, ownerless, untrusted_hops = next_hop_owners(nodes)
     routes: list[Route] = []

@@ -57,6 +57,7 @@ class Vxlan(NamedTuple):
     local: bytes  # the underlay address: 4 bytes (IPv4 underlay) or 16 (IPv6)
     link: int = 0  # the underlay device's index (0: none named)
     learning: bool = False
+    address: bytes | None = None  # the device's MAC (IFLA_ADDRESS) at creation; None: the kernel's random one
 
 
 def _header(mtype: int, seq: int, flags: int, body: bytes) -> bytes:
@@ -104,6 +105,7 @@ def encode_newlink_vxlan(seq: int, name: str, v: Vxlan) -> bytes:
     """RTM_NEWLINK creating VXLAN device ``name`` (CREATE|EXCL: an existing one is EEXIST)."""
     linkinfo = nl.attr(nl.IFLA_INFO_KIND, b"vxlan") + nl.attr(nl.IFLA_INFO_DATA, vxlan_info_data(v))
     body = (_IFINFOMSG.pack(nl.AF_UNSPEC, 0, 0, 0, 0) + nl.attr(nl.IFLA_IFNAME, name.encode() + b"\0")
+            + (nl.attr(nl.IFLA_ADDRESS, v.address) if v.address is not None else b"")
             + nl.attr(nl.IFLA_LINKINFO, linkinfo))
     return _header(nl.RTM_NEWLINK, seq, nl.NLM_F_REQUEST | nl.NLM_F_CREATE | nl.NLM_F_EXCL, body)
 

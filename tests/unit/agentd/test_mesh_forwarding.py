@@ -208,7 +208,8 @@ def test_a_best_path_whose_data_path_is_not_up_yet_is_pending():
     # The peer needs VXLAN, which this node has not brought up yet (a restart, the backend
     # being ensured): no route, and its destination listed as pending (the agent keeps a
     # previous run's route for it meanwhile); once the device is up, the route.
-    peer = node("n2", "10.0.0.4", backend={"type": "vxlan", "vtep_mac": "aa:bb:cc:dd:ee:02", "vtep_ip": "10.244.2.0"})
+    peer = node("n2", "10.0.0.4", backend={"type": "vxlan", "vtep_mac": "aa:bb:cc:dd:ee:02", "vtep_ip": "10.244.2.0"},
+                subnet="10.244.2.0/24")
     bests = [("10.244.2.0/24", IPv4Address("10.0.0.4"), False)]
     kwargs = {"own_subnets": ["10.244.1.0/24"], "blackhole_metric": 4000, "own_backend": "udp", "encap": "always"}
     plan = desired_routes(bests, [peer], UNDERLAY, LocalPaths({"udp": "bpf"}), **kwargs)
@@ -343,6 +344,15 @@ def test_desired_routes_of_a_dual_stack_node():
     {"vtep_ip": "fd00::1"},
     {"vtep_ip_v6": "10.244.9.0"},
     {"vtep_ip_v6": "fd00::1%eth0"},
+    # The kernel takes no FDB entry for these (EOPNOTSUPP): the peer's, not every peer's, problem.
+    {"vtep_mac": "01:00:5e:00:00:01"},
+    {"vtep_mac": "ff:ff:ff:ff:ff:ff"},
+    {"vtep_mac": "00:00:00:00:00:00"},
+    # Another node's VTEP address (n2's) or one that is not its subnet's network address.
+    {"vtep_ip": "10.244.2.0"},
+    {"vtep_ip": "10.244.3.1"},
+    # Another node's VTEP MAC (n2's): its FDB entry would move to n3's underlay address.
+    {"vtep_mac": "aa:bb:cc:dd:ee:02"},
 ])
 def test_a_peers_bad_vxlan_data_makes_that_peer_unroutable_not_the_rest(bad):
     """A peer's record is another node's word: one bad VTEP field gives that peer no route (and
@@ -351,14 +361,21 @@ def test_a_peers_bad_vxlan_data_makes_that_peer_unroutable_not_the_rest(bad):
 
     good = {"type": "vxlan", "vtep_ip": "10.244.2.0", "vtep_mac": "aa:bb:cc:dd:ee:02"}
     broken = {"type": "vxlan", "vtep_ip": "10.244.3.0", "vtep_mac": "aa:bb:cc:dd:ee:03", **bad}
-    peers = [node("n2", "10.9.0.2", backend=good), node("n3", "10.9.0.3", backend=broken)]
+    peers = [node("n2", "10.9.0.2", backend=good, subnet="10.244.2.0/24"),
+             node("n3", "10.9.0.3", backend=broken, subnet="10.244.3.0/24")]
     bests = [("10.244.2.0/24", IPv4Address("10.9.0.2"), False), ("10.244.3.0/24", IPv4Address("10.9.0.3"), False)]
     plan = desired_routes(bests, peers, UNDERLAY, LocalPaths({"vxlan": "vxlan-device"}), own_subnets=[],
                           blackhole_metric=4000, own_backend="vxlan", encap="always")  # fmt: skip
-    assert [(r.dst, r.gateway, r.dev) for r in plan.routes] == [("10.244.2.0/24", "10.244.2.0", "agentd.vxlan")]
-    assert plan.plans["10.9.0.2"].backend == "vxlan"
     n3 = plan.plans["10.9.0.3"]
     assert not n3.routable and "peer's record" in n3.reason and n3.extra == {}
+    if bad.get("vtep_mac") == good["vtep_mac"]:
+        # A MAC two records publish is neither's: both refused, each naming both.
+        n2 = plan.plans["10.9.0.2"]
+        assert not n2.routable and "n2, n3" in n2.reason and "n2, n3" in n3.reason
+        assert [r.dst for r in plan.routes] == []
+        return
+    assert [(r.dst, r.gateway, r.dev) for r in plan.routes] == [("10.244.2.0/24", "10.244.2.0", "agentd.vxlan")]
+    assert plan.plans["10.9.0.2"].backend == "vxlan"
     # cross-subnet, on-link: no VTEP needed, so its bad VTEP data does not matter
     direct = plan_peer(node("n3", "10.0.0.9", backend=broken), UNDERLAY, own_backend="vxlan", encap="cross-subnet")
     assert direct.backend == "host-gw"
@@ -683,17 +700,19 @@ def test_an_unexpected_failure_of_one_route_or_one_peers_plan_is_refused_not_rai
             raise KeyError("gateway")
         return real_shape(dst, plan, underlay, paths)
 
-    def bad_vxlan_data(data):
+    def bad_vxlan_data(data, *args):
         if data.get("vtep_ip") == "10.244.3.0":
             raise TypeError("unhashable type: 'list'")
-        return real_bad(data)
+        return real_bad(data, *args)
 
     monkeypatch.setitem(fwd.ROUTE_SHAPES, "route", shape)
     monkeypatch.setattr(fwd, "_bad_vxlan_data", bad_vxlan_data)
-    vx = {"type": "vxlan", "vtep_mac": "aa:bb:cc:dd:ee:03"}
+    vx = {"type": "vxlan"}
     peers = [node("n1", "10.0.0.1", backend={"type": "host-gw"}), node("n2", "10.0.0.2", backend={"type": "host-gw"}),
-             node("n3", "10.9.0.3", backend={**vx, "vtep_ip": "10.244.3.0"}),
-             node("n4", "10.9.0.4", backend={**vx, "vtep_ip": "10.244.4.0"})]
+             node("n3", "10.9.0.3", backend={**vx, "vtep_ip": "10.244.3.0", "vtep_mac": "aa:bb:cc:dd:ee:03"},
+                  subnet="10.244.3.0/24"),
+             node("n4", "10.9.0.4", backend={**vx, "vtep_ip": "10.244.4.0", "vtep_mac": "aa:bb:cc:dd:ee:04"},
+                  subnet="10.244.4.0/24")]
     bests = [(f"10.244.{i}.0/24", IPv4Address(a), False) for i, a in
              ((1, "10.0.0.1"), (2, "10.0.0.2"), (3, "10.9.0.3"), (4, "10.9.0.4"))]
     plan = desired_routes(bests, peers, UNDERLAY, LocalPaths({"vxlan": "vxlan-device"}), own_subnets=[],
