@@ -65,6 +65,7 @@ class FakeEtcd:
         self.calls: list[str] = []
         self.before_transaction: list[Callable[[], None]] = []  # another client's change, one per transaction
         self.silent = False  # a member cut off: requests get no answer
+        self.puts: list[bytes] = []  # every key written, in order (a put or a transaction's)
 
     async def _answer(self) -> None:
         if self.silent:
@@ -81,6 +82,7 @@ class FakeEtcd:
         if lease and lease not in self.leases:
             raise lease_not_found()
         self.revision += 1
+        self.puts.append(key)
         old = self.kvs.get(key)
         self.kvs[key] = KV(key, value, lease or 0, self.revision, (old.version if old else 0) + 1,
                            old.create_revision if old else self.revision)
@@ -527,6 +529,9 @@ async def test_a_wider_lease_taken_between_the_read_and_the_claim_makes_the_clai
         await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1)).acquire_subnet(
             "b", "192.0.2.2", "vxlan", {}, cluster=cluster, timeout=5)
     assert [k for k in etcd.kvs if k.startswith(b"/agentd/subnets/")] == [subnet_key(PREFIX, WIDE)]
+    # Refused by the claim itself: no /24 inside a's lease was ever written (a claim without the
+    # wider compares wins, and only the read after it gives the /24 up again).
+    assert etcd.puts == [subnet_key(PREFIX, WIDE)]
     await keeper.stop()
 
 
