@@ -45,10 +45,6 @@ Network = IPv4Network | IPv6Network
 
 # A subnet allocator that loses this many races in a row re-reads etcd's view.
 LOST_RACES_BEFORE_REREAD = 8
-# A claim also checks, in its transaction, that none of the subnets around the candidate up
-# to this many bits shorter was leased meanwhile (by a node whose cluster record still had a
-# shorter subnet_len); each is one compare, and etcd takes at most 128 (--max-txn-ops).
-WIDER_CHECKED = 16
 
 
 class SubnetLeases:
@@ -96,6 +92,7 @@ class SubnetLeases:
         async with self.connection.locked(self.keeper.lock, deadline, "acquire subnet"):
             lease = await self._allocate(template, cluster, previous, deadline, version)
             self.keeper.subnets[version] = lease
+            self.keeper.lost.discard(lease.subnet)
         return lease
 
     async def set_subnet_backend_data(self, backend_data: dict[str, Any], *, timeout: float | None = None) -> bool:
@@ -204,8 +201,7 @@ class SubnetLeases:
         deadline: float | None,
     ) -> Claim:
         stale = {s: e for s, e in ours.items() if s != candidate}
-        wider = [candidate.supernet(new_prefix=n) for n in range(max(0, candidate.prefixlen - WIDER_CHECKED),
-                                                                  candidate.prefixlen)]
+        wider = subnets.wider_subnets(candidate)
         return await self.connection.call(
             f"claim subnet {candidate}",
             lambda c: subnets.claim(c, self.prefix, template, candidate, entry, stale, lease_id, wider),

@@ -2,10 +2,14 @@
 
 The lease is granted on first use and refreshed every ttl/3 by a background task (as etcd's
 clientv3 does).  If it expires or is revoked, the task grants a new one, puts the node record
-again and re-acquires THE SAME subnet if it is still free; if another node took it meanwhile,
-``on_subnet_lost(lease)`` is called and the node record (put again if gone) no longer names
-it.  Each round also puts back our keys if someone deleted them.  The task never exits and
-never raises.
+again and re-acquires THE SAME subnet if it is still free (by the same claim as a new lease's:
+no other node's lease around it, none inside it made first); if another node took it
+meanwhile, ``on_subnet_lost(lease)`` is called and the node record (put again if gone,
+rewritten if it names it) no longer names it.  Each round also puts back our keys if someone
+deleted them, and takes over our keys found under another lease when they name this node as
+it is (name and addresses): an etcd restored from a backup brings them back under our earlier
+run's lease, which nobody refreshes.  Every write is a transaction that compares what it read
+(a plain put only where the key was missing).  The task never exits and never raises.
 
 ``LeaseKeeper`` holds what we keep alive (``node``, ``subnets`` by IP version) and the ``lock`` every change
 of our keys takes: agentd.datastore.registration and agentd.datastore.leases change them.
@@ -18,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any, TypeVar
 
 import aetcd
@@ -38,6 +43,7 @@ from agentd.datastore.subnets import Claim
 log = logging.getLogger("agentd.datastore")
 
 T = TypeVar("T")
+Network = IPv4Network | IPv6Network
 SubnetLostCallback = Callable[[SubnetLease], Any]
 
 
@@ -56,12 +62,15 @@ class LeaseKeeper:
         self.lease_id: int | None = None
         self.node: NodeRecord | None = None
         self.subnets: dict[int, SubnetLease] = {}  # by IP version: one each in a dual-stack cluster
+        self.lost: set[Network] = set()  # subnets taken by another node while our lease was gone
         self.renewals = 0  # successful keepalives
         self.lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         # Our keys held under another lease, by key: the revision last logged (one entry a key,
         # however often the other agent rewrites it: logged again at each new revision).
         self._reported_conflicts: dict[bytes, int] = {}
+        # Our keys taken over from another lease (_ours_to_take), by key: the lease taken from.
+        self._taken_over: dict[bytes, int] = {}
 
     @property
     def subnet(self) -> SubnetLease | None:
@@ -205,42 +214,103 @@ class LeaseKeeper:
         keys = [node_key(self.prefix, node.name)] if node else []
         keys += [subnet_key(self.prefix, lease.subnet) for _v, lease in held]
         _, found = await self._bounded(client.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[]))
-        for gone in self._reported_conflicts.keys() - set(keys):  # a subnet no longer held
-            del self._reported_conflicts[gone]
+        for remembered in (self._reported_conflicts, self._taken_over):
+            for gone in remembered.keys() - set(keys):  # a subnet no longer held
+                del remembered[gone]
         node_kvs = found[0] if node else []
         for (_v, lease), kvs in zip(held, found[1 if node else 0:]):
             if self.lease_id != lease_id:
                 return  # the lease went while restoring: the next round starts again
             await self._restore_subnet(client, lease, kvs, lease_id)
         node = self.node  # without a subnet lost meanwhile
-        if node is not None and self.lease_id == lease_id:
-            if not node_kvs:
-                try:
-                    await self._bounded(client.put(keys[0], node.to_json(), lease=lease_id))
-                except Exception as exc:
-                    if not is_lease_not_found(exc):
-                        raise
-                    self.lease_gone(lease_id)
-                    return
-                log.info("restored node record %s under lease %x", node.name, lease_id)
-            elif node_kvs[0][1].lease != lease_id:
-                self._report_conflict(keys[0], node_kvs[0][1].mod_revision, "node record")
+        if node is None or self.lease_id != lease_id:
+            return
+        if not node_kvs:
+            try:
+                await self._bounded(client.put(keys[0], node.to_json(), lease=lease_id))
+            except Exception as exc:
+                if not is_lease_not_found(exc):
+                    raise
+                self.lease_gone(lease_id)
+                return
+            log.info("restored node record %s under lease %x", node.name, lease_id)
+            return
+        value, kv = node_kvs[0]
+        try:
+            stored: NodeRecord | None = NodeRecord.from_json(value)
+        except RecordError:
+            stored = None
+        if kv.lease != lease_id:
+            if stored is None or not self._ours_to_take(kv.key, kv.lease, stored.name == node.name and (
+                    stored.address, stored.address_v6) == (node.address, node.address_v6)):
+                self._report_conflict(keys[0], kv.mod_revision, "node record")
+                return
+            if await self._put_unchanged(client, kv, node.to_json(), lease_id):
+                self._taken_over[kv.key] = kv.lease
+                log.warning("node record %s was under etcd lease %x, not ours (etcd restored from a backup?): "
+                            "taken over under lease %x", node.name, kv.lease, lease_id)
+        elif (stored is None or (stored.subnet, stored.subnet_v6) != (node.subnet, node.subnet_v6)) and (
+                await self._put_unchanged(client, kv, node.to_json(), lease_id)):
+            # Put under this lease naming a subnet lost since (register_node, update_node: they
+            # grant a new lease when the old one is gone): other nodes would take it for ours
+            # and refuse its holder's route to it (agentd.kernel.forwarding).  Rewritten.
+            log.info("node record %s rewritten: it named subnets %s, not ours", node.name,
+                         ", ".join(str(n) for n in (stored.subnet, stored.subnet_v6) if n) if stored else "?")
+
+    def _ours_to_take(self, key: bytes, other_lease: int, same_identity: bool) -> bool:
+        """Whether our key found under ``other_lease`` is ours to take over: its content names
+        this node as it is (``same_identity``: name and addresses), and we never took it from
+        that lease before.  A lease no agent runs under (our earlier run's, brought back by an
+        etcd restored from a backup) never writes again; a key found again under a lease we
+        took it from has been written under it since: another agent runs under that lease
+        with our name and addresses, and we leave the key to it."""
+        return same_identity and self._taken_over.get(key) != other_lease
+
+    async def _put_unchanged(self, client: EtcdClient, kv: Any, value: bytes, lease_id: int) -> bool:
+        """Put ``value`` at ``kv.key`` under our lease if the key is unchanged since ``kv``."""
+        try:
+            ok, _ = await self._bounded(client.transaction(
+                compare=[tx.Mod(kv.key) == kv.mod_revision],
+                success=[tx.Put(kv.key, value, lease=lease_id)],
+                failure=[],
+            ))
+        except Exception as exc:
+            if not is_lease_not_found(exc):
+                raise
+            self.lease_gone(lease_id)
+            return False
+        return bool(ok)
 
     async def _restore_subnet(self, client: EtcdClient, subnet: SubnetLease, kvs: list, lease_id: int) -> None:
         if not kvs:
-            outcome = await self._bounded(subnets.claim(client, self.prefix, subnet, subnet.subnet, None, {}, lease_id))
-            if outcome is Claim.WON:
-                self.subnets[subnet.subnet.version] = dataclasses.replace(subnet, lease_id=lease_id)
-                log.info("re-acquired subnet %s for node %s under lease %x", subnet.subnet, subnet.node, lease_id)
-                return
+            # The same claim as a new lease's (agentd.datastore.leases): the subnets around ours
+            # must not be leased either, and a narrower lease of another node's inside ours,
+            # made before our claim, holds (subnets.earlier_overlaps).
+            outcome = await self._bounded(subnets.claim(client, self.prefix, subnet, subnet.subnet, None, {}, lease_id,
+                                                        subnets.wider_subnets(subnet.subnet)))
             if outcome is Claim.LEASE_GONE:
                 self.lease_gone(lease_id)
                 return
-            if outcome is Claim.RETRY:
+            if outcome is Claim.WON:
+                view = await self._bounded(self._read_subnets(client, subnet.node))
+                mine = view.entries.get(subnet.subnet)
+                earlier = subnets.earlier_overlaps(view, subnet.subnet, subnet.node)
+                if earlier and mine is not None:
+                    await self._bounded(subnets.release(client, self.prefix, {subnet.subnet: mine}))
+                    self._lose(subnet, f"another node ({', '.join(map(str, earlier))}, leased before our claim)")
+                    return
+                self.subnets[subnet.subnet.version] = dataclasses.replace(subnet, lease_id=lease_id)
+                log.info("re-acquired subnet %s for node %s under lease %x", subnet.subnet, subnet.node, lease_id)
                 return
             kvs = await self._bounded(client.get(subnet_key(self.prefix, subnet.subnet)))
             kvs = [(kvs.value, kvs)] if kvs is not None else []
             if not kvs:
+                # Our key is free, but the claim failed: a wider subnet of another node's
+                # holds ours (or it was freed just now: the next round claims it again).
+                view = await self._bounded(self._read_subnets(client, subnet.node))
+                others = subnets.other_overlaps(view, subnet.subnet, subnet.node)
+                if others and subnet.subnet not in view.entries:
+                    self._lose(subnet, f"another node ({', '.join(map(str, others))})")
                 return
         value, kv = kvs[0]
         try:
@@ -250,7 +320,16 @@ class LeaseKeeper:
         holder = stored.node if stored is not None else "an unreadable record"
         if holder == subnet.node:
             if kv.lease != lease_id:
-                self._report_conflict(kv.key, kv.mod_revision, "subnet key")
+                assert stored is not None
+                if not self._ours_to_take(kv.key, kv.lease, stored.public_ip == subnet.public_ip):
+                    self._report_conflict(kv.key, kv.mod_revision, "subnet key")
+                    return
+                taken = dataclasses.replace(subnet, lease_id=lease_id)
+                if await self._bounded(subnets.put_unchanged(client, self.prefix, taken, kv.mod_revision)):
+                    self._taken_over[kv.key] = kv.lease
+                    self.subnets[subnet.subnet.version] = taken
+                    log.warning("subnet %s of node %s was under etcd lease %x, not ours (etcd restored from a "
+                                "backup?): taken over under lease %x", subnet.subnet, subnet.node, kv.lease, lease_id)
                 return
             if subnet.lease_id != lease_id:  # re-taken by a claim whose reply was lost
                 subnet = dataclasses.replace(subnet, lease_id=lease_id)
@@ -262,7 +341,15 @@ class LeaseKeeper:
             ):
                 log.info("subnet %s: published its backend data under lease %x", subnet.subnet, lease_id)
             return
+        self._lose(subnet, holder)
+
+    def _read_subnets(self, client: EtcdClient, node: str) -> Awaitable[subnets.SubnetView]:
+        return subnets.read_subnets(client, self.prefix, node, self.connection.report_bad)
+
+    def _lose(self, subnet: SubnetLease, holder: str) -> None:
+        """Our ``subnet`` is another node's now: no longer held, no longer named by our record."""
         self.subnets.pop(subnet.subnet.version, None)
+        self.lost.add(subnet.subnet)
         node = self.node
         if node is not None and subnet.subnet in (node.subnet, node.subnet_v6):
             # Our record must not name it any more: other nodes would take it for ours and

@@ -121,8 +121,13 @@ class Registration:
             raise TypeError(f"register_node needs a NodeRecord, got {type(record).__name__}")
         keeper, call = self.keeper, self.connection.call
         deadline = self.connection.deadline(timeout)
-        key, value = node_key(self.prefix, record.name), record.to_json()
         async with self.connection.locked(keeper.lock, deadline, "register node"):
+            lost = keeper.lost & {record.subnet, record.subnet_v6}
+            if lost:  # the caller's record was made before the keepalive found it taken
+                log.warning("node record %s: not naming subnet %s, lost", record.name, ", ".join(map(str, lost)))
+                record = dataclasses.replace(record, subnet=None if record.subnet in lost else record.subnet,
+                                             subnet_v6=None if record.subnet_v6 in lost else record.subnet_v6)
+            key, value = node_key(self.prefix, record.name), record.to_json()
             old = keeper.node
             await keeper.with_lease("register node", lambda c, lease: c.put(key, value, lease=lease), deadline)
             keeper.node = record

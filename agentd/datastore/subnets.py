@@ -30,6 +30,17 @@ from agentd.datastore.records import (
 ReportBad = Callable[[bytes, int, Exception], None]
 Network = IPv4Network | IPv6Network
 
+# A claim also checks, in its transaction, that none of the subnets around the candidate up
+# to this many bits shorter was leased meanwhile (by a node whose cluster record still had a
+# shorter subnet_len); each is one compare, and etcd takes at most 128 (--max-txn-ops).
+WIDER_CHECKED = 16
+
+
+def wider_subnets(candidate: Network) -> list[Network]:
+    """The subnets around ``candidate`` a claim of it checks are not leased (WIDER_CHECKED)."""
+    return [candidate.supernet(new_prefix=n) for n in range(max(0, candidate.prefixlen - WIDER_CHECKED),
+                                                             candidate.prefixlen)]
+
 
 class Claim(enum.Enum):
     WON = "won"
@@ -111,6 +122,13 @@ def earlier_overlaps(view: SubnetView, candidate: Network, node: str) -> list[Ne
                    if s != candidate and s.version == candidate.version and s.overlaps(candidate)  # type: ignore[arg-type]
                    and (e.record is None or e.record.node != node) and e.create_revision < mine.create_revision),
                   key=str)
+
+
+def other_overlaps(view: SubnetView, candidate: Network, node: str) -> list[Network]:
+    """The subnets of other nodes' leases (or unreadable ones) overlapping ``candidate``."""
+    return sorted((s for s, e in view.entries.items()
+                   if s != candidate and s.version == candidate.version and s.overlaps(candidate)  # type: ignore[arg-type]
+                   and (e.record is None or e.record.node != node)), key=str)
 
 
 async def claim(

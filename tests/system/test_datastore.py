@@ -288,6 +288,39 @@ async def test_subnet_taken_while_lease_gone_is_reported_not_raised(etcd_server,
     assert fresh.subnet != lease.subnet
 
 
+async def test_our_keys_brought_back_under_an_earlier_lease_are_taken_over(etcd_server, stores):  # noqa: F811
+    """etcd restored from a backup taken before the agent's last restart: its node record and
+    subnet key are back under its earlier lease (which nobody refreshes) and its lease is not
+    there.  The keeper takes them over under a new lease: that earlier lease running out
+    removes neither."""
+    ds = stores()
+    lost = []
+    ds.on_subnet_lost = lost.append
+    lease = await acquire(ds, "iota")
+    await ds.register_node(node_record("iota", lease.subnet))
+    node_key = b"/agentd/nodes/iota"
+    subnet_key = f"/agentd/subnets/{lease.subnet.network_address}-24".encode()
+    async with raw(etcd_server) as client:
+        stored = await keys(client)
+        earlier = await client.lease(600)  # the snapshot's lease
+        for key in (node_key, subnet_key):
+            await client.put(key, stored[key].value, lease=earlier.id)
+        await client.revoke_lease(ds.lease_id)  # not in the snapshot (its keys are not under it now)
+
+        async def taken_over():
+            now = await keys(client)
+            return (ds.lease_id not in (None, earlier.id) and all(
+                now.get(key) is not None and now[key].lease == ds.lease_id for key in (node_key, subnet_key)))
+
+        await eventually(taken_over, what="node record and subnet key under a new lease")
+        await client.revoke_lease(earlier.id)  # it runs out
+        await apause(2 * TTL / 3, "a keepalive round or two")
+        now = await keys(client)
+        assert {key: now[key].lease for key in (node_key, subnet_key)} == dict.fromkeys((node_key, subnet_key),
+                                                                                      ds.lease_id)
+    assert lost == [] and ds.subnet_lease.subnet == lease.subnet
+
+
 async def _lease_of(client: aetcd.Client, key: bytes, lease_id: int | None) -> bool:
     kv = await client.get(key)
     return kv is not None and lease_id is not None and kv.lease == lease_id

@@ -6,10 +6,11 @@ timing out does).  Against a real etcd: tests/system/test_datastore.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from ipaddress import IPv4Network, IPv6Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Network
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -65,6 +66,7 @@ class FakeEtcd:
         self.calls: list[str] = []
         self.before_transaction: list[Callable[[], None]] = []  # another client's change, one per transaction
         self.silent = False  # a member cut off: requests get no answer
+        self.puts: list[bytes] = []  # every key written, in order (a put or a transaction's)
 
     async def _answer(self) -> None:
         if self.silent:
@@ -81,6 +83,7 @@ class FakeEtcd:
         if lease and lease not in self.leases:
             raise lease_not_found()
         self.revision += 1
+        self.puts.append(key)
         old = self.kvs.get(key)
         self.kvs[key] = KV(key, value, lease or 0, self.revision, (old.version if old else 0) + 1,
                            old.create_revision if old else self.revision)
@@ -208,19 +211,177 @@ async def test_a_node_that_lost_its_subnet_does_not_put_its_record_back_with_it(
 
 
 
-async def test_our_keys_rewritten_by_another_agent_every_round_are_remembered_once_each(caplog):
-    """Another agent with our node name keeps rewriting our node record and subnet key under its
-    own lease: the keeper logs the conflict at each new revision, and remembers only the last
-    one per key -- not every (key, revision) met, which grew with each keepalive round."""
+def _expired_holder(etcd: FakeEtcd, keeper: LeaseKeeper, subnet: IPv4Network) -> None:
+    """``keeper`` held ``subnet`` (and its node record) under lease 0x11, which expired."""
+    etcd.leases.add(0x11)
+    keeper.lease_id = 0x11
+    keeper.node = node("A", subnet)
+    keeper.subnet = dataclasses.replace(lease_of("A", 0x11), subnet=subnet)
+    etcd._put(node_key(PREFIX, "A"), keeper.node.to_json(), 0x11)
+    etcd._put(subnet_key(PREFIX, subnet), dataclasses.replace(lease_of("A"), subnet=subnet).to_json(), 0x11)
+    etcd.expire(0x11)
+    keeper.lease_id = None  # its refresh found it gone
+
+
+def _subnet_keys(etcd: FakeEtcd) -> list[bytes]:
+    return sorted(k for k in etcd.kvs if k.startswith(b"/agentd/subnets/"))
+
+
+async def test_a_subnet_re_taken_inside_a_wider_lease_made_while_the_lease_was_gone_is_lost():
+    """The cluster's subnet_len went from 24 to 23 while A (its /24) was cut off longer than the
+    TTL; B leased the /23 around A's /24.  The keeper's re-take checked only that the /24's own
+    key was free: A ran on with a subnet inside B's.  The earlier key holds: A's is lost."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lost: list[SubnetLease] = []
+    keeper.subnet_lost_callback = lambda: lost.append
+    _expired_holder(etcd, keeper, X)
+    _wide_lease(etcd)  # B: 10.244.0.0/23, around X
+    before = len(etcd.puts)
+
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+
+    assert [lease.subnet for lease in lost] == [X] and keeper.subnets == {}
+    assert _subnet_keys(etcd) == [subnet_key(PREFIX, WIDE)] and subnet_key(PREFIX, X) not in etcd.puts[before:]
+    assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).subnet is None
+
+
+async def test_a_wider_subnet_re_taken_around_a_narrower_lease_made_while_the_lease_was_gone_is_lost():
+    """The other way round: A held a /23, B (its cluster record saying /24) leased a /24 inside
+    it while A's lease was gone.  The claim checks no narrower keys, so A's re-take wins; the
+    read after it finds B's earlier /24, and A gives the /23 up again: lost."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lost: list[SubnetLease] = []
+    keeper.subnet_lost_callback = lambda: lost.append
+    _expired_holder(etcd, keeper, WIDE)
+    etcd.leases.add(0x99)
+    etcd._put(subnet_key(PREFIX, X), lease_of("B").to_json(), 0x99)
+
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+
+    assert [lease.subnet for lease in lost] == [WIDE] and keeper.subnets == {}
+    assert _subnet_keys(etcd) == [subnet_key(PREFIX, X)]
+    assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).subnet is None
+
+
+async def test_a_record_put_under_a_new_lease_before_the_subnet_was_found_lost_no_longer_names_it():
+    """A's lease expired, B took its subnet; an update_node (new node data) ran before the
+    keepalive's round: it granted a new lease and put the record, naming the subnet, under it.
+    The round then found the subnet lost but left that record as it was (only a missing record
+    was put back): two records named the subnet, and other nodes trusted neither."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lost: list[SubnetLease] = []
+    keeper.subnet_lost_callback = lambda: lost.append
+    _expired_holder(etcd, keeper, X)
+    keeper.lease_id = 0x11  # not yet found gone: update_node finds it so
+    etcd.leases.add(0x99)
+    etcd._put(subnet_key(PREFIX, X), lease_of("B").to_json(), 0x99)
+    registration = Registration(keeper.connection, keeper, PREFIX)
+    await registration.update_node(dataclasses.replace(node("A"), backend={"vtep_mac": "02:00:00:00:00:01"}))
+    await keeper.stop()
+    assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).subnet == X
+
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+
+    assert [lease.subnet for lease in lost] == [X]
+    stored = NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value)
+    assert stored.subnet is None and stored.backend == {"vtep_mac": "02:00:00:00:00:01"}
+    assert etcd.kvs[node_key(PREFIX, "A")].lease == keeper.lease_id
+
+
+async def test_a_record_made_before_the_subnet_was_found_lost_is_registered_without_it():
+    """The other order: the round found the subnet lost; an update_node whose record was made
+    before (waiting for the lock, or retried while etcd was unreachable) put it back naming it."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lost: list[SubnetLease] = []
+    keeper.subnet_lost_callback = lambda: lost.append
+    _expired_holder(etcd, keeper, X)
+    etcd.leases.add(0x99)
+    etcd._put(subnet_key(PREFIX, X), lease_of("B").to_json(), 0x99)
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+    assert [lease.subnet for lease in lost] == [X]
+
+    await Registration(keeper.connection, keeper, PREFIX).update_node(node("A"))  # made with X
+    await keeper.stop()
+    assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).subnet is None
+    assert keeper.node is not None and keeper.node.subnet is None
+
+
+async def test_our_keys_under_the_lease_of_a_restored_backup_are_taken_over():
+    """etcd restored from a backup taken before A's last restart: A's record and subnet key are
+    back under A's previous lease, which nobody refreshes; A's lease is not there.  The keeper
+    left them alone ("another agent with the same node name?") until that lease expired and
+    took them with it: meanwhile the subnet was free to take, then A's routes dropped."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lost: list[SubnetLease] = []
+    keeper.subnet_lost_callback = lambda: lost.append
+    etcd.leases.add(0x11)  # the snapshot's
+    etcd._put(node_key(PREFIX, "A"), node("A").to_json(), 0x11)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x11)
+    keeper.node, keeper.subnet = node("A"), lease_of("A", 0x22)  # 0x22: not in the snapshot
+
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+
+    assert keeper.lease_id not in (None, 0x11, 0x22)
+    assert {k: kv.lease for k, kv in etcd.kvs.items()} == {node_key(PREFIX, "A"): keeper.lease_id,
+                                                         subnet_key(PREFIX, X): keeper.lease_id}
+    assert keeper.subnet.lease_id == keeper.lease_id and lost == []
+    etcd.expire(0x11)  # nobody refreshes it
+    assert set(etcd.kvs) == {node_key(PREFIX, "A"), subnet_key(PREFIX, X)}
+
+
+async def test_our_keys_taken_back_under_the_lease_we_took_them_from_are_left_to_that_agent(caplog):
+    """Another agent with our name and our addresses (which a backup's lease cannot be told
+    from at first): taken over once, and once it writes them again under its lease -- which no
+    backup's lease does -- left to it, the conflict logged."""
     etcd = FakeEtcd()
     keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
     etcd.leases.update({0x11, 0x99})
     keeper.lease_id = 0x11
     keeper.node, keeper.subnet = node("A"), lease_of("A", 0x11)
 
-    def rewrite() -> None:  # the other agent, between two of our rounds
+    def rewrite() -> None:  # the other agent takes them back
         etcd._put(node_key(PREFIX, "A"), node("A").to_json(), 0x99)
         etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x99)
+
+    rewrite()
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+    assert {kv.lease for kv in etcd.kvs.values()} == {0x11}  # taken over
+    rewrite()
+    with caplog.at_level("ERROR", logger="agentd"):
+        async with keeper.lock:
+            for _ in range(3):
+                await keeper._restore_keys(etcd)
+    assert {kv.lease for kv in etcd.kvs.values()} == {0x99}  # left alone since
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 2 and all("another agent" in e for e in errors)
+
+
+async def test_our_keys_rewritten_by_another_agent_every_round_are_remembered_once_each(caplog):
+    """Another agent with our node name (on another host: its address not ours) keeps rewriting
+    our node record and subnet key under its own lease: the keeper logs the conflict at each new
+    revision, and remembers only the last one per key -- not every (key, revision) met, which
+    grew with each keepalive round."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    etcd.leases.update({0x11, 0x99})
+    keeper.lease_id = 0x11
+    keeper.node, keeper.subnet = node("A"), lease_of("A", 0x11)
+    theirs = dataclasses.replace(node("A"), address=IPv4Address("192.0.2.9"))
+
+    def rewrite() -> None:  # the other agent, between two of our rounds
+        etcd._put(node_key(PREFIX, "A"), theirs.to_json(), 0x99)
+        etcd._put(subnet_key(PREFIX, X), dataclasses.replace(lease_of("A"), public_ip="192.0.2.9").to_json(), 0x99)
 
     rounds = 20_000
     etcd.before_transaction += [rewrite] * rounds
@@ -527,6 +688,9 @@ async def test_a_wider_lease_taken_between_the_read_and_the_claim_makes_the_clai
         await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1)).acquire_subnet(
             "b", "192.0.2.2", "vxlan", {}, cluster=cluster, timeout=5)
     assert [k for k in etcd.kvs if k.startswith(b"/agentd/subnets/")] == [subnet_key(PREFIX, WIDE)]
+    # Refused by the claim itself: no /24 inside a's lease was ever written (a claim without the
+    # wider compares wins, and only the read after it gives the /24 up again).
+    assert etcd.puts == [subnet_key(PREFIX, WIDE)]
     await keeper.stop()
 
 
