@@ -769,7 +769,13 @@ class DnsServer:
             log.warning("no answer to a query over TCP: %s", err)
         finally:
             self.tcp_clients -= 1
-            writer.close()
+            # Answers still buffered (under the high-water mark, so drain() did not wait: the
+            # idle timeout fired on the read): close() would keep the socket until a client
+            # that never reads took them, its slot given back.  Abort, as on a drain timeout.
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()
+            else:
+                writer.close()
 
 
 # ------------------------------------------------------------------ the node-local address

@@ -481,9 +481,13 @@ async def test_tcp_clients_open_at_once_are_bounded_and_the_rest_closed_at_once(
                 await asyncio.Event().wait()  # an idle client: until cancelled
             raise asyncio.IncompleteReadError(b"", n)
 
+    class Transport:
+        def get_write_buffer_size(self) -> int:
+            return 0  # everything written went
+
     class Writer:
         def __init__(self) -> None:
-            self.closed, self.sent = False, b""
+            self.closed, self.sent, self.transport = False, b"", Transport()
 
         def write(self, data: bytes) -> None:
             self.sent += data
@@ -552,6 +556,9 @@ async def test_queries_from_elsewhere_are_dropped_unanswered_and_counted_udp_and
 
         def abort(self) -> None:
             self.aborted = True
+
+        def get_write_buffer_size(self) -> int:
+            return 0  # everything written went
 
     class Reader:
         def __init__(self, data: bytes) -> None:
@@ -1191,6 +1198,55 @@ async def test_a_tcp_client_that_never_reads_its_answers_is_closed_after_the_idl
             await asyncio.sleep(0)  # (a transport closes its socket at the next turn of the loop)
             # Its socket is closed (the agent's descriptor free), not kept until the client reads.
             assert writers[0].get_extra_info("socket").fileno() == -1
+    finally:
+        await server.stop()
+
+
+async def test_a_tcp_client_that_never_reads_less_than_the_high_water_mark_is_closed_after_the_idle_timeout(monkeypatch):
+    """Answers the client never reads, fewer than the transport's high-water mark (64 KiB)
+    buffered: drain() returns, the wait for the next query times out, and the connection is
+    aborted (its socket closed at once), not left waiting forever to flush while its slot of
+    MAX_TCP_CLIENTS is given back."""
+    import asyncio
+    import socket
+    import struct
+
+    monkeypatch.setattr(sdns, "TCP_IDLE", 0.2)
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [])
+    big = dns.message.make_response(dns.message.make_query("big.example.org", "TXT")).to_wire() + b"\0" * 20000
+
+    async def answer(wire: bytes, *, tcp: bool = False) -> bytes:  # a 20 kB answer, made at once
+        return big
+
+    monkeypatch.setattr(server, "answer", answer)
+    writers = []
+    client_of = server._tcp_client
+
+    async def tcp_client(reader, writer) -> None:
+        writers.append(writer)
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # full sooner
+        await client_of(reader, writer)
+
+    monkeypatch.setattr(server, "_tcp_client", tcp_client)
+    await server.start()
+    try:
+        port = server._tcp[0].sockets[0].getsockname()[1]
+        query = dns.message.make_query("big.example.org", "TXT").to_wire()
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", port))
+            async with asyncio.timeout(10):
+                # One query at a time until the kernel's buffers are full and answers wait in
+                # the transport's (under 64 KiB: drain() does not block).
+                while not (writers and writers[0].transport.get_write_buffer_size()):
+                    client.sendall(struct.pack("!H", len(query)) + query)
+                    await asyncio.sleep(0.005)
+                assert writers[0].transport.get_write_buffer_size() < 65536
+                while server.tcp_clients:  # no query comes: closed after TCP_IDLE
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0)  # (a transport closes its socket at the next turn of the loop)
+            assert writers[0].get_extra_info("socket").fileno() == -1
+            assert writers[0].transport.get_write_buffer_size() == 0
     finally:
         await server.stop()
 
