@@ -38,6 +38,7 @@ from typing import Any
 
 from aetcd import transactions as tx
 
+from agentd.cni import endpoints
 from agentd.datastore.records import DEFAULT_SERVICE_CIDR
 from agentd.datastore.store import Datastore, DatastoreError, HistoryCompacted, KeyValue
 
@@ -519,6 +520,10 @@ class ResourceStore:
                 current[kinds.NAMESPACE_NAME_LABEL] = name
             if got is not None and current == obj["metadata"].get("labels", {}):
                 return obj, False
+            if kind is kinds.POD:  # the cap ADD has (a pod's labels are in every flow record of it)
+                too_long = endpoints.labels_too_long(current)
+                if too_long and endpoints.labels_size(current) > endpoints.labels_size(obj["metadata"].get("labels", {})):
+                    raise Invalid("metadata.labels", f"Too long: {too_long}")
             obj["metadata"]["labels"] = current
             new = kinds.validate(_content(obj), default_namespace=namespace or kinds.DEFAULT_NAMESPACE)
             new = self._stamp(new, obj if got is not None else None)
