@@ -446,6 +446,7 @@ def test_cli_label_pod_refuses_labels_over_the_cap_add_has_in_one_line_and_chang
     from agentd.cni import endpoints
     from agentd.datastore import store as datastore
     from agentd.policy.publisher import record_for
+    from agentd.resources import store as resource_store
     from agentd.resources.store import encode, object_key
 
     key = object_key("/agentd", kinds.POD, "default", "web")
@@ -495,6 +496,8 @@ def test_cli_label_pod_refuses_labels_over_the_cap_add_has_in_one_line_and_chang
     stored["value"] = encode(record_for(ep, "node1", past))
     assert cli.main(["label", "pod", "default/web", "old0-"]) == 0 and len(puts) == 2  # shrinking: allowed
     assert cli.main(["label", "pod", "default/web", "tier=db"]) == 1 and len(puts) == 2  # growing: not
+    assert resource_store.POD_LABELS_MAX == endpoints.LABELS_MAX  # the one cap, counted alike
+    assert resource_store._labels_size(near) == endpoints.labels_size(near)
 
 
 # ------------------------------------------------------------------ pod identity from the runtime
