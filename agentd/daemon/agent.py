@@ -921,8 +921,8 @@ class Agent:
 
     def health(self) -> tuple[bool, list[str]]:
         """/healthz (liveness): the supervised tasks and the data-plane workers alive.  Service
-        DNS not served is no reason (it is in ``problems()``): a restart would not free its
-        address or port, and the agent routes pods all the same."""
+        DNS not served is no reason (it is in ``problems()``, retried): the agent routes pods
+        all the same, and a liveness probe must not restart it for that."""
         _, problems = self.supervisor.health()
         problems += self.tunnels.problems() if self.tunnels is not None else []  # a dead data-plane worker
         return not problems, problems

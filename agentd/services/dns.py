@@ -102,10 +102,10 @@ LOCAL_REFRESH = 5.0  # seconds
 # and keeps its place (a split-horizon resolv.conf, corporate then public, must not turn to the
 # public one for a timeout); one that failed MAX_FAILS times in a row is down (CoreDNS forward's
 # max_fails, 2) and skipped for RETRY_INITIAL seconds, then back in its place; failing then, it
-# is down again for twice as long, up to RETRY_MAX; answering makes it healthy.  At most one
-# failure is counted per burst: not a failure of a query sent before the upstream last changed
-# state (went down, answered), nor one while it is down (every upstream down); so 50 concurrent
-# timeouts down it for RETRY_INITIAL, not RETRY_MAX.  A dead first upstream costs MAX_FAILS
+# is down again for twice as long, up to RETRY_MAX; answering makes it healthy.  A burst of
+# failures downs it once: not counted are a failure of a query sent before the upstream last
+# changed state (went down, answered) and one while it is down (every upstream down: asked
+# anyway), so 50 concurrent timeouts down it for RETRY_INITIAL, not RETRY_MAX.  A dead first upstream costs MAX_FAILS
 # queries their timeout, then one per backoff, not every query (nor holds a forwarding slot
 # that long each).  When every upstream is down they are all asked all the same: there is no
 # other to ask.
@@ -534,9 +534,9 @@ class Upstreams:
 
     def failed(self, upstream: Upstream, err: object, state: int | None = None) -> None:
         """A query to ``upstream`` failed; ``state``: the upstream's when the query was sent
-        (None: now).  Counted once per burst: not when the upstream changed state since (went
-        down, answered), nor while it is down and its backoff not over (queries sent while every
-        upstream is down), so a burst of concurrent timeouts downs it once, for RETRY_INITIAL."""
+        (None: now).  Not counted when the upstream changed state since (went down, answered),
+        nor while it is down and its backoff not over (queries sent while every upstream is
+        down), so a burst of concurrent timeouts downs it once, for RETRY_INITIAL."""
         now = self.clock()
         if (state is not None and state != upstream.state) or (upstream.fails >= MAX_FAILS and now < upstream.retry_at):
             return
