@@ -105,10 +105,11 @@ LOCAL_REFRESH = 5.0  # seconds
 # is down again for twice as long, up to RETRY_MAX; answering makes it healthy.  A burst of
 # failures downs it once: not counted are a failure of a query sent before the upstream last
 # changed state (went down, answered) and one while it is down (every upstream down: asked
-# anyway), so 50 concurrent timeouts down it for RETRY_INITIAL, not RETRY_MAX.  A dead first upstream costs MAX_FAILS
-# queries their timeout, then one per backoff, not every query (nor holds a forwarding slot
-# that long each).  When every upstream is down they are all asked all the same: there is no
-# other to ask.
+# anyway), so 50 concurrent timeouts down it for RETRY_INITIAL, not RETRY_MAX.  A dead first
+# upstream costs the queries of its first MAX_FAILS timeouts their timeout, then, each time its
+# backoff is over, those sent before it fails again: not every query (nor holds a forwarding
+# slot that long each).  When every upstream is down they are all asked all the same: there
+# is no other to ask.
 MAX_FAILS = 2
 RETRY_INITIAL = 1.0  # seconds
 RETRY_MAX = 30.0  # seconds
