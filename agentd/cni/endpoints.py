@@ -61,6 +61,8 @@ HOST_PORT_FIELDS = ("hostPort", "hostIP")  # of a Kubernetes ContainerPort: acce
 #: agentd/flows/model.py LABELS_MAX): a runtime passing more gets ADD refused, not the labels
 #: cut, since labels select the pod for network policy and a pod short of some would be
 #: selected (isolated, allowed) as another pod is.  Kubernetes caps no pod's labels in all.
+#: Not CHECK (a pod an older agentd-cni added with more must pass it); ``agentd label pod``
+#: has the same cap (agentd/resources/store.py).
 LABELS_MAX = 16 << 10
 
 
@@ -156,8 +158,23 @@ def parse_cni_args(text: str) -> dict[str, str]:
     return out
 
 
-def identity(env: Mapping[str, str], netconf: Mapping[str, Any],
-             warn: Callable[[str], None] | None = None) -> tuple[str, str, dict[str, str], list[dict[str, Any]]] | None:
+def labels_size(labels: Mapping[str, str]) -> int:
+    """The bytes of ``labels`` as :data:`LABELS_MAX` counts them (key + value + 8 each)."""
+    return sum(len(key) + len(value) + 8 for key, value in labels.items())
+
+
+def labels_too_long(labels: Mapping[str, str]) -> str | None:
+    """Why ``labels`` are more than a pod may have here (:data:`LABELS_MAX` bytes, key + value
+    + 8 each), or None.  ADD and ``agentd label pod`` refuse such labels."""
+    size = labels_size(labels)
+    if size <= LABELS_MAX:
+        return None
+    return (f"{len(labels)} labels of {size} bytes (key + value + 8 each), more than the {LABELS_MAX} "
+            "a pod may have here")  # fmt: skip
+
+
+def identity(env: Mapping[str, str], netconf: Mapping[str, Any], warn: Callable[[str], None] | None = None, *,
+             adding: bool = False) -> tuple[str, str, dict[str, str], list[dict[str, Any]]] | None:  # fmt: skip
     """(namespace, name, labels, named ports) of the pod being added, or None without identity.
 
     A container is a pod only with both ``K8S_POD_NAMESPACE`` and ``K8S_POD_NAME``, each a
@@ -170,7 +187,8 @@ def identity(env: Mapping[str, str], netconf: Mapping[str, Any],
     it is pod ``web/web``; docs/policy.md says so.)
 
     Raises EndpointError (one line, naming the field) for a pod's bad labels or ports: they
-    are checked before anything is set up."""
+    are checked before anything is set up.  Labels over :data:`LABELS_MAX` bytes only when
+    ``adding`` (ADD): CHECK of a pod an older agentd-cni added with more must not fail."""
     args = parse_cni_args(env.get("CNI_ARGS", ""))
     ns, name = args.get("K8S_POD_NAMESPACE", ""), args.get("K8S_POD_NAME", "")
     if not ns and not name:
@@ -197,10 +215,9 @@ def identity(env: Mapping[str, str], netconf: Mapping[str, Any],
         labels = check_labels(labels, "labels")
     except Invalid as err:
         raise EndpointError(str(err)) from None
-    size = sum(len(key) + len(value) + 8 for key, value in labels.items())
-    if size > LABELS_MAX:
-        raise EndpointError(f"labels: Too long: {len(labels)} labels of {size} bytes (key + value + 8 each), "
-                            f"more than the {LABELS_MAX} a pod may have here")
+    too_long = labels_too_long(labels) if adding else None
+    if too_long:
+        raise EndpointError(f"labels: Too long: {too_long}")
     ports_raw = runtime.get("containerPorts")
     if ports_raw is None and isinstance(cni_args, dict):
         ports_raw = cni_args.get("containerPorts")

@@ -383,7 +383,7 @@ def _peek_version(stdin: bytes) -> str:
 def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     sf = load_subnet_file(netconf.get("subnetFile", DEFAULT_SUBNET_FILE))
     conf = delegate_config(netconf, sf)
-    pod = _pod_identity(args, env, netconf)  # checked before anything is set up
+    pod = _pod_identity(args, env, netconf, adding=True)  # checked before anything is set up
     data_dir = _data_dir(netconf)
     if _state_file_exists(data_dir, args.container_id):
         attached = attached_ifname(data_dir, args.container_id)
@@ -415,13 +415,15 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
 # --- pod identity for NetworkPolicy (agentd/cni/endpoints.py) -------------------------------
 
 
-def _pod_identity(args: CmdArgs, env: Mapping[str, str], netconf: dict[str, Any]) -> Any:
+def _pod_identity(args: CmdArgs, env: Mapping[str, str], netconf: dict[str, Any], *, adding: bool = False) -> Any:
+    """The pod's identity (endpoints.identity); ``adding``: ADD, which alone caps its labels."""
+
     def warn(why: str) -> None:
         print(f"agentd-cni: container {args.container_id} is attached without pod identity "
               f"(network policy neither selects nor isolates it): {why}", file=sys.stderr)
 
     try:
-        return pod_endpoints.identity(env, netconf, warn)
+        return pod_endpoints.identity(env, netconf, warn, adding=adding)
     except pod_endpoints.EndpointError as e:
         raise CniError(INVALID_NETWORK_CONFIG, f"pod identity: {e}") from None
 

@@ -925,9 +925,11 @@ class Agent:
     # ================================================================ health (AgentViews shows the rest)
 
     def health(self) -> tuple[bool, list[str]]:
+        """/healthz (liveness): the supervised tasks and the data-plane workers alive.  Service
+        DNS not served is no reason (it is in ``problems()``, retried): the agent routes pods
+        all the same, and a liveness probe must not restart it for that."""
         _, problems = self.supervisor.health()
         problems += self.tunnels.problems() if self.tunnels is not None else []  # a dead data-plane worker
-        problems += self.services.problems() if self.services is not None else []  # service DNS, being retried
         return not problems, problems
 
     def problems(self) -> list[str]:

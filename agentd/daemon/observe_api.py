@@ -554,7 +554,8 @@ class _Newest:
     """The ``n`` newest of the lines added (by time), in a heap: a cluster's last N cost the
     memory of N records, not of N per node -- and at most ``max_bytes`` bytes of them (records
     of large label sets are up to LINE_MAX each): past that the oldest held go, counted in
-    ``dropped``."""
+    ``dropped``, and so does any line added later that is not newer than the newest of them
+    (``floor``): nothing older than a dropped line is kept, the lines held run unbroken."""
 
     def __init__(self, n: int, max_bytes: int | None = None) -> None:
         self.n = n
@@ -563,17 +564,23 @@ class _Newest:
         self.count = 0
         self.bytes = 0
         self.dropped = 0
+        self.floor: tuple[float, int] | None = None  # (when, count) of the newest dropped for bytes
 
     def add(self, when: float, line: bytes) -> None:
         self.count += 1
         item = (when, self.count, line)
+        if self.floor is not None and item[:2] <= self.floor:
+            self.dropped += 1
+            return
         if len(self.heap) < self.n:
             heapq.heappush(self.heap, item)
             self.bytes += len(line)
         elif self.n and item > self.heap[0]:
             self.bytes += len(line) - len(heapq.heapreplace(self.heap, item)[2])
         while self.bytes > self.max_bytes and self.heap:
-            self.bytes -= len(heapq.heappop(self.heap)[2])
+            gone = heapq.heappop(self.heap)  # the oldest held: newer than the floor
+            self.bytes -= len(gone[2])
+            self.floor = gone[:2]
             self.dropped += 1
 
     def oldest_first(self) -> list[bytes]:

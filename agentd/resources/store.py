@@ -182,6 +182,17 @@ class ResourceEvent:
     leases: dict[Key, int] = field(default_factory=dict)
 
 
+#: Bytes of labels ``agentd label pod`` may leave a pod, counted as ADD counts them: the cap of
+#: agentd/cni/endpoints.py LABELS_MAX (agentd.resources may not import agentd.cni; a unit test
+#: holds the two equal).  A change past it is refused, unless it leaves the pod no more than it
+#: had (a pod an older agentd-cni added with more may lose labels).
+POD_LABELS_MAX = 16 << 10
+
+
+def _labels_size(labels: Mapping[str, str]) -> int:
+    return sum(len(key) + len(value) + 8 for key, value in labels.items())
+
+
 class ResourceStore:
     """Resources in etcd, through a :class:`~agentd.datastore.store.Datastore` (its retries and failover)."""
 
@@ -519,6 +530,9 @@ class ResourceStore:
                 current[kinds.NAMESPACE_NAME_LABEL] = name
             if got is not None and current == obj["metadata"].get("labels", {}):
                 return obj, False
+            if kind is kinds.POD and _labels_size(current) > max(POD_LABELS_MAX, _labels_size(obj["metadata"].get("labels", {}))):
+                raise Invalid("metadata.labels", f"Too long: {len(current)} labels of {_labels_size(current)} bytes "
+                                                 f"(key + value + 8 each), more than the {POD_LABELS_MAX} a pod may have here")  # fmt: skip
             obj["metadata"]["labels"] = current
             new = kinds.validate(_content(obj), default_namespace=namespace or kinds.DEFAULT_NAMESPACE)
             new = self._stamp(new, obj if got is not None else None)

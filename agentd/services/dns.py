@@ -29,9 +29,9 @@ The wire format is dnspython's.
   message with QR set (a response) is dropped unanswered.  More than one question: FORMERR;
   an EDNS version above 0: BADVERS (RFC 6891 §6.1.3); neither forwarded.
 * Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
-  /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  An upstream that
-  failed is asked after the others, one down (:data:`MAX_FAILS` in a row) not at all for a
-  backoff (:class:`Upstreams`; all down: all asked anyway).  At most
+  /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  The upstreams are
+  asked in their configured order; one down (:data:`MAX_FAILS` failures in a row) is skipped
+  for a backoff (:class:`Upstreams`; all down: all asked anyway).  At most
   :data:`MAX_FORWARDED` forwarded queries wait at once; more are SERVFAIL at once.  At most
   :data:`MAX_TCP_CLIENTS` TCP connections are open at once; more are closed at once.
 * Only the node's pods (the pod networks), the node itself (its own addresses) and loopback
@@ -97,12 +97,19 @@ TCP_IDLE = 10.0  # seconds a TCP client may take to send a query, or to take its
 # address neither a pod network's, loopback, nor among the node's addresses as last listed
 # (one netlink dump: a flood of foreign queries costs one per interval, not one each).
 LOCAL_REFRESH = 5.0  # seconds
-# An upstream that failed (no answer in FORWARD_TIMEOUT, refused, closed unanswered) is asked
-# after those that did not; one that failed MAX_FAILS times in a row is down (CoreDNS forward's
-# max_fails, 2) and skipped, until RETRY_INITIAL seconds after, doubling with each further
-# failure up to RETRY_MAX, it may be asked again (after the others).  So a dead first upstream
-# costs one query its timeout, not every query (nor holds a forwarding slot that long each).
-# When every upstream is down they are all asked all the same: there is no other to ask.
+# The upstreams are asked in their configured order.  One that failed (no answer in
+# FORWARD_TIMEOUT, refused, closed unanswered) fewer than MAX_FAILS times in a row is healthy
+# and keeps its place (a split-horizon resolv.conf, corporate then public, must not turn to the
+# public one for a timeout); one that failed MAX_FAILS times in a row is down (CoreDNS forward's
+# max_fails, 2) and skipped for RETRY_INITIAL seconds, then back in its place; failing then, it
+# is down again for twice as long, up to RETRY_MAX; answering makes it healthy.  A burst of
+# failures downs it once: not counted are a failure of a query sent before the upstream last
+# changed state (went down, answered) and one while it is down (every upstream down: asked
+# anyway), so 50 concurrent timeouts down it for RETRY_INITIAL, not RETRY_MAX.  A dead first
+# upstream costs the queries of its first MAX_FAILS timeouts their timeout, then, each time its
+# backoff is over, those sent before it fails again: not every query (nor holds a forwarding
+# slot that long each).  When every upstream is down they are all asked all the same: there
+# is no other to ask.
 MAX_FAILS = 2
 RETRY_INITIAL = 1.0  # seconds
 RETRY_MAX = 30.0  # seconds
@@ -496,19 +503,22 @@ def _is_branch(table: Names, qname: str) -> bool:
 
 @dataclass
 class Upstream:
-    """One upstream server and how it fared: ``fails`` in a row (0: healthy), and while down
-    (``fails`` >= :data:`MAX_FAILS`) when it may be asked again."""
+    """One upstream server and how it fared: ``fails`` counted in a row (0: healthy; below
+    :data:`MAX_FAILS` still healthy), and once down (``fails`` >= :data:`MAX_FAILS`) when it
+    may be asked again (``retry_at``).  ``state``: bumped at each change of state (down, or
+    answering after a failure); a failure of a query sent before the last one is not counted."""
 
     host: str
     port: int
     fails: int = 0
     retry_at: float = 0.0
+    state: int = 0
 
 
 class Upstreams:
-    """The upstreams in the order to ask them: the healthy ones as configured, then those that
-    failed last time they were asked; a down one only once its backoff is over (or when every
-    one is down).  ``clock``: seconds, monotonic (the event loop's)."""
+    """The upstreams in the order to ask them: as configured, but for those down until their
+    backoff is over (every one down: all of them, as configured).  ``clock``: seconds,
+    monotonic (the event loop's)."""
 
     def __init__(self, pairs: Iterable[tuple[str, int]], clock: Callable[[], float]) -> None:
         self.all = [Upstream(host, port) for host, port in pairs]
@@ -521,23 +531,31 @@ class Upstreams:
         if not self.all:
             return []
         now = self.clock()
-        usable = [u for u in self.all if u.fails < MAX_FAILS or now >= u.retry_at]
-        return sorted(usable, key=lambda u: u.fails > 0) or list(self.all)  # all down: asked anyway
+        return [u for u in self.all if u.fails < MAX_FAILS or now >= u.retry_at] or list(self.all)  # all down: asked anyway
 
-    def failed(self, upstream: Upstream, err: object) -> None:
+    def failed(self, upstream: Upstream, err: object, state: int | None = None) -> None:
+        """A query to ``upstream`` failed; ``state``: the upstream's when the query was sent
+        (None: now).  Not counted when the upstream changed state since (went down, answered),
+        nor while it is down and its backoff not over (queries sent while every upstream is
+        down), so a burst of concurrent timeouts downs it once, for RETRY_INITIAL."""
+        now = self.clock()
+        if (state is not None and state != upstream.state) or (upstream.fails >= MAX_FAILS and now < upstream.retry_at):
+            return
         upstream.fails += 1
         if upstream.fails >= MAX_FAILS:
             backoff = min(RETRY_MAX, RETRY_INITIAL * 2 ** min(upstream.fails - MAX_FAILS, 16))
-            upstream.retry_at = self.clock() + backoff
+            upstream.retry_at = now + backoff
+            upstream.state += 1
             if upstream.fails == MAX_FAILS:
-                log.warning("upstream DNS server %s:%d failed %d times in a row (%s): asked again only after the "
-                            "others, %.0f s from now at the earliest", upstream.host, upstream.port, upstream.fails,
-                            err, backoff)  # fmt: skip
+                log.warning("upstream DNS server %s:%d failed %d times in a row (%s): not asked for %.0f s",
+                            upstream.host, upstream.port, upstream.fails, err, backoff)  # fmt: skip
 
     def answered(self, upstream: Upstream) -> None:
         if upstream.fails >= MAX_FAILS:
             log.info("upstream DNS server %s:%d answers again", upstream.host, upstream.port)
-        upstream.fails = 0
+        if upstream.fails:
+            upstream.fails = 0
+            upstream.state += 1
 
 
 def upstream_pairs(upstream: Iterable[str]) -> list[tuple[str, int]]:
@@ -678,7 +696,7 @@ class DnsServer:
 
     async def _ask_upstreams(self, query: dns.message.Message, tcp: bool) -> Any:
         for upstream in self.upstreams.order():
-            host, port = upstream.host, upstream.port
+            host, port, state = upstream.host, upstream.port, upstream.state
             try:
                 if tcp:
                     reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
@@ -692,7 +710,7 @@ class DnsServer:
                         reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
             except (dns.exception.DNSException, OSError, EOFError, ValueError) as err:  # EOFError: TCP closed unanswered
                 log.debug("upstream %s:%d failed: %s", host, port, err)
-                self.upstreams.failed(upstream, str(err) or type(err).__name__)
+                self.upstreams.failed(upstream, str(err) or type(err).__name__, state)
                 continue
             self.upstreams.answered(upstream)
             return reply
@@ -752,7 +770,13 @@ class DnsServer:
             log.warning("no answer to a query over TCP: %s", err)
         finally:
             self.tcp_clients -= 1
-            writer.close()
+            # Answers still buffered (under the high-water mark, so drain() did not wait: the
+            # idle timeout fired on the read): close() would keep the socket until a client
+            # that never reads took them, its slot given back.  Abort, as on a drain timeout.
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()
+            else:
+                writer.close()
 
 
 # ------------------------------------------------------------------ the node-local address

@@ -1282,6 +1282,29 @@ def test_add_refuses_a_pod_with_more_labels_than_it_takes(tmp_path):
     assert code == 1 and out["code"] == 7 and "100000 labels of" in out["msg"], out
 
 
+def test_check_of_a_pod_added_with_more_labels_than_add_takes_now_succeeds(tmp_path, monkeypatch):
+    """A pod ADDed before LABELS_MAX (by an older agentd-cni) with more labels: CHECK, which
+    the runtime passes the same labels, succeeds (a failed CHECK may get the pod torn down);
+    only ADD refuses them."""
+    from agentd.cni import endpoints
+
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    args = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web"
+    labels = _labels_of(17 << 10)
+    conf = _conf(tmp_path, policyTimeout=0, runtimeConfig={"labels": labels})
+    with monkeypatch.context() as before_the_upgrade:
+        before_the_upgrade.setattr(endpoints, "LABELS_MAX", 1 << 30)
+        code, result = _run(_env(CNI_ARGS=args), conf)
+    assert code == 0 and result is not None, result
+    assert endpoints.read(str(tmp_path / "state"), "c0ffee01").labels == labels
+    prev = dict(result, cniVersion="1.0.0")
+    check = _conf(tmp_path, prevResult=prev, runtimeConfig={"labels": labels})
+    assert _run(_env("CHECK", CNI_ARGS=args), check) == (0, None)
+    _assert_error(_run(_env(CNI_ARGS=args, CNI_CONTAINERID="c0ffee02"), conf), 7, "labels: Too long")
+
+
 def test_add_takes_a_pods_labels_to_the_bound_whole(tmp_path, monkeypatch, capsys):
     """LABELS_MAX bytes of labels: every one in the endpoint file (and so in every flow record)."""
     import io

@@ -3197,6 +3197,21 @@ def test_a_cluster_answers_newest_hold_at_most_their_byte_budget():
     assert one.bytes == 20 and one.dropped == 0 and len(one.heap) == 2
 
 
+def test_a_record_older_than_one_dropped_for_the_byte_budget_is_dropped_too():
+    """Once the byte budget dropped a record, an older one that would fit now is not taken
+    back in: the answer would have a gap in its middle while its lost line says only the
+    oldest were left out."""
+    from agentd.daemon.observe_api import _Newest
+
+    newest = _Newest(10, max_bytes=100)
+    newest.add(10.0, b"N" * 90)  # the newest, big (labels)
+    newest.add(9.0, b"m" * 20)  # over the budget: dropped
+    newest.add(8.0, b"o" * 5)  # older than the one dropped: dropped too
+    assert newest.oldest_first() == [b"N" * 90] and newest.dropped == 2 and newest.bytes == 90
+    newest.add(11.0, b"p" * 5)  # newer: taken
+    assert newest.oldest_first() == [b"N" * 90, b"p" * 5] and newest.dropped == 2
+
+
 def test_the_nodes_last_records_share_one_byte_budget_while_they_wait_to_be_merged():
     from agentd.daemon.observe_api import _Held, _Snapshot
 

@@ -418,8 +418,9 @@ async def test_service_dns_that_cannot_start_is_a_problem_and_tried_again_until_
             problem = "service DNS not served: cannot put 169.254.20.10 on this node: "
             assert len(agent.problems()) == 1 and agent.problems()[0].startswith(problem), agent.problems()
             assert "trying again" in agent.problems()[0]
-            ok, problems = agent.health()
-            assert not ok and problems == agent.problems()
+            # /healthz is liveness (DESIGN: 200 while the event loop and every supervised task
+            # are alive): an agent routing pods fine is not to be restarted for its DNS.
+            assert agent.health() == (True, [])
             taken[0] = False  # freed: the next try serves it
             while svc.dns_server is None:
                 await asyncio.sleep(0.001)

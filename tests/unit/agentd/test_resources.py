@@ -437,6 +437,69 @@ def test_cli_apply_cut_short_by_a_race_prints_what_was_written_and_says_so(tmp_p
                    "2 of 3 objects were applied before this\n")  # fmt: skip
 
 
+def test_cli_label_pod_refuses_labels_over_the_cap_add_has_in_one_line_and_changes_nothing(capsys, monkeypatch):
+    """`agentd label pod` has ADD's cap (LABELS_MAX bytes, key + value + 8 each): labels past it
+    are refused with one line and the record is left as it was; under it, or shrinking labels
+    a pod already had past it (added by an older agentd-cni), they are set."""
+    from types import SimpleNamespace
+
+    from agentd.cni import endpoints
+    from agentd.datastore import store as datastore
+    from agentd.policy.publisher import record_for
+    from agentd.resources import store as resource_store
+    from agentd.resources.store import encode, object_key
+
+    key = object_key("/agentd", kinds.POD, "default", "web")
+    near = {f"k{i:03d}": "v" * 63 for i in range(216)}  # 16,200 bytes: 184 short of the cap
+    ep = endpoints.Endpoint(container_id="c0ffee01", namespace="default", name="web", labels=near, ports=[],
+                            ips=["10.244.3.7"], interface="veth1", mac="aa:bb:cc:dd:ee:ff", bridge="cni0")
+    stored = {"value": encode(record_for(ep, "node1", near)), "rev": 7}
+    puts = []
+
+    class Client:
+        async def get(self, k):
+            assert k == key
+            return SimpleNamespace(value=stored["value"], mod_revision=stored["rev"], lease=5)
+
+        async def transaction(self, compare, success, failure):
+            puts.append(success)
+            stored["value"], stored["rev"] = success[0].value, stored["rev"] + 1
+            return True, [SimpleNamespace(response_put=SimpleNamespace(header=SimpleNamespace(revision=stored["rev"])))]
+
+    class FakeDatastore:
+        prefix = "/agentd"
+
+        def __init__(self, *a, **kw):
+            pass
+
+        async def connect(self, timeout):
+            pass
+
+        async def close(self):
+            pass
+
+        async def request(self, what, op, *, timeout=None):
+            return await op(Client())
+
+    monkeypatch.setattr(datastore, "Datastore", FakeDatastore)
+    monkeypatch.setenv("AGENTD_ETCD_ENDPOINTS", "http://192.0.2.1:1")
+    over = [f"more{i}={'x' * 63}" for i in range(3)]  # 228 bytes more
+    assert cli.main(["label", "pod", "default/web", *over]) == 1
+    out, err = capsys.readouterr()
+    size = endpoints.labels_size({**near, **dict(o.split("=") for o in over)})
+    assert out == "" and err == (f"agentd label: metadata.labels: Too long: {len(near) + 3} labels of {size} bytes "
+                                 f"(key + value + 8 each), more than the {endpoints.LABELS_MAX} a pod may have here\n")
+    assert puts == []
+    assert cli.main(["label", "pod", "default/web", "tier=web"]) == 0 and len(puts) == 1  # under the cap: set
+    capsys.readouterr()
+    past = {**near, **{f"old{i}": "o" * 63 for i in range(20)}}  # an older agentd-cni took more
+    stored["value"] = encode(record_for(ep, "node1", past))
+    assert cli.main(["label", "pod", "default/web", "old0-"]) == 0 and len(puts) == 2  # shrinking: allowed
+    assert cli.main(["label", "pod", "default/web", "tier=db"]) == 1 and len(puts) == 2  # growing: not
+    assert resource_store.POD_LABELS_MAX == endpoints.LABELS_MAX  # the one cap, counted alike
+    assert resource_store._labels_size(near) == endpoints.labels_size(near)
+
+
 # ------------------------------------------------------------------ pod identity from the runtime
 
 

@@ -66,9 +66,15 @@ def test_a_cancel_that_comes_as_the_work_completes_is_kept_by_timeout():
         assert not cancelled
 
 
+class _Transport:
+    def get_write_buffer_size(self) -> int:
+        return 0  # nothing left to send: the handler closes (aborts only with answers unsent)
+
+
 class _Writer:
     def __init__(self) -> None:
         self.closed = False
+        self.transport = _Transport()
 
     def write(self, data: bytes) -> None:
         pass
