@@ -438,16 +438,18 @@ class Peer:
             if other is s or not self._alive(other):
                 continue
             if other.state is State.ESTABLISHED:
-                new_gr = ev.open.capability(GracefulRestart)
-                if self._graceful_agreed(other) and new_gr is not None and new_gr.restart_state:
+                if self._graceful_agreed(other):
                     # RFC 4724 §4.2: a new connection from a peer that advertised graceful
-                    # restart on the session we believe is Established (and we did too), its
-                    # OPEN with the Restart State bit (§3, §4.1: the peer is back from a
-                    # restart), means the old session is gone: it goes, its routes stay stale.
-                    # Anything else is a plain collision with an Established session (RFC 4271
-                    # §6.8): the new connection goes -- a GR-capable OPEN alone proves no
-                    # restart (a stale OPEN of a simultaneous connect, accepted late, has no R
-                    # bit), and without GR agreed the old session's end would withdraw all.
+                    # restart on the session we believe is Established (and we did too) means
+                    # the peer restarted and the old session is gone: it goes, its routes stay
+                    # stale.  As BIRD (bgp_incoming_connection: the restart path when
+                    # graceful restart was agreed on the Established session, p->gr_ready),
+                    # the new OPEN's Restart State bit is not asked for: a peer that rebooted
+                    # with no routes to keep (ours: none adopted; a helper-only one) sends
+                    # R=0, and refused it would stay cut off until our hold timer expires.
+                    # Without GR agreed, it is a plain collision with an Established session
+                    # (RFC 4271 §6.8): the new connection goes -- the old session's end would
+                    # withdraw all its routes.
                     old_conn = other.conn
                     other.connection_lost(old_conn, now)
                     # Its SessionDown now, before anything of the new session: with the peer's

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from ipaddress import (
     IPv4Address,
     IPv4Network,
@@ -504,35 +504,48 @@ def next_hop_owners(nodes: Iterable[NodeRecord]) -> tuple[dict[str, NodeRecord],
     return owner, ownerless, untrusted
 
 
-def vxlan_vtep_refusals(nodes: Iterable[NodeRecord], held: Mapping[Network, str]) -> dict[str, str]:
-    """Node name -> why the VTEP its record publishes is not taken, for the nodes reached over
-    VXLAN (``nodes``).  A record is its node's own word, but the neighbour entry of a VTEP
-    address and the FDB entry of a VTEP MAC are the kernel's by that address and that MAC
-    alone: a record naming another node's address (``vtep_ip``) would point that node's
-    neighbour entry at its own MAC, one naming another node's MAC (``vtep_mac``) would move
-    that MAC's FDB entry to its own underlay address -- either way the other node's pod
-    traffic would go to it.  So a VTEP address must be the network address of the subnet the
-    node holds (``held``, from :func:`held_subnets`; as flannel takes it from the subnet
-    lease, never from the backend data), and a MAC two records publish is taken from neither."""
+_VTEP_KEYS = {4: "vtep_ip", 6: "vtep_ip_v6"}
+
+
+def vxlan_vtep_refusals(
+    nodes: Iterable[NodeRecord], held: Mapping[Network, str], families: Iterable[int] = (4, 6)
+) -> dict[str, dict[int, str]]:
+    """Node name -> pod family (4, 6) -> why the VTEP its record publishes is not taken for that
+    family, for the nodes reached over VXLAN (``nodes``).  A record is its node's own word, but
+    the neighbour entry of a VTEP address and the FDB entry of a VTEP MAC are the kernel's by
+    that address and that MAC alone: a record naming another node's address (``vtep_ip``,
+    ``vtep_ip_v6``) would point that node's neighbour entry at its own MAC, one naming another
+    node's MAC (``vtep_mac``) would move that MAC's FDB entry to its own underlay address --
+    either way the other node's pod traffic would go to it.  So a VTEP address must be the
+    network address of the subnet of its family the node holds (``held``, from
+    :func:`held_subnets`; as flannel takes it from the subnet lease, never from the backend
+    data), and a MAC two records publish is taken from neither (both families).  ``families``:
+    the pod families this node routes; a VTEP address of another family is not used here (no
+    route, no neighbour entry), so not checked: while a cluster moves from IPv4 to dual-stack,
+    a node not yet restarted holds no IPv6 pod network, and the IPv6 subnets of the restarted
+    ones are not taken, but their IPv4 VTEPs are.  A wrong address refuses its family only."""
     nodes = list(nodes)
-    why: dict[str, str] = {}
+    families = set(families)
+    why: dict[str, dict[int, str]] = {}
     for n in nodes:
-        for key, net in (("vtep_ip", n.subnet), ("vtep_ip_v6", n.subnet_v6)):
+        for version, net in ((4, n.subnet), (6, n.subnet_v6)):
+            key = _VTEP_KEYS[version]
             value = n.backend.get(key)
-            if value is None:
+            if value is None or version not in families:
                 continue
-            if net is None or held.get(net) != n.name:
-                why[n.name] = (f"backend field {key!r} = {value!r}: its record holds no IPv{4 if key == 'vtep_ip' else 6} "
-                               "subnet whose network address it could be")
-                break
-            try:
-                same = ip_address(value) == net.network_address
-            except ValueError:
-                same = False
-            if not same:
-                why[n.name] = (f"backend field {key!r} = {value!r} is not {net.network_address}, the network "
-                               f"address of its subnet {net}")
-                break
+            field_ = f"backend field {key!r} = {value!r}"
+            if net is None:
+                reason = f"{field_}: its record holds no IPv{version} subnet whose network address it could be"
+            elif held.get(net) != n.name:
+                reason = f"{field_}: its record's IPv{version} subnet {net} is not taken as its (see the untrusted subnets)"
+            else:
+                try:
+                    same = ip_address(value) == net.network_address
+                except ValueError:
+                    same = False
+                reason = None if same else f"{field_} is not {net.network_address}, the network address of its subnet {net}"
+            if reason is not None:
+                why.setdefault(n.name, {})[version] = reason
     by_mac: dict[str, list[str]] = {}
     for n in nodes:
         mac = n.backend.get("vtep_mac")
@@ -541,8 +554,10 @@ def vxlan_vtep_refusals(nodes: Iterable[NodeRecord], held: Mapping[Network, str]
     for mac, names in by_mac.items():
         if len(names) > 1:
             for name in names:
-                why.setdefault(name, f"backend field 'vtep_mac' = {mac!r} is claimed by the records of nodes "
-                                     f"{', '.join(sorted(names))}")
+                for version in (4, 6):
+                    why.setdefault(name, {}).setdefault(
+                        version, f"backend field 'vtep_mac' = {mac!r} is claimed by the records of nodes "
+                                 f"{', '.join(sorted(names))}")
     return why
 
 
@@ -596,11 +611,22 @@ def desired_routes(
                 for v in versions}  # fmt: skip
     vxlan_peers = [n for n in nodes if any(p is not None and p.node == n.name and p.backend == "vxlan"
                                            for p in (plans_by[v].get(str(n.peer_address)) for v in versions))]
-    for name, why in vxlan_vtep_refusals(vxlan_peers, trusted).items():
-        for v in versions:
-            for addr, p in plans_by[v].items():
-                if p.node == name and p.backend == "vxlan":
-                    plans_by[v][addr] = PeerPlan(addr, "none", f"peer's record: {why}", name, {}, v)
+    # The families routed here: those of ``versions`` with a pod network (where those are known).
+    routed = tuple(v for v in versions if pools is None or any(p.version == v for p in pools))
+    refusals = vxlan_vtep_refusals(vxlan_peers, trusted, routed)
+    for v in versions:
+        for addr, p in plans_by[v].items():
+            if p.node is None or p.backend != "vxlan":
+                continue
+            why = refusals.get(p.node, {})
+            if v in why:
+                plans_by[v][addr] = PeerPlan(addr, "none", f"peer's record: {why[v]}", p.node, {}, v)
+                continue
+            # Only the VTEP addresses taken go into this plan's entries (one per family the
+            # VTEP here has: agentd.dataplane.backends), not one refused or not checked.
+            drop = {_VTEP_KEYS[f] for f in (4, 6) if f in why or f not in routed}
+            if drop & p.extra.keys():
+                plans_by[v][addr] = replace(p, extra={k: x for k, x in p.extra.items() if k not in drop})
     primary = versions[0]
     owner, ownerless, untrusted_hops = next_hop_owners(nodes)
     routes: list[Route] = []

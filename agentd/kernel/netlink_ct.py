@@ -85,6 +85,9 @@ CTA_PROTOINFO_TCP = 1  # inside CTA_PROTOINFO
 CTA_PROTOINFO_TCP_STATE = 1  # u8 inside CTA_PROTOINFO_TCP: enum tcp_conntrack (a DESTROY carries it too)
 CTA_TIMESTAMP_START = 1  # inside CTA_TIMESTAMP
 CTA_TIMESTAMP_STOP = 2
+# The pad nla_put_be64 gives CTA_TIMESTAMP_EVENT (the kernel's choice): an empty attribute of
+# this type -- CTA_STATUS's number among the event's own -- before it where needed to align it.
+CTA_TIMESTAMP_PAD = 3
 
 IPS_SRC_NAT = 1 << 4
 IPS_DST_NAT = 1 << 5
@@ -257,6 +260,12 @@ def decode_event(mtype: int, buf: bytes, start: int, end: int) -> CtEvent | None
         elif atype == CTA_TUPLE_REPLY:
             reply = decode_tuple(buf, vs, ve)
         elif atype == CTA_STATUS:
+            if ve == vs:
+                # CTA_TIMESTAMP_EVENT's pad: the kernel writes it with nla_put_be64(..,
+                # CTA_TIMESTAMP_PAD), 3 -- CTA_STATUS's number at this level -- and where 64-bit
+                # access must be aligned puts an empty attribute of that type before it.  The
+                # kernel never sends an empty CTA_STATUS.
+                continue
             status = _read_be(buf, vs, ve, _BE32, "CTA_STATUS")
         elif atype == CTA_ID:
             ident = _read_be(buf, vs, ve, _BE32, "CTA_ID")
@@ -425,6 +434,9 @@ def rest_ok(buf: bytes, pos: int, end: int, level: int = 0) -> bool:
             return False
         if level == 0 and atype in (CTA_TUPLE_ORIG, CTA_TUPLE_REPLY):
             return False
+        if level == 0 and atype == CTA_TIMESTAMP_PAD and alen == 4:  # a pad, as decode_event reads it
+            pos += 4
+            continue
         want = sizes.get(atype)
         if want is not None and alen != want:
             return False

@@ -411,6 +411,54 @@ def test_a_dual_stack_peer_reached_over_vxlan_for_ipv6_only_gets_its_vtep_entrie
     assert wanted == {"10.0.0.9": (("10.244.9.0", "fd00:10:244:9::"), "aa:bb:cc:dd:ee:ff", None, None)}
 
 
+def _dual_vxlan_peer(name, addr, i, **backend):
+    vx = {"type": "vxlan", "vtep_mac": f"aa:bb:cc:dd:ee:0{i}", "vtep_ip": f"10.244.{i}.0",
+          "vtep_ip_v6": f"fd00:10:244:{i}::", **backend}
+    return NodeRecord(name, IPv4Address(addr), 64512, IPv4Network(f"10.244.{i}.0/24"), False, None, vx,
+                      subnet_v6=IPv6Network(f"fd00:10:244:{i}::/64"))
+
+
+def test_a_node_not_yet_dual_stack_keeps_the_ipv4_vxlan_route_to_a_restarted_one():
+    """IPv4 -> dual-stack, nodes restarted one at a time: a node not yet restarted routes IPv4
+    only (its pod networks are IPv4), so the IPv6 subnet and VTEP address a restarted node's
+    record publishes are not taken -- and not checked: its IPv4 VTEP still is, and pod traffic
+    old -> new goes on (the whole peer refused had stopped it until every node was restarted)."""
+    n2 = _dual_vxlan_peer("n2", "10.9.0.2", 2)
+    plan = desired_routes([("10.244.2.0/24", IPv4Address("10.9.0.2"), False)], [n2], UNDERLAY,
+                          LocalPaths({"vxlan": "vxlan-device"}), own_subnets=["10.244.1.0/24"], blackhole_metric=4000,
+                          own_backend="vxlan", encap="always", pod_networks=["10.244.0.0/16"], subnet_lens={4: 24})
+    assert [(r.dst, r.gateway) for r in plan.routes] == [("10.244.1.0/24", None), ("10.244.2.0/24", "10.244.2.0")]
+    p = plan.plans["10.9.0.2"]
+    assert p.backend == "vxlan" and p.extra["vtep_ip"] == "10.244.2.0" and "vtep_ip_v6" not in p.extra
+    assert [u["subnet"] for u in plan.untrusted] == ["fd00:10:244:2::/64"]  # still said
+
+
+@pytest.mark.parametrize("family, bad", [
+    (6, {"vtep_ip_v6": "fd00:10:244:3::"}),  # n3's IPv6 VTEP address
+    (6, {"vtep_ip_v6": "fd00:10:244:2::1"}),  # not its subnet's network address
+    (4, {"vtep_ip": "10.244.3.0"}),
+    (4, {"vtep_ip": "10.244.2.1"}),
+])
+def test_a_wrong_vtep_address_of_one_family_refuses_that_familys_plan_only(family, bad):
+    """On a dual-stack node a VXLAN peer's VTEP address wrong in one family takes that family's
+    plan (and routes) away, not the other's; the plan kept carries no refused address, so no
+    neighbour entry is made for it."""
+    n2, n3 = _dual_vxlan_peer("n2", "10.9.0.2", 2, **bad), _dual_vxlan_peer("n3", "10.9.0.3", 3)
+    bests = [("10.244.2.0/24", IPv4Address("10.9.0.2"), False), ("fd00:10:244:2::/64", IPv6Address("::ffff:10.9.0.2"), False),
+             ("10.244.3.0/24", IPv4Address("10.9.0.3"), False), ("fd00:10:244:3::/64", IPv6Address("::ffff:10.9.0.3"), False)]
+    plan = desired_routes(bests, [n2, n3], DUAL_UNDERLAY, LocalPaths({"vxlan": "vxlan-device"}), own_subnets=[],
+                          blackhole_metric=4000, own_backend="vxlan", encap="always", versions=(4, 6),
+                          pod_networks=["10.244.0.0/16", "fd00:10:244::/48"], subnet_lens={4: 24, 6: 64})
+    refused, kept = (plan.plans_v6, plan.plans) if family == 6 else (plan.plans, plan.plans_v6)
+    key, other = ("vtep_ip_v6", "vtep_ip") if family == 6 else ("vtep_ip", "vtep_ip_v6")
+    assert not refused["10.9.0.2"].routable and f"backend field {key!r}" in refused["10.9.0.2"].reason
+    assert kept["10.9.0.2"].backend == "vxlan" and key not in kept["10.9.0.2"].extra and other in kept["10.9.0.2"].extra
+    dsts = [r.dst for r in plan.routes]
+    assert ("10.244.2.0/24" in dsts) == (family == 6) and ("fd00:10:244:2::/64" in dsts) == (family == 4)
+    assert {"10.244.3.0/24", "fd00:10:244:3::/64"} <= set(dsts)  # n3 untouched
+    assert plan.plans["10.9.0.3"].extra["vtep_ip_v6"] == "fd00:10:244:3::"
+
+
 # -- what a node may route: its pod subnets, never ours (security review) -----------------------
 
 POD_NET = ["10.244.0.0/16"]

@@ -633,3 +633,42 @@ def test_the_udp_port_stays_held_while_no_worker_runs_and_goes_to_the_next_one(m
         assert port.closed
 
     asyncio.run(main())
+
+
+def test_a_worker_retired_while_it_was_being_started_again_is_stopped_and_its_port_held(monkeypatch):
+    """The readiness loop finds the worker not answering and starts it again; while that start
+    runs, a pass retires the worker (its last peer left) -- too early to stop what the start is
+    making.  Once the start is done the worker it started is stopped (not left running with no
+    one to stop it), and its udp port socket goes to the agent to hold for the next worker."""
+    from agentd.dataplane import DataplaneError
+
+    seen = _recorded_workers(monkeypatch, stubbed=("sync",))  # the real refresh_stats and _reconnect
+
+    class _DeadClient:
+        async def stats(self):
+            raise DataplaneError("connection refused")
+
+        async def close(self):
+            pass
+
+    async def main():
+        t = _stubbed_tunnels([], USERSPACE)
+        _apply_pruning(t, [_udp_peer()])
+        await t._pass()
+        worker = t.active["udp"]
+        port = worker.port_socket
+        worker.client = _DeadClient()  # the worker died
+        up = backends_mod._Worker.up
+
+        async def up_while_retired(self, subnet):
+            await up(self, subnet)
+            self.retired = True  # a pass retired it meanwhile
+
+        monkeypatch.setattr(backends_mod._Worker, "up", up_while_retired)
+        await worker.refresh_stats()
+        assert len(seen.ups) == 2 and seen.ups[1] is worker
+        assert seen.downs == [(worker, True)], "the worker started for nothing runs on"
+        assert worker.client is None and worker.port_socket is None
+        assert t._held_ports == {"udp": port} and not port.closed
+
+    asyncio.run(main())

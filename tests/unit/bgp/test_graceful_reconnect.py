@@ -1,10 +1,11 @@
 """A graceful-restart peer that comes back on a new connection while we still hold the old
 one Established (RFC 4724 §4.2): the old session goes, its routes are kept as stale, and the
 peer's End-of-RIB on the new session flushes the ones it no longer announces -- whether its
-OPEN and first KEEPALIVE come in separate reads or in one.  Only a peer back from a restart
-is taken so: graceful restart agreed both ways on the old session and the new OPEN's Restart
-State bit set; any other OPEN on a second connection is a collision with an Established
-session (RFC 4271 §6.8), the new connection closed with Cease/7.  Sans-IO, float clock."""
+OPEN and first KEEPALIVE come in separate reads or in one.  A second connection is taken so
+when graceful restart was agreed both ways on the old session, whatever the new OPEN's Restart
+State bit (as BIRD: a peer that rebooted with no routes to keep sends R=0); without that, an
+OPEN on a second connection is a collision with an Established session (RFC 4271 §6.8), the
+new connection closed with Cease/7.  Sans-IO, float clock."""
 
 from __future__ import annotations
 
@@ -76,22 +77,29 @@ def connected(*, local_gr: bool = True, peer_gr: bool = True) -> tuple[Speaker, 
     return sp, h, before
 
 
+@pytest.mark.parametrize("restarted", [True, False])
 @pytest.mark.parametrize("one_read", [False, True])
-def test_a_peer_back_from_a_restart_on_a_new_connection_has_its_stale_routes_flushed(one_read):
+def test_a_peer_back_from_a_restart_on_a_new_connection_has_its_stale_routes_flushed(one_read, restarted):
+    """With or without the Restart State bit: a peer that rebooted (no FIN on the old connection)
+    with no routes to keep -- an agentd that adopted none, a helper-only router -- sends R=0,
+    and is let in at once (not refused with Cease/7 until our hold timer expires)."""
     sp, h, before = connected()
     h.send(before, update("10.244.1.0/24") + update("10.244.9.0/24"))
     assert held(sp, "10.244.1.0/24") and held(sp, "10.244.9.0/24")
 
     h.advance(1.0)
-    after = GracefulPeer(conn=-2, restarted=True)  # the old connection is not closed: the peer just came back
+    after = GracefulPeer(conn=-2, restarted=restarted)  # the old connection is not closed: the peer just came back
     assert h.open(after)
     if one_read:
         h.send(after, after.open_message() + Keepalive().encode())
     else:
         h.send(after, after.open_message())
         h.send(after, Keepalive().encode())
-    assert before.closed and not after.closed
+    assert before.closed and not after.closed and not told_collision(after)
+    assert not before.notifications()  # closed without NOTIFICATION
+    assert sp.peers[A].session.state is State.ESTABLISHED
     assert A in sp.graceful, "the old session's routes were not kept as stale"
+    assert held(sp, "10.244.1.0/24") and held(sp, "10.244.9.0/24")
     h.send(after, update("10.244.1.0/24") + end_of_rib())
     h.advance(1.0)
     assert held(sp, "10.244.1.0/24")
@@ -186,14 +194,15 @@ def test_a_peer_back_without_an_end_of_rib_has_its_stale_routes_purged_after_sta
     [
         (False, True, True),  # we do not offer graceful restart
         (True, False, True),  # the peer's OPEN on the Established session had none
-        (True, True, False),  # agreed, but the new OPEN has no Restart State bit: no restart
+        (False, True, False),
+        (True, False, False),
     ],
 )
 def test_a_second_open_without_an_agreed_restart_is_a_collision_and_the_session_stays(local_gr, peer_gr, restarted):
     """RFC 4271 §6.8: a connection colliding with an Established one is closed (Cease/7).  The
     RFC 4724 §4.2 reading (the peer restarted: the old session goes) is for a peer that
-    advertised graceful restart on that session to a speaker that did too, and that says it
-    restarted (the R bit, §3, §4.1) -- a GR-capable OPEN proves nothing more."""
+    advertised graceful restart on that session to a speaker that did too -- the old session's
+    end then keeps its routes stale; without it, it would withdraw them all."""
     sp, h, before = connected(local_gr=local_gr, peer_gr=peer_gr)
     h.send(before, update("10.244.1.0/24"))
     peer = sp.peers[A]
@@ -214,25 +223,29 @@ def test_a_second_open_without_an_agreed_restart_is_a_collision_and_the_session_
     assert held(sp, "10.244.2.0/24")
 
 
-def test_a_late_open_of_a_simultaneous_connect_leaves_both_sessions_up():
-    """Two graceful speakers connect to each other at once.  One connection comes up; the other
-    one's OPEN (GR capable, no R bit) reaches its end only when that end accepts the connection,
-    late.  That OPEN is a plain collision: both keep the Established session (it used to be taken
-    for a restart there: the good session closed, and both ended Idle)."""
+def test_a_late_open_of_a_simultaneous_connect_is_a_graceful_reconnect_and_withdraws_nothing():
+    """Two graceful speakers connect to each other at once.  One connection comes up (b dumps
+    its own, still unanswered, with Cease/7); b's OPEN on that connection reaches a only when a
+    accepts it, late.  With graceful restart agreed on the Established session, a takes it for
+    the peer's restart (as BIRD does at the accept): the good session goes, and the Cease/7
+    behind the OPEN ends the new one.  Both sides' sessions end gracefully -- routes kept stale,
+    none withdrawn -- and both are Established again after the connect retry."""
     la = LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.1"))
     lb = LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.2"))
     a = Peer(la, PeerSettings("10.0.0.2", 65000), conn_ids=itertools.count(1), now=0.0, rng=random.Random(1))
     b = Peer(lb, PeerSettings("10.0.0.1", 65000), conn_ids=itertools.count(100), now=0.0, rng=random.Random(1))
     peers = {"a": a, "b": b}
-    a.start(0.0)
-    b.start(0.0)
+    now = 0.0
+    a.start(now)
+    b.start(now)
     ca = next(x for x in a.take_actions() if isinstance(x, Connect)).conn
     cb = next(x for x in b.take_actions() if isinstance(x, Connect)).conn
-    a.connection_made(ca, 0.0)
-    b.connection_made(cb, 0.0)
-    b.accept(1001, 0.0)  # a's connection, as b sees it
+    a.connection_made(ca, now)
+    b.connection_made(cb, now)
+    b.accept(1001, now)  # a's connection, as b sees it
     link = {("a", ca): ("b", 1001), ("b", 1001): ("a", ca), ("b", cb): ("a", 2001), ("a", 2001): ("b", cb)}
     accepted = {("a", ca), ("b", 1001), ("b", cb)}  # a accepts b's connection (2001) late
+    inbound = itertools.count(3001)
     queue: list = []
     held_back: list = []
     events: list = []
@@ -241,6 +254,15 @@ def test_a_late_open_of_a_simultaneous_connect_leaves_both_sessions_up():
         for x in peers[name].take_actions():
             if isinstance(x, (Send, Close)):
                 queue.append((name, x))
+            elif isinstance(x, Connect):  # the reconnect: accepted at once
+                other = "b" if name == "a" else "a"
+                far = next(inbound)
+                link[(name, x.conn)], link[(other, far)] = (other, far), (name, x.conn)
+                accepted.update({(name, x.conn), (other, far)})
+                peers[name].connection_made(x.conn, now)
+                assert peers[other].accept(far, now).accepted
+                collect(other)
+                collect(name)
         while (ev := peers[name].next_event()) is not None:
             events.append((name, ev))
 
@@ -254,10 +276,10 @@ def test_a_late_open_of_a_simultaneous_connect_leaves_both_sessions_up():
                 held_back.append((name, x))
                 continue
             if isinstance(x, Send):
-                peers[dst[0]].data_received(dst[1], x.data, 0.0)
+                peers[dst[0]].data_received(dst[1], x.data, now)
             else:
                 del link[(name, x.conn)], link[dst]
-                peers[dst[0]].connection_lost(dst[1], 0.0)
+                peers[dst[0]].connection_lost(dst[1], now)
             collect("a")
             collect("b")
 
@@ -266,14 +288,24 @@ def test_a_late_open_of_a_simultaneous_connect_leaves_both_sessions_up():
     deliver()
     assert a.session.state is State.ESTABLISHED and b.session.state is State.ESTABLISHED
     assert held_back, "b's OPEN on its own connection was not held back"
-    a.accept(2001, 0.0)
+    a.accept(2001, now)
     accepted.add(("a", 2001))
     collect("a")
     queue[:0] = held_back
     deliver()
+    downs = [(name, ev) for name, ev in events if isinstance(ev, PeerDown)]
+    assert sorted(name for name, _ in downs) == ["a", "b"]
+    assert all(ev.graceful for _, ev in downs), "a session ended without graceful restart: its routes withdrawn"
 
-    assert a.session.state is State.ESTABLISHED and a.session.conn == ca
-    assert b.session.state is State.ESTABLISHED and b.session.conn == 1001
+    while not (a.session.state is State.ESTABLISHED and b.session.state is State.ESTABLISHED):
+        now = min(t for t in (a.get_timer(), b.get_timer()) if t is not None)
+        assert now < 10.0, "the two did not come back up after the connect retry"
+        for name, p in peers.items():
+            if (t := p.get_timer()) is not None and t <= now:
+                p.handle_timer(now)
+                collect(name)
+        deliver()
     assert not a.collisions and not b.collisions
-    assert [type(ev) for _, ev in events] == [PeerUp, PeerUp], events
-    assert not any(isinstance(ev, PeerDown) for _, ev in events)
+    assert [type(ev) for _, ev in events if isinstance(ev, (PeerUp, PeerDown))] == [PeerUp, PeerUp, PeerDown, PeerDown,
+                                                                                    PeerUp, PeerUp]
+    assert all(ev.graceful for _, ev in events if isinstance(ev, PeerDown))
