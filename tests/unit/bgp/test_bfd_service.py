@@ -376,3 +376,33 @@ def test_a_link_local_neighbour_written_with_its_scope_keeps_that_interface_when
             await bfd.stop()
 
     asyncio.run(run())
+
+
+def test_a_due_detection_timer_reads_past_many_other_neighbours_packets_before_declaring_down():
+    # All sessions share one wildcard receive socket.  A loop stall of about the Detection Time
+    # queues several packets per neighbour: with 200 of others' ahead of this neighbour's, the
+    # timer read 64 and declared it down (Cease/10 to a healthy peer).
+    async def run() -> None:
+        clock, changes = Clock(), []
+        bfd, nbr = service(clock, changes)
+        other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        other.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, 255)
+        other.bind(("127.0.0.9", 0))
+        try:
+            mine = bring_up(bfd, nbr, local_address=OURS)
+            changes.clear()
+            for i in range(200):  # other neighbours' packets, queued first (no session here: unknown)
+                other.sendto(ControlPacket(State.UP, 0x100 + i, 0x9999, detect_mult=3, desired_min_tx=100_000,
+                                           required_min_rx=100_000).encode(), (OURS, bfd.port))
+            clock.t += 0.35  # the loop was busy; the neighbour sent in time, behind the others
+            nbr.send(State.UP, mine)
+            assert clock.t >= bfd.session(THEIRS).detect_at
+            fire_timer(bfd)
+            assert bfd.state(THEIRS) is State.UP and changes == []
+            assert bfd.unknown_packets == 200
+        finally:
+            other.close()
+            await bfd.stop()
+            nbr.close()
+
+    asyncio.run(run())
