@@ -358,8 +358,11 @@ def test_repeated_bfd_resets_hold_the_peer_down_longer_each_time_up_to_a_cap_and
     from bgp.speaker import BFD_HOLD_INITIAL, BFD_HOLD_MAX, BFD_QUIET
     from bgp.testing import speaker_pair
 
-    net, a, b = speaker_pair()
-    up = lambda: a.peers["10.0.0.2"].state is State.ESTABLISHED  # noqa: E731
+    net, a, _ = speaker_pair()
+
+    def up() -> bool:
+        return a.peers["10.0.0.2"].state is State.ESTABLISHED
+
     net.run_until(up, timeout=30)
 
     def flap() -> float:
@@ -483,3 +486,34 @@ def test_a_bfd_session_going_down_administratively_or_coming_up_leaves_bgp_estab
         assert svc.speaker.peers["10.1.0.2"].state is State.ESTABLISHED, change
     assert svc.speaker.counters["bfd resets"] == 0
     assert _notifications(protos["10.1.0.2"]) == [] and not protos["10.1.0.2"].transport.closing
+
+
+def test_a_link_local_client_from_a_listen_range_gets_no_bfd_session_with_one_log_line(loop, caplog):
+    # fe80::7%eth0 accepted from a range covering fe80::/10: its scope is lost on the way to
+    # BFD (the peer's key is the bare address), so packets went out on whatever interface the
+    # kernel chose, and once the local address fe80::1 was learned every add() failed (EINVAL)
+    # with an error line every 30 s.  Refused, as BIRD refuses a link-local neighbour without
+    # an interface: one line, the BGP session itself unaffected.
+    from bgp.fsm import State
+    from bgp.testing import RawPeer
+    from proto.messages import Keepalive
+
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("::", 179))
+    svc.set_listen_ranges([ListenRange(ip_network("::/0"), PeerSettings(IPv6Address("::"), 65000, bfd=BFD)),
+                           ListenRange(ip_network("10.1.0.0/16"), PeerSettings(IPv4Address("10.1.0.0"), 65000,
+                                                                               bfd=BFD))])
+    with caplog.at_level("INFO", logger="bgp.transport"):
+        proto = inbound(svc, "fe80::7%eth0", local="fe80::1%eth0")
+        proto.data_received(RawPeer("fe80::7", 65000, conn=0, router_id="10.9.9.7").open_message()
+                            + Keepalive().encode())
+        assert svc.speaker.peers["fe80::7"].state is State.ESTABLISHED
+        assert bfd.sessions == {} and bfd.listen == set()
+        for _ in range(3):  # the 30 s retries and later changes of peers: no more lines
+            svc._sync_bfd()
+        inbound(svc, "10.1.0.7", local=RR)  # another client: BFD as usual
+        assert set(bfd.sessions) == {"10.1.0.7"} and bfd.listen == {"0.0.0.0"}
+        svc._sync_bfd()
+    lines = [r for r in caplog.records if r.name == "bgp.transport" and "fe80::7" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "WARNING", [r.getMessage() for r in lines]
+    assert "link-local" in lines[0].getMessage() and "without BFD" in lines[0].getMessage()
