@@ -86,6 +86,13 @@ STOP_REPEATS = 3
 STOP_GAP = 0.1
 STOP_BOUND = 1.0
 _READ_BUDGET = 64  # datagrams per wake-up, so one busy socket cannot starve the loop
+# A receive socket's buffer (SO_RCVBUFFORCE when we may, else SO_RCVBUF, which the kernel caps
+# at net.core.rmem_max): a stall of one Detection Time queues ~3 packets per neighbour.
+_RCVBUF = 1 << 20
+# A due detection timer reads the receive sockets until they are empty, but never more than
+# one datagram per this many bytes of their buffer (no datagram takes less room in it): a flood
+# arriving while it reads cannot keep it reading for ever.
+_MIN_DATAGRAM_ROOM = 64
 _BIND_ATTEMPTS = 64
 _INT = struct.Struct("=i")
 
@@ -363,6 +370,7 @@ class BfdService:
             else:
                 sock.setsockopt(socket.IPPROTO_IP, IP_RECVTTL, 1)
                 sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
+            _grow_rcvbuf(sock)
             sock.bind((host, self.port))
         except OSError as err:
             sock.close()
@@ -433,8 +441,8 @@ class BfdService:
             except OSError:
                 return
 
-    def _readable(self, sock: socket.socket) -> None:
-        for _ in range(_READ_BUDGET):
+    def _readable(self, sock: socket.socket, budget: int = _READ_BUDGET) -> None:
+        for _ in range(budget):
             try:
                 data, ancdata, _flags, addr = sock.recvmsg(512, _CMSG_SPACE)
             except (BlockingIOError, InterruptedError):
@@ -587,9 +595,11 @@ class BfdService:
         if detect_at is not None and self.clock() >= detect_at:
             # The Detection Time ran out -- or the loop was busy: uvloop runs due timers before
             # it reads sockets that became readable during a long callback, so the neighbour's
-            # packets may be waiting unread.  Read them first; only silence is a failure.
+            # packets may be waiting unread.  Read them first, all of them: behind the
+            # neighbour's may be any number of other neighbours' (one wildcard socket for all);
+            # only silence is a failure.
             for sock in list(self._rx.values()):
-                self._readable(sock)
+                self._readable(sock, budget=_drain_limit(sock))
             if nb.sock.fileno() < 0:
                 return  # closed meanwhile (a removed session's AdminDown time ended)
         try:
@@ -624,6 +634,24 @@ class BfdService:
             discr = self.rng.randint(1, 0xFFFFFFFF)
             if discr not in self._by_discr:
                 return discr
+
+
+def _grow_rcvbuf(sock: socket.socket) -> None:
+    for option in (getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, _RCVBUF)
+            return
+        except OSError:  # SO_RCVBUFFORCE without CAP_NET_ADMIN: EPERM
+            continue
+
+
+def _drain_limit(sock: socket.socket) -> int:
+    """How many datagrams reading ``sock`` until it is empty may take at most."""
+    try:
+        room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    except OSError:
+        room = _RCVBUF
+    return max(_READ_BUDGET, room // _MIN_DATAGRAM_ROOM)
 
 
 def _received_ttl(ancdata: list) -> int | None:

@@ -72,6 +72,17 @@ _MISSING = object()
 
 DEFERRAL_KEY = "\0deferral"  # the timer of RFC 4724 §4.1 (no peer key starts with NUL)
 
+# BFD-caused resets are damped (BIRD: bgp_update_startup_delay() from bgp_bfd_notify(), its
+# error wait time of 60 s doubling to 300 s, forgotten after 300 s without an error): a link
+# that passes TCP but loses BFD would otherwise reset the peer about once a second, withdrawing
+# and re-announcing its routes cluster-wide each time.  The first BFD reset after a quiet
+# period costs only the usual backoff (a neighbour that went and came back is back at once, as
+# before); each further one within BFD_QUIET seconds of the last one's hold-down ending holds
+# the peer down (no connection either way) for BFD_HOLD_INITIAL, doubling up to BFD_HOLD_MAX.
+BFD_HOLD_INITIAL = 60.0
+BFD_HOLD_MAX = 300.0
+BFD_QUIET = 300.0
+
 
 @dataclass(frozen=True)
 class Origination:
@@ -110,6 +121,9 @@ class Speaker:
         self.limiter = LogLimiter(log, pinned=lambda subject: subject in self.peers)
         #: Totals for metrics: "internal errors", "route refreshes deferred", "max-prefix resets", ...
         self.counters: Counter[str] = Counter()
+        # Peer key -> (the hold-down its last BFD reset got, when that hold-down ended): see
+        # BFD_HOLD_INITIAL.  Kept by address, so it outlives a listen-range client's Peer.
+        self._bfd_damping: dict[str, tuple[float, float]] = {}
         self.graceful = GracefulRestarts(self.rib, self._timers, local.stale_time)
         self.output = Output(
             local, self.rib, self.peers, self._timers, self.limiter, self.counters, sent=self._sent, reset=self._reset
@@ -357,15 +371,35 @@ class Speaker:
     def bfd_down(self, remote: str, why: str, now: float) -> None:
         """BFD says the path to ``remote`` failed: end its session at once with Cease/BFD Down
         (RFC 9384) instead of waiting for the hold timer; it is tried again after the usual
-        backoff."""
+        backoff, or, when BFD reset it before and it has not been quiet since, after a
+        hold-down that grows with each such reset (see :data:`BFD_HOLD_INITIAL`)."""
         self.now = now
         peer = self.peers.get(_normalize(remote))
         if peer is None or peer.state < State.OPEN_SENT:
             return
         self.counters["bfd resets"] += 1
-        log.warning("peer %s: BFD down (%s): resetting the session", peer.key, why)
-        peer.shutdown(now, Notification(ErrorCode.CEASE, CeaseSubcode.BFD_DOWN), f"BFD down: {why}")
+        hold = self._bfd_hold(peer.key, now)
+        if hold:
+            self.counters["bfd hold-downs"] += 1
+            log.warning("peer %s: BFD down (%s): resetting the session, held down for %gs "
+                        "(BFD reset it less than %gs before)", peer.key, why, hold, BFD_QUIET)
+        else:
+            log.warning("peer %s: BFD down (%s): resetting the session", peer.key, why)
+        peer.shutdown(now, Notification(ErrorCode.CEASE, CeaseSubcode.BFD_DOWN), f"BFD down: {why}", hold=hold)
         self._after(peer, now)
+
+    def _bfd_hold(self, key: str, now: float) -> float:
+        """The hold-down for a BFD reset of ``key`` now, remembered for the next one."""
+        for k, (_, ended) in list(self._bfd_damping.items()):
+            if now - ended >= BFD_QUIET:
+                del self._bfd_damping[k]  # quiet long enough: forgotten
+        last = self._bfd_damping.get(key)
+        if last is None:
+            hold = 0.0
+        else:
+            hold = min(BFD_HOLD_MAX, 2 * last[0]) if last[0] else BFD_HOLD_INITIAL
+        self._bfd_damping[key] = (hold, now + hold)
+        return hold
 
     def get_timer(self) -> float | None:
         due = [t for t in (self._timers.next(), self.limiter.next_flush()) if t is not None]

@@ -315,6 +315,9 @@ class SpeakerService:
         # peer -> the local address of its last BGP connection; kept while the peer wants BFD,
         # also when Speaker.set_peers replaces its Peer object (any change of its settings)
         self._bfd_learned: dict[str, str] = {}
+        # Link-local peers (listen-range clients: configured peers cannot be link-local) wanting
+        # BFD, refused and logged once; forgotten when they stop wanting it (or go).
+        self._bfd_refused: set[str] = set()
         self.clock = clock
         self._wall: WallClock | None = None
         self.on_change = on_change
@@ -411,9 +414,14 @@ class SpeakerService:
         self._bfd_version = self.speaker.peers_version
         wanted: dict[str, tuple[str | None, BfdSettings]] = {}
         configured: list[tuple[str, str | None]] = []
+        refused: set[str] = set()
         for key, peer in self.speaker.peers.items():
             s = peer.settings
             if s.bfd is None:
+                continue
+            if _link_local(key):
+                self._refuse_bfd(key)
+                refused.add(key)
                 continue
             interval, mult = s.bfd
             explicit = str(s.local_address) if s.local_address else None
@@ -431,6 +439,7 @@ class SpeakerService:
             )
         for key in [k for k in self._bfd_learned if k not in wanted]:
             del self._bfd_learned[key]
+        self._bfd_refused &= refused
         if not wanted and (self.bfd is None or not self.bfd.started):
             return
         if self.bfd is None:
@@ -461,6 +470,15 @@ class SpeakerService:
                     self._retry_bfd_later()
                     continue
                 self._bfd_peers[key] = (local, settings)
+
+    def _refuse_bfd(self, key: str) -> None:
+        """No BFD session for a link-local neighbour: its key (the speaker's, an address
+        without its scope) names no interface to bind the session to or send it on (RFC 5881
+        §3), as BIRD refuses a link-local neighbour without one.  Said once per peer."""
+        if key not in self._bfd_refused:
+            self._bfd_refused.add(key)
+            log.warning("peer %s: no BFD for a link-local neighbour (no interface to bind it to); "
+                        "its BGP session runs without BFD", key)
 
     def _bfd_local_known(self, remote: str, local: str | None) -> None:
         """A connection to ``remote`` has a local address now: a BFD session that was sending
@@ -841,6 +859,11 @@ class _NegativeIds:
 def _abort(transport: asyncio.BaseTransport) -> None:
     with contextlib.suppress(Exception):
         transport.abort()  # type: ignore[attr-defined]
+
+
+def _link_local(address: str) -> bool:
+    a = ip_address(address.split("%", 1)[0])
+    return isinstance(a, IPv6Address) and a.is_link_local
 
 
 def _unmap(address: str) -> str:

@@ -154,10 +154,10 @@ def test_a_new_source_address_replaces_the_session_with_one_admin_down_not_a_dra
 ETH0, BRIDGE = 7, 9  # interface indexes: the neighbour's link, a pod bridge on the same node
 
 
-def ancdata(ifindex: int | None, dst: str = OURS, ttl: int = 255) -> list:
+def ancdata(ifindex: int | None, dst: str = OURS, ttl: int | None = 255) -> list:
     from bgp.bfd_transport import IP_PKTINFO, IP_TTL
 
-    out = [(socket.IPPROTO_IP, IP_TTL, struct.pack("=i", ttl))]
+    out = [(socket.IPPROTO_IP, IP_TTL, struct.pack("=i", ttl))] if ttl is not None else []
     if ifindex is not None:
         out.append((socket.IPPROTO_IP, IP_PKTINFO, struct.pack("=i4s4s", ifindex, socket.inet_aton(dst),
                                                                 socket.inet_aton(dst))))
@@ -372,6 +372,101 @@ def test_a_link_local_neighbour_written_with_its_scope_keeps_that_interface_when
             assert bfd._misdelivered(nb, BRIDGE, None) is not None  # a forgery on the bridge: refused
             assert nb.ifindex == ETH0 and lookups == []
             assert bfd._misdelivered(nb, ETH0, None) is None
+        finally:
+            await bfd.stop()
+
+    asyncio.run(run())
+
+
+def test_a_due_detection_timer_reads_past_many_other_neighbours_packets_before_declaring_down():
+    # All sessions share one wildcard receive socket.  A loop stall of about the Detection Time
+    # queues several packets per neighbour: with 200 of others' ahead of this neighbour's, the
+    # timer read 64 and declared it down (Cease/10 to a healthy peer).
+    async def run() -> None:
+        clock, changes = Clock(), []
+        bfd, nbr = service(clock, changes)
+        other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        other.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, 255)
+        other.bind(("127.0.0.9", 0))
+        try:
+            mine = bring_up(bfd, nbr, local_address=OURS)
+            changes.clear()
+            for i in range(200):  # other neighbours' packets, queued first (no session here: unknown)
+                other.sendto(ControlPacket(State.UP, 0x100 + i, 0x9999, detect_mult=3, desired_min_tx=100_000,
+                                           required_min_rx=100_000).encode(), (OURS, bfd.port))
+            clock.t += 0.35  # the loop was busy; the neighbour sent in time, behind the others
+            nbr.send(State.UP, mine)
+            assert clock.t >= bfd.session(THEIRS).detect_at
+            fire_timer(bfd)
+            assert bfd.state(THEIRS) is State.UP and changes == []
+            assert bfd.unknown_packets == 200
+        finally:
+            other.close()
+            await bfd.stop()
+            nbr.close()
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------ GTSM-like checks (RFC 5881 §4, §5)
+
+
+def test_a_packet_with_a_ttl_other_than_255_or_none_at_all_is_discarded_and_counted():
+    # RFC 5881 §5: "MUST be discarded if the received TTL or Hop Limit is not equal to 255".
+    # 254 is one router away; no TTL in the ancillary data means it cannot be told.
+    async def run() -> None:
+        clock, changes = Clock(), []
+        bfd = crafted(clock, changes)
+        try:
+            mine = crafted_up(bfd)
+            changes.clear()
+            session = bfd.session(THEIRS)
+            packets_in = session.packets_in
+            bfd._datagram(packet(State.DOWN, mine), ancdata(ETH0, ttl=254), THEIRS)
+            assert bfd.status()[0]["bad_packets"] == 1
+            bfd._datagram(packet(State.DOWN, mine), ancdata(ETH0, ttl=None), THEIRS)
+            assert bfd.status()[0]["bad_packets"] == 2
+            bfd._datagram(packet(State.DOWN, 0), ancdata(ETH0, ttl=1), THEIRS)
+            assert bfd.status()[0]["bad_packets"] == 3
+            assert bfd.state(THEIRS) is State.UP and changes == [] and session.packets_in == packets_in
+            # From an address without a session: the service's own counter.
+            bfd._datagram(packet(State.DOWN, 0), ancdata(ETH0, ttl=254), "127.0.0.3")
+            assert bfd.bad_packets == 1 and bfd.unknown_packets == 0
+            # The same packet with TTL 255 is taken.
+            bfd._datagram(packet(State.DOWN, mine), ancdata(ETH0), THEIRS)
+            assert bfd.state(THEIRS) is State.DOWN
+        finally:
+            await bfd.stop()
+
+    asyncio.run(run())
+
+
+def test_sessions_send_with_ttl_255_from_a_source_port_in_49152_to_65535():
+    # RFC 5881 §4: "The source port MUST be in the range 49152 through 65535"; §5: sent with
+    # TTL / Hop Limit 255.  Sixteen sessions: a port drawn from a wider range would fall below
+    # 49152 in one of them (all above by chance: 0.25 ** 16).
+    async def run() -> None:
+        clock, changes = Clock(), []
+        bfd = crafted(clock, changes)
+        try:
+            peers = [f"127.0.0.{i}" for i in range(10, 26)]
+            for peer in peers:
+                bfd.add(peer, settings=FAST)
+            ports = [bfd._by_address[peer].source_port for peer in peers]
+            assert all(49152 <= port <= 65535 for port in ports), ports
+            assert len(set(ports)) == len(ports)
+            for peer in peers:
+                sock = bfd._by_address[peer].sock
+                assert sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL) == 255
+            if socket.has_ipv6:
+                try:
+                    bfd.add("::1", settings=FAST)
+                except OSError:
+                    pass  # no IPv6 on this host: the IPv4 checks stand
+                else:
+                    nb = bfd._by_address["::1"]
+                    assert nb.sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS) == 255
+                    assert 49152 <= nb.source_port <= 65535
         finally:
             await bfd.stop()
 

@@ -345,3 +345,175 @@ def test_a_listen_range_that_starts_asking_for_bfd_keeps_its_clients_and_starts_
     svc.set_listen_ranges([client_range()])
     assert svc.speaker.peers["10.1.0.7"] is client and client.settings.bfd == BFD
     assert set(bfd.sessions) == {"10.1.0.7"}
+
+
+# ------------------------------------------------------------ BFD resets damped (review r12)
+
+
+def test_repeated_bfd_resets_hold_the_peer_down_longer_each_time_up_to_a_cap_and_are_forgotten_when_quiet():
+    # A link that passes TCP but loses BFD packets: without damping every BFD failure reset the
+    # peer and it was back within a second (the backoff starts over once Established), about
+    # one flap a second, the node's routes withdrawn and re-announced cluster-wide each time.
+    from bgp.fsm import State
+    from bgp.speaker import BFD_HOLD_INITIAL, BFD_HOLD_MAX, BFD_QUIET
+    from bgp.testing import speaker_pair
+
+    net, a, _ = speaker_pair()
+
+    def up() -> bool:
+        return a.peers["10.0.0.2"].state is State.ESTABLISHED
+
+    net.run_until(up, timeout=30)
+
+    def flap() -> float:
+        """BFD fails at once: how long until the session is Established again."""
+        a.bfd_down("10.0.0.2", "Control Detection Time Expired", net.now)
+        assert a.peers["10.0.0.2"].state is State.IDLE
+        return net.run_until(up, timeout=BFD_HOLD_MAX + 60)
+
+    took = [flap() for _ in range(7)]
+    assert took[0] < 5  # the first after a quiet time: the usual backoff
+    assert BFD_HOLD_INITIAL <= took[1] < BFD_HOLD_INITIAL + 5
+    assert took[1] < took[2] < took[3] < took[4], took  # 60, 120, 240, 300
+    assert all(BFD_HOLD_MAX <= t < BFD_HOLD_MAX + 5 for t in took[4:]), took  # the cap
+    assert a.counters["bfd resets"] == 7 and a.counters["bfd hold-downs"] == 6
+    # Quiet for BFD_QUIET after the last hold-down ended: forgotten, the usual backoff again.
+    net.run(duration=BFD_QUIET)
+    assert flap() < 5
+    assert BFD_HOLD_INITIAL <= flap() < BFD_HOLD_INITIAL + 5
+
+
+def test_a_bfd_hold_down_refuses_the_neighbours_connections_and_damps_each_peer_on_its_own():
+    from bgp.fsm import State
+    from bgp.speaker import BFD_HOLD_INITIAL
+    from bgp.testing import RawHarness, RawPeer, make_speaker
+
+    sp = make_speaker("10.0.0.1", 65000, [("10.0.0.2", 65000), ("10.0.0.3", 65000)])
+    sp.start(0.0)
+    h = RawHarness(sp, "10.0.0.1")
+    conn = iter(range(-1, -100, -1))
+    for address in ("10.0.0.2", "10.0.0.3"):
+        assert h.connect(RawPeer(address, 65000, conn=next(conn)))
+    assert all(p.state is State.ESTABLISHED for p in sp.peers.values())
+    sp.bfd_down("10.0.0.2", "Neighbor Signaled Session Down", h.now)
+    h.advance(10)
+    assert h.connect(RawPeer("10.0.0.2", 65000, conn=next(conn)))  # the first: the usual backoff
+    sp.bfd_down("10.0.0.2", "Neighbor Signaled Session Down", h.now)
+    h.advance(10)
+    admission = h.open(RawPeer("10.0.0.2", 65000, conn=next(conn)))
+    assert not admission and "held down" in admission.reason
+    assert sp.peers["10.0.0.3"].state is State.ESTABLISHED
+    # 10.0.0.3's first BFD reset is its own first: not held.
+    sp.bfd_down("10.0.0.3", "Control Detection Time Expired", h.now)
+    h.advance(10)
+    assert h.connect(RawPeer("10.0.0.3", 65000, conn=next(conn)))
+    h.advance(BFD_HOLD_INITIAL)
+    assert h.connect(RawPeer("10.0.0.2", 65000, conn=next(conn)))
+
+
+# ------------------------------------------------------------ what a BFD state change does to BGP
+
+
+def _established(svc: SpeakerService, *addresses: str) -> dict[str, _Protocol]:
+    from bgp.fsm import State
+    from bgp.testing import RawPeer
+    from proto.messages import Keepalive
+
+    svc.set_peers([PeerSettings(IPv4Address(a), 65000, passive=True, bfd=BFD) for a in addresses])
+    protos = {}
+    for a in addresses:
+        protos[a] = proto = inbound(svc, a, local=RR)
+        proto.data_received(RawPeer(a, 65000, conn=0).open_message() + Keepalive().encode())
+        assert svc.speaker.peers[a].state is State.ESTABLISHED
+    return protos
+
+
+def _notifications(proto: _Protocol) -> list:
+    from proto.messages import MessageReader, MessageType, Notification
+
+    reader = MessageReader()
+    reader.feed(b"".join(bytes(c) for c in proto.transport.written))
+    return [Notification.decode(body) for t, body in reader.messages() if t == MessageType.NOTIFICATION]
+
+
+def test_a_bfd_failure_resets_that_peers_bgp_session_with_cease_10_and_no_other(loop):
+    from bgp.bfd import BfdEvent, BfdStateChanged
+    from bgp.fsm import State
+    from proto.bfd import Diag
+    from proto.bfd import State as Bfd
+    from proto.errors import CeaseSubcode, ErrorCode
+
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("0.0.0.0", 179))
+    protos = _established(svc, "10.1.0.2", "10.1.0.3")
+    assert set(bfd.sessions) == {"10.1.0.2", "10.1.0.3"}
+    on_change = svc._bfd_changed  # what SpeakerService gives the BfdService it makes
+    on_change("10.1.0.2", BfdStateChanged(Bfd.UP, Bfd.DOWN, Diag.CONTROL_DETECTION_TIME_EXPIRED,
+                                          BfdEvent.DETECTION_TIME_EXPIRED))
+    peer = svc.speaker.peers["10.1.0.2"]
+    assert peer.state is State.IDLE and "BFD down: Control Detection Time Expired" in peer.last_error
+    assert svc.speaker.counters["bfd resets"] == 1
+    assert [(n.code, n.subcode) for n in _notifications(protos["10.1.0.2"])] == [(ErrorCode.CEASE, CeaseSubcode.BFD_DOWN)]
+    assert protos["10.1.0.2"].transport.closing
+    # The other peer is untouched.
+    assert svc.speaker.peers["10.1.0.3"].state is State.ESTABLISHED
+    assert _notifications(protos["10.1.0.3"]) == [] and not protos["10.1.0.3"].transport.closing
+    # The neighbour saying Down (diagnostic 3) is a failure too.
+    on_change("10.1.0.3", BfdStateChanged(Bfd.UP, Bfd.DOWN, Diag.NEIGHBOR_SIGNALED_SESSION_DOWN, BfdEvent.RECV_DOWN))
+    assert svc.speaker.peers["10.1.0.3"].state is State.IDLE and svc.speaker.counters["bfd resets"] == 2
+
+
+def test_a_bfd_session_going_down_administratively_or_coming_up_leaves_bgp_established(loop):
+    # RFC 5882 §3.2: a neighbour's AdminDown (its agent restarting, its BFD turned off) is no
+    # failure: its BGP session -- in a graceful restart, say -- must not be reset for it.
+    from bgp.bfd import BfdEvent, BfdStateChanged
+    from bgp.fsm import State
+    from proto.bfd import Diag
+    from proto.bfd import State as Bfd
+
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("0.0.0.0", 179))
+    protos = _established(svc, "10.1.0.2")
+    on_change = svc._bfd_changed
+    for change in (
+        BfdStateChanged(Bfd.UP, Bfd.DOWN, Diag.NEIGHBOR_SIGNALED_SESSION_DOWN, BfdEvent.RECV_ADMIN_DOWN),
+        BfdStateChanged(Bfd.DOWN, Bfd.INIT, Diag.NONE, BfdEvent.RECV_DOWN),
+        BfdStateChanged(Bfd.INIT, Bfd.UP, Diag.NONE, BfdEvent.RECV_UP),
+        BfdStateChanged(Bfd.UP, Bfd.ADMIN_DOWN, Diag.ADMINISTRATIVELY_DOWN, BfdEvent.ADMIN_DISABLE),
+        BfdStateChanged(Bfd.INIT, Bfd.DOWN, Diag.CONTROL_DETECTION_TIME_EXPIRED, BfdEvent.DETECTION_TIME_EXPIRED),
+    ):
+        on_change("10.1.0.2", change)
+        assert svc.speaker.peers["10.1.0.2"].state is State.ESTABLISHED, change
+    assert svc.speaker.counters["bfd resets"] == 0
+    assert _notifications(protos["10.1.0.2"]) == [] and not protos["10.1.0.2"].transport.closing
+
+
+def test_a_link_local_client_from_a_listen_range_gets_no_bfd_session_with_one_log_line(loop, caplog):
+    # fe80::7%eth0 accepted from a range covering fe80::/10: its scope is lost on the way to
+    # BFD (the peer's key is the bare address), so packets went out on whatever interface the
+    # kernel chose, and once the local address fe80::1 was learned every add() failed (EINVAL)
+    # with an error line every 30 s.  Refused, as BIRD refuses a link-local neighbour without
+    # an interface: one line, the BGP session itself unaffected.
+    from bgp.fsm import State
+    from bgp.testing import RawPeer
+    from proto.messages import Keepalive
+
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("::", 179))
+    svc.set_listen_ranges([ListenRange(ip_network("::/0"), PeerSettings(IPv6Address("::"), 65000, bfd=BFD)),
+                           ListenRange(ip_network("10.1.0.0/16"), PeerSettings(IPv4Address("10.1.0.0"), 65000,
+                                                                               bfd=BFD))])
+    with caplog.at_level("INFO", logger="bgp.transport"):
+        proto = inbound(svc, "fe80::7%eth0", local="fe80::1%eth0")
+        proto.data_received(RawPeer("fe80::7", 65000, conn=0, router_id="10.9.9.7").open_message()
+                            + Keepalive().encode())
+        assert svc.speaker.peers["fe80::7"].state is State.ESTABLISHED
+        assert bfd.sessions == {} and bfd.listen == set()
+        for _ in range(3):  # the 30 s retries and later changes of peers: no more lines
+            svc._sync_bfd()
+        inbound(svc, "10.1.0.7", local=RR)  # another client: BFD as usual
+        assert set(bfd.sessions) == {"10.1.0.7"} and bfd.listen == {"0.0.0.0"}
+        svc._sync_bfd()
+    lines = [r for r in caplog.records if r.name == "bgp.transport" and "fe80::7" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "WARNING", [r.getMessage() for r in lines]
+    assert "link-local" in lines[0].getMessage() and "without BFD" in lines[0].getMessage()
