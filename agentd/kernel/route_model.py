@@ -28,8 +28,10 @@ PROTOCOL_NAMES = {
 RTM_F_CLONED = 0x200
 
 ADD, REPLACE, DELETE = "add", "replace", "delete"
+BESIDE = "add beside"  # IPv6: a route added beside ours at its key (agentd.kernel.route_plan.needs_beside)
 REQUEST_FLAGS = {
     ADD: nl.NLM_F_REQUEST | nl.NLM_F_CREATE | nl.NLM_F_EXCL,
+    BESIDE: nl.NLM_F_REQUEST | nl.NLM_F_CREATE,
     REPLACE: nl.NLM_F_REQUEST | nl.NLM_F_REPLACE,
     DELETE: nl.NLM_F_REQUEST,
 }

@@ -38,12 +38,32 @@ from agentd.kernel.route_model import (
 
 class RoutePlan(NamedTuple):
     """What one reconcile sends, and the destinations nobody wants any more (their
-    failures and conflicts are forgotten)."""
+    failures and conflicts are forgotten).  ``besides``: IPv6 routes added beside our old
+    route(s) at their key, each with those old ones, deleted once it is in (``needs_beside``)."""
 
     adds: list[Route]
     replaces: list[Route]
     deletes: list[Route | Stray]
     stale: list[str]
+    besides: list[tuple[Route, list[Route | Stray]]]
+
+
+def needs_beside(want: Route, old_gateway: str | None) -> bool:
+    """Must ``want`` be added beside our IPv6 route at its key rather than replace it?
+
+    Linux's fib6_add_rt2node lets an IPv6 NLM_F_REPLACE take only a route as ECMP-able as the
+    new one (rt6_qualify_for_ecmp: a gateway route, not RA-learned, no nexthop object), or
+    for an ECMP-able new one the first other route.  Before Linux 4.19 a route that is not
+    ECMP-able (blackhole, unreachable, a device-only route) never took an ECMP-able one
+    (Linux 4.1 "ipv6: fix ECMP route replacement" to 4.18): the replace failed ENOENT, and
+    the add tried then met EEXIST, at every resync, the old gateway route carrying the
+    traffic meanwhile.  (Later kernels fall back to the first route at the key, whoever's,
+    and its siblings.)  On every kernel such a route is added beside ours with NLM_F_CREATE
+    alone (rt6_duplicate_nexthop: a gateway route is never its duplicate), and our old
+    route is then deleted by its gateway and device: no gap, and no other daemon's route at
+    the key touched.  The other way (an ECMP-able route where ours is not) a replace takes
+    ours on every kernel (the fallback to the first route at the key)."""
+    return want.gateway is None and old_gateway is not None and ":" in want.dst
 
 
 class Work(NamedTuple):
@@ -174,10 +194,14 @@ class RouteState:
         replaces: list[Route] = []
         deletes: list[Route | Stray] = []
         stale: list[str] = []
+        besides: list[tuple[Route, list[Route | Stray]]] = []
 
         def change(want: Route, have: Route) -> None:
             if kernel_metric(want) == kernel_metric(have):
-                replaces.append(want)
+                if needs_beside(want, have.gateway):
+                    besides.append((want, [have]))  # then ours deleted by its gateway
+                else:
+                    replaces.append(want)
             else:  # a new key: add the new route first, then delete the old one
                 adds.append(want)
                 deletes.append(have)
@@ -216,8 +240,8 @@ class RouteState:
             # the discard above delete the one filed as its route.
             deletes.extend(s for s in self.strays if s.text in desired or s.text in discarded)
         if (adds or replaces) and self.strays:
-            self._replace_keyed_strays(adds, replaces, deletes)
-        return RoutePlan(adds, replaces, deletes, stale)
+            self._replace_keyed_strays(adds, replaces, deletes, besides)
+        return RoutePlan(adds, replaces, deletes, stale, besides)
 
     def _keyed_strays(self) -> dict[tuple[str, int], list[Stray]]:
         """Our strays by the key (dst, metric) they hold (tos 0, no source prefix): one, or
@@ -228,7 +252,8 @@ class RouteState:
                 keyed.setdefault((stray.text, stray.priority or 0), []).append(stray)
         return keyed
 
-    def _replace_keyed_strays(self, adds: list[Route], replaces: list[Route], deletes: list[Route | Stray]) -> None:
+    def _replace_keyed_strays(self, adds: list[Route], replaces: list[Route], deletes: list[Route | Stray],
+                              besides: list[tuple[Route, list[Route | Stray]]]) -> None:
         """A stray of ours holding the very key (dst, tos 0, no source prefix, metric) of a route
         being added (one the Route model cannot say: multipath, a nexthop object, RTA_VIA) would
         make the add meet EEXIST and then be deleted, leaving the destination without a route:
@@ -237,7 +262,10 @@ class RouteState:
 
         A replace takes the whole IPv6 multipath route holding its key, every next hop: the
         deletes of those next hops are dropped too (one naming the gateway of the route put
-        in their place would delete it)."""
+        in their place would delete it).
+
+        An IPv6 route no replace can put in the place of those next hops (``needs_beside``)
+        is added beside them instead, and they are deleted once it is in."""
         keyed = self._keyed_strays()
         if not keyed:
             return
@@ -247,6 +275,9 @@ class RouteState:
             key = (want.dst, kernel_metric(want))
             if key not in keyed or key in taken:
                 kept.append(want)
+            elif any(needs_beside(want, stray.gateway) for stray in keyed[key]):
+                taken.add(key)
+                besides.append((want, list(keyed[key])))
             else:
                 taken.add(key)
                 replaces.append(want)
@@ -285,9 +316,10 @@ class RouteState:
 
     # --- what the kernel acknowledged --------------------------------------------------------
 
-    def installed(self, routes: list[Route], report: list[str]) -> None:
+    def installed(self, routes: list[Route], report: list[str], beside: bool = False) -> None:
+        """``beside``: added beside our old routes at their keys, which are deleted next."""
         kernel, strays = self.kernel, self.strays
-        if strays:
+        if strays and not beside:
             self._forget_replaced_strays(routes)
         for route in routes:
             dst = route.dst

@@ -42,6 +42,7 @@ from agentd.kernel import netlink_links as links
 from agentd.kernel.route_adopt import adopt, classify_existing
 from agentd.kernel.route_model import (
     ADD,
+    BESIDE,
     DELETE,
     REPLACE,
     RTM_F_CLONED,
@@ -259,7 +260,8 @@ class RouteProgrammer:
             work = state.take_work(full)
             plan = state.plan(work.dsts, work.full, work.retry)
             state.forget(plan.stale)
-            added, replaced, removed, failed, conflicts = await self._apply(plan.adds, plan.replaces, plan.deletes)
+            changes = (plan.adds, plan.replaces, plan.deletes, plan.besides) if plan.besides else plan[:3]
+            added, replaced, removed, failed, conflicts = await self._apply(*changes)
             seconds = time.perf_counter() - started
             result = SyncResult(added, replaced, removed, failed, conflicts, seconds, full)
             self.counters.reconciles += 1
@@ -275,14 +277,24 @@ class RouteProgrammer:
                 log.exception("on_sync callback failed")
         return result
 
-    async def _apply(self, adds: list[Route], replaces: list[Route], deletes: list):
+    async def _apply(self, adds: list[Route], replaces: list[Route], deletes: list,
+                     besides: list[tuple[Route, list]] = ()):
         outcome = Outcome()
         failed: list[tuple[str, str]] = []
         conflicts: list[tuple[str, str]] = []
         exists: list[Route] = []
         vanished: list[Route] = []
-        for code, targets in ((ADD, adds), (REPLACE, replaces), (DELETE, deletes)):
-            for target, err, message in await self._execute(code, targets, outcome):
+        for code, targets in ((ADD, adds), (BESIDE, [want for want, _old in besides]), (REPLACE, replaces),
+                              (DELETE, deletes)):
+            results = await self._execute(code, targets, outcome)
+            if code == BESIDE and besides:
+                # Our old routes beside which a route went in (route_plan.needs_beside) go
+                # now, by their gateways: the destination's route was replaced, nothing
+                # removed.  Where the add failed they stay, and carry the traffic.
+                refused = {id(target) for target, _err, _message in results}
+                olds = [old for want, gone in besides if id(want) not in refused for old in gone]
+                results = [*results, *await self._execute(DELETE, olds, Outcome())]
+            for target, err, message in results:
                 if code == ADD and err == errno.EEXIST:
                     exists.append(target)
                 elif code == REPLACE and err == errno.ENOENT:
@@ -316,6 +328,9 @@ class RouteProgrammer:
         if code == DELETE:
             return await self.netlink.execute(code, targets, lambda done: state.deleted(done, outcome.removed),
                                               state.gone)
+        if code == BESIDE:  # the route for its destination changed: reported as replaced
+            return await self.netlink.execute(code, targets,
+                                              lambda done: state.installed(done, outcome.replaced, beside=True))
         report = outcome.added if code == ADD else outcome.replaced
         return await self.netlink.execute(code, targets, lambda done: state.installed(done, report))
 

@@ -735,3 +735,30 @@ async def test_our_ipv6_next_hop_deleted_with_another_daemons_multipath_route_is
     await eventually(restored, what="our next hop put back")
     assert programmer.counters.full_resyncs == resyncs
     assert programmer.programmed() == [Route(dst, gateway=GW6, dev="v0")]
+
+
+@pytest.mark.parametrize("other, shown", [
+    (Route("2001:db8:59::/64", dev="v0"), "2001:db8:59::/64 dev v0 metric 1024 pref medium"),
+    (Route("2001:db8:59::/64", kind="blackhole"), "blackhole 2001:db8:59::/64 dev lo metric 1024 pref medium"),
+], ids=["device-only", "blackhole"])
+async def test_our_ipv6_gateway_route_becomes_a_device_route_or_a_blackhole_and_back(lab, start, other, shown):
+    # A peer moved to the user-space backend (forwarding: a route onto its TUN device, no
+    # gateway), or its destination blackholed, and back.  Linux before 4.19 refuses an IPv6
+    # replace of a gateway route by a route without one (ENOENT; route_plan.needs_beside):
+    # the new route goes in beside ours and ours is deleted by its gateway after it.  The
+    # kernel shows exactly the desired route after each sync, nothing filed as a failure,
+    # and another daemon's route for the destination at another metric is left alone.
+    gateway = Route("2001:db8:59::/64", gateway=GW6, dev="v0")
+    via = "2001:db8:59::/64 via 2001:db8::2 dev v0 metric 1024 pref medium"
+    await lab.ip("-6", "route", "add", "2001:db8:59::/64", "via", "2001:db8::3", "dev", "v0", "metric", "2000",
+                 "proto", "bird")
+    theirs = [line for line in await lab.table_all() if "2001:db8:59::" in line]
+    programmer = await start(resync_interval=3600)
+    for want, line in ((gateway, via), (other, shown), (gateway, via), (other, shown)):
+        programmer.upsert(want)
+        result = await programmer.reconcile()
+        assert result.ok and result.removed == () and programmer.failures == {}, result
+        assert await lab.own("-6") == [line]
+        again = await programmer.reconcile(full=True)
+        assert (again.added, again.replaced, again.removed, again.failed) == ((), (), (), ())
+    assert [line for line in await lab.table_all() if "2001:db8:59::" in line] == theirs

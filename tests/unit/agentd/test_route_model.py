@@ -12,7 +12,14 @@ fib_table_delete and fib6_add_rt2node / ip6_route_del do: a route's key is (fami
 dst/plen, tos, priority); NLM_F_EXCL on an existing key -> EEXIST; NLM_F_REPLACE replaces
 whatever route holds the key, whoever owns it, and without NLM_F_CREATE fails ENOENT; a
 delete names table, dst, tos and protocol, an absent or zero priority matches any, the
-lowest-priority match goes, none -> ESRCH; a gateway route without a device gets eth0.  It
+lowest-priority match goes, none -> ESRCH; a gateway route without a device gets eth0.
+IPv6 keeps a list of routes per key (the fib6 leaf, in insertion order; no two gateway
+routes in it here: nobody appends): NLM_F_CREATE without NLM_F_EXCL adds beside them (EEXIST
+for a duplicate next hop: same gateway and device), a delete takes the first match, and
+NLM_F_REPLACE takes the first route as ECMP-able as the new one (rt6_qualify_for_ecmp: a
+gateway route), else for a gateway route the first route; for one that is not ECMP-able,
+Linux 4.1-4.18 add it beside (NLM_F_CREATE) or fail ENOENT, later kernels take the first
+route (``old_replace``, drawn).  It
 answers dumps (filtered like NETLINK_GET_STRICT_CHK, or not: drawn), tells the monitor socket
 about changes other people make (never about the programmer's own, which the real monitor's
 BPF filter drops), and flushes IPv4 routes silently when a link flaps, followed by the link
@@ -119,6 +126,11 @@ def kernel_priority(family: int, priority: int | None) -> int:
     return priority or 0
 
 
+def ecmp_entry(entry: Entry) -> bool:
+    """rt6_qualify_for_ecmp: an IPv6 gateway route."""
+    return entry.family == AF6 and entry.gateway is not None
+
+
 def entry_message(entry: Entry, mtype: int, seq: int, flags: int) -> bytes:
     """How the kernel reports a route (dump answer or notification)."""
     # IPv4 reports RTA_PRIORITY only when non-zero, IPv6 always.
@@ -142,8 +154,10 @@ def link_message(mtype: int, seq: int, flags: int, index: int, up: bool) -> byte
 class FakeKernel:
     """The stand-in: route tables, links, and the monitor socket of whoever listens."""
 
-    def __init__(self, strict_dumps: bool) -> None:
-        self.routes: dict[tuple, Entry] = {}
+    def __init__(self, strict_dumps: bool, old_replace: bool = True) -> None:
+        self.routes: dict[tuple, Entry] = {}  # the first route per key
+        self.beside: dict[tuple, list[Entry]] = {}  # IPv6: the key's other routes, in leaf order
+        self.old_replace = old_replace  # Linux 4.1-4.18's IPv6 replace (fib6_add_rt2node)
         self.strict_dumps = strict_dumps
         self.monitor: FakeMonitorSocket | None = None
         self.requests: list[tuple[str, Entry | nl.RouteMessage, int]] = []  # (op, target, errno)
@@ -162,6 +176,10 @@ class FakeKernel:
             if flags & nl.NLM_F_REPLACE:
                 op = "replace"
                 err = self._replace(entry, flags & nl.NLM_F_CREATE)[0]
+            elif flags & nl.NLM_F_CREATE and not flags & nl.NLM_F_EXCL:
+                assert entry.family == AF6 and not ecmp_entry(entry), "only IPv6 non-gateway routes go beside"
+                op = "beside"
+                err = self._add(entry, beside=True)
             else:
                 assert flags & nl.NLM_F_CREATE and flags & nl.NLM_F_EXCL, "adds must never overwrite"
                 op = "add"
@@ -186,23 +204,66 @@ class FakeKernel:
                      msg.tos, kernel_priority(msg.family, msg.priority), msg.protocol, msg.scope, msg.type,
                      msg.flags, msg.gateway, oif, msg.prefsrc, msg.mtu)
 
-    def _add(self, entry: Entry) -> int:
-        if entry.key in self.routes:
-            return errno.EEXIST
-        self.routes[entry.key] = entry
+    # the fib6 leaf of a key -------------------------------------------------------------
+
+    def leaf(self, key: tuple) -> list[Entry]:
+        first = self.routes.get(key)
+        return [] if first is None else [first, *self.beside.get(key, ())]
+
+    def set_leaf(self, key: tuple, leaf: list[Entry]) -> None:
+        if leaf:
+            self.routes[key] = leaf[0]
+        else:
+            self.routes.pop(key, None)
+        if leaf[1:]:
+            self.beside[key] = list(leaf[1:])
+        else:
+            self.beside.pop(key, None)
+
+    def entries(self) -> list[Entry]:
+        return [e for key in sorted(self.routes) for e in self.leaf(key)]
+
+    def remove(self, entry: Entry) -> None:
+        leaf = self.leaf(entry.key)
+        leaf.remove(entry)
+        self.set_leaf(entry.key, leaf)
+
+    def _add(self, entry: Entry, beside: bool = False) -> int:
+        leaf = self.leaf(entry.key)
+        if leaf and not beside:
+            return errno.EEXIST  # NLM_F_EXCL
+        if any(e.gateway == entry.gateway and e.oif == entry.oif for e in leaf):
+            return errno.EEXIST  # rt6_duplicate_nexthop, whoever's
+        assert not (ecmp_entry(entry) and any(ecmp_entry(e) for e in leaf)), "siblings are not modelled"
+        self.set_leaf(entry.key, [*leaf, entry])
         return 0
 
     def _replace(self, entry: Entry, create: bool) -> tuple[int, Entry | None]:
-        old = self.routes.get(entry.key)
-        if old is None and not create:
-            return errno.ENOENT, None
-        self.routes[entry.key] = entry
+        leaf = self.leaf(entry.key)
+        if not leaf:
+            if not create:
+                return errno.ENOENT, None
+            self.set_leaf(entry.key, [entry])
+            return 0, None
+        # fib6_add_rt2node: the first route as ECMP-able as the new one, else (fallback_ins)
+        # the first one -- before Linux 4.19 only for an ECMP-able new route: one that is not
+        # is then added (NLM_F_CREATE) or refused.  IPv4 has one route per key.
+        i = next((i for i, e in enumerate(leaf) if ecmp_entry(e) == ecmp_entry(entry)), None)
+        if i is None:
+            if self.old_replace and not ecmp_entry(entry):
+                if not create:
+                    return errno.ENOENT, None
+                self.set_leaf(entry.key, [*leaf, entry])
+                return 0, None
+            i = 0
+        old = leaf[i]
+        self.set_leaf(entry.key, [*leaf[:i], entry, *leaf[i + 1:]])
         return 0, old
 
     def _delete(self, msg: nl.RouteMessage) -> Entry | None:
         dst = msg.dst or ZERO[msg.family]
         candidates = sorted(
-            (e for e in self.routes.values()
+            (e for e in self.entries()
              if e.family == msg.family and e.table == msg.table and e.dst == dst and e.dst_len == msg.dst_len
              and e.tos == msg.tos
              and (not msg.priority or e.priority == msg.priority)
@@ -214,7 +275,7 @@ class FakeKernel:
             key=lambda e: e.priority)
         if not candidates:
             return None
-        del self.routes[candidates[0].key]
+        self.remove(candidates[0])
         return candidates[0]
 
     def dump(self, request: bytes, seq: int) -> bytes:
@@ -224,7 +285,7 @@ class FakeKernel:
         assert mtype == nl.RTM_GETROUTE, mtype
         want = nl.decode_route(request, start, end)
         out = []
-        for entry in sorted(self.routes.values()):
+        for entry in self.entries():
             if entry.family != want.family:
                 continue
             if self.strict_dumps and ((want.table and entry.table != want.table)
@@ -251,13 +312,13 @@ class FakeKernel:
         self.notify(entry_message(entry, nl.RTM_NEWROUTE, 0, flags))
 
     def others_delete(self, entry: Entry) -> None:
-        del self.routes[entry.key]
+        self.remove(entry)
         self.notify(entry_message(entry, nl.RTM_DELROUTE, 0, 0))
 
     def flap(self, index: int) -> None:
         """A link goes down and up: its IPv4 routes are flushed without a route notification."""
         for entry in [e for e in self.routes.values() if e.family == AF4 and e.oif == index]:
-            del self.routes[entry.key]
+            self.remove(entry)
         self.notify(link_message(nl.RTM_NEWLINK, 0, 0, index, False))
         self.notify(link_message(nl.RTM_NEWLINK, 0, 0, index, True))
 
@@ -455,7 +516,7 @@ class RouteModel(RuleBasedStateMachine):
     def _start(self) -> None:
         self._reset_caller()
         self.p = StandInProgrammer(self.kernel, table=self.table)
-        before_routes = dict(self.kernel.routes)
+        before_routes = self.kernel.entries()
         before_requests = len(self.kernel.requests)
         self.run(self.p.start())
         tasks, self.p._tasks = self.p._tasks, []
@@ -463,18 +524,20 @@ class RouteModel(RuleBasedStateMachine):
             task.cancel()
         self.run(asyncio.gather(*tasks, return_exceptions=True))
         assert self.kernel.requests[before_requests:] == [], "start() must only read (adoption)"
-        assert self.kernel.routes == before_routes
+        assert self.kernel.entries() == before_routes
 
-    @initialize(table=st.sampled_from([nl.RT_TABLE_MAIN, 1000]), strict=st.booleans(), data=st.data())
-    def setup(self, table, strict, data) -> None:
+    @initialize(table=st.sampled_from([nl.RT_TABLE_MAIN, 1000]), strict=st.booleans(), old_replace=st.booleans(),
+                data=st.data())
+    def setup(self, table, strict, old_replace, data) -> None:
         # What a previous run of agentd and everybody else left in the tables.
         previous = data.draw(st.lists(routes(), max_size=6), label="own routes left by a previous run")
         others = data.draw(st.lists(external_entries(table), max_size=5), label="other routes")
-        self.setup_with(table, strict, [entry_of_route(r, table=table, protocol=OURS) for r in previous] + others)
+        self.setup_with(table, strict, [entry_of_route(r, table=table, protocol=OURS) for r in previous] + others,
+                        old_replace)
 
-    def setup_with(self, table: int, strict: bool, entries: list[Entry]) -> None:
+    def setup_with(self, table: int, strict: bool, entries: list[Entry], old_replace: bool = True) -> None:
         self.table = table
-        self.kernel = FakeKernel(strict_dumps=strict)
+        self.kernel = FakeKernel(strict_dumps=strict, old_replace=old_replace)
         for entry in entries:
             if entry.key not in self.kernel.routes:
                 self.kernel.routes[entry.key] = entry
@@ -486,18 +549,22 @@ class RouteModel(RuleBasedStateMachine):
         return entry.protocol == OURS and entry.table == self.table
 
     def own_entries(self) -> list[Entry]:
-        return [e for e in self.kernel.routes.values() if self.ours(e)]
+        return [e for e in self.kernel.entries() if self.ours(e)]
 
-    def not_ours(self) -> dict[tuple, Entry]:
-        return {k: e for k, e in self.kernel.routes.items() if not self.ours(e)}
+    def not_ours(self) -> list[Entry]:
+        return sorted(e for e in self.kernel.entries() if not self.ours(e))
 
     def blocked(self, want: Route) -> bool:
-        """Another protocol's route holds the key of this desired route in our table."""
-        entry = self.kernel.routes.get(key_of(want, self.table))
-        return entry is not None and entry.protocol != OURS
+        """Another protocol's route holds the key of this desired route in our table (and no
+        route of ours is there beside it)."""
+        leaf = self.kernel.leaf(key_of(want, self.table))
+        return any(e.protocol != OURS for e in leaf) and not any(e.protocol == OURS for e in leaf)
+
+    def own_at(self, want: Route) -> list[Entry]:
+        return [e for e in self.kernel.leaf(key_of(want, self.table)) if self.ours(e)]
 
     def dump_state(self) -> str:
-        return "\n".join(e.describe() for e in sorted(self.kernel.routes.values()))
+        return "\n".join(e.describe() for e in sorted(self.kernel.entries()))
 
     # --- the caller (plain methods: the scenario tests below call them too) -------------------
 
@@ -568,7 +635,7 @@ class RouteModel(RuleBasedStateMachine):
 
     @rule(pick=st.integers(0, 1 << 16), then=THEN)
     def others_delete(self, pick, then) -> None:
-        entries = sorted(self.kernel.routes.values())
+        entries = sorted(self.kernel.entries())
         if entries:
             self.kernel.others_delete(entries[pick % len(entries)])
         self.then(then)
@@ -614,23 +681,19 @@ class RouteModel(RuleBasedStateMachine):
     def sync(self, full: bool) -> None:
         self.deliver_events()  # the loop reads the monitor before the coalesced reconcile runs
         others = self.not_ours()
-        table = self.table
         # d) no gap: desired destinations that have a route of ours now keep one throughout;
         #    an own route that already is the desired one is never touched.
         keep = {dst for dst, want in self.desired.items()
                 if not self.blocked(want) and any(e.text == dst for e in self.own_entries())}
-        untouched = {}
-        for want in self.desired.values():
-            entry = self.kernel.routes.get(key_of(want, table))
-            if entry is not None and self.ours(entry) and satisfies(entry, want):
-                untouched[entry.key] = entry
+        untouched = [entry for want in self.desired.values() for entry in self.own_at(want)
+                     if satisfies(entry, want)]
 
         def watch(op, err) -> None:
             have = {e.text for e in self.own_entries()}
             gone = keep - have
             assert not gone, f"gap: {sorted(gone)} had a route of ours and lost it ({op}, errno {err})"
-            for key, entry in untouched.items():
-                assert self.kernel.routes.get(key) == entry, f"touched adopted {entry.describe()} ({op})"
+            for entry in untouched:
+                assert entry in self.kernel.leaf(entry.key), f"touched adopted {entry.describe()} ({op})"
 
         self.kernel.watch = watch
         try:
@@ -650,9 +713,9 @@ class RouteModel(RuleBasedStateMachine):
             if self.blocked(want):
                 assert dst in self.p.conflicts, f"{dst} conflicts but is not reported" + state
                 continue
-            entry = self.kernel.routes.get(key_of(want, self.table))
-            assert entry is not None and self.ours(entry) and satisfies(entry, want), \
-                f"desired {want} is not in the kernel" + state
+            mine = self.own_at(want)
+            assert len(mine) == 1 and satisfies(mine[0], want), f"desired {want} is not in the kernel" + state
+            assert dst not in self.p.failures, f"{dst} installed but filed as a failure" + state
             assert dst not in self.p.conflicts, f"{dst} installed but reported as a conflict" + state
         own = self.own_entries()
         if self.complete:
@@ -664,7 +727,7 @@ class RouteModel(RuleBasedStateMachine):
             assert not left, f"discarded destinations still routed: {left}" + state
 
     def check_idempotent(self) -> None:
-        routes = dict(self.kernel.routes)
+        routes = self.kernel.entries()
         n = len(self.kernel.requests)
         syncs = [lambda: self.p.reconcile()]
         if self.complete:
@@ -682,7 +745,7 @@ class RouteModel(RuleBasedStateMachine):
         for op, target, err in self.kernel.requests[n:]:
             assert op == "add" and target.key in conflicting and err == errno.EEXIST, \
                 f"full resync of an unchanged set sent {op} {target} (errno {err})"
-        assert self.kernel.routes == routes
+        assert self.kernel.entries() == routes
 
 
 # --- the tests -----------------------------------------------------------------------------------
@@ -825,6 +888,27 @@ def test_bug5_conflict_kept_after_someone_puts_our_route_in_its_place():
         m.others_add(entry_of_route(want, table=nl.RT_TABLE_MAIN, protocol=OURS), True)
         m.upsert(want)
         m.sync(False)  # a) installed but reported as a conflict
+
+
+@pytest.mark.parametrize("old_replace", [True, False], ids=["linux-4.1-4.18", "later"])
+@pytest.mark.parametrize("other", [Route("2001:db8::/64", dev="eth1"), Route("2001:db8::/64", kind="blackhole"),
+                                   Route("2001:db8::/64", kind="unreachable", mtu=1400)],
+                         ids=["dev-only", "blackhole", "unreachable"])
+def test_bug6_ipv6_gateway_route_becomes_one_no_replace_can_put_in_its_place(old_replace, other):
+    # A peer moved to the user-space backend (a device-only route), or a blackhole: before
+    # Linux 4.19 an IPv6 replace takes no gateway route for such a route (ENOENT), the add
+    # then meets EEXIST, and the destination is filed as a failure at every resync while
+    # the old gateway route carries the traffic.  And back: a gateway route replaces it.
+    gateway = Route("2001:db8::/64", gateway="2001:db8:ff::2", dev="eth0")
+    with scenario() as m:
+        m.kernel.old_replace = old_replace
+        for want in (gateway, other, gateway, other):
+            m.upsert(want)
+            m.sync(False)  # a) exactly the desired route, nothing filed as a failure; d) no gap
+            assert m.p.failures == {} and len(m.own_entries()) == 1
+        m.set_desired([gateway])
+        m.sync(True)
+        assert m.p.failures == {} and [e.gateway for e in m.own_entries()] == [pton(AF6, "2001:db8:ff::2")]
 
 
 # --- after lost monitor events ------------------------------------------------------------------

@@ -11,6 +11,7 @@ from agentd.kernel import netlink as nl
 from agentd.kernel.route_adopt import adopt, classify_existing, file_route
 from agentd.kernel.route_model import (
     ADD,
+    BESIDE,
     DELETE,
     REQUEST_FLAGS,
     RTPROT_AGENTD,
@@ -326,6 +327,61 @@ def test_an_ipv6_multipath_route_of_ours_files_the_desired_next_hop_as_the_route
     assert state.kernel == {V6: Route(V6, gateway=HOP2, dev="eth0")} and state.strays == set()
 
 
+def test_an_ipv6_gateway_route_becoming_one_that_is_not_ecmp_able_is_added_beside_then_deleted():
+    # Before Linux 4.19 an IPv6 replace by a blackhole, unreachable or device-only route takes
+    # no gateway route (ENOENT): the new route goes in beside ours (NLM_F_CREATE alone), and
+    # ours is then deleted by its gateway and device.
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+    have = Route(V6, gateway=HOP2, dev="eth0")
+    for want in (Route(V6, kind="blackhole"), Route(V6, kind="unreachable"), Route(V6, dev="eth0")):
+        state = adopted(have)
+        state.set_desired([want])
+        plan = full_plan(state)
+        assert (plan.adds, plan.replaces, plan.deletes, plan.besides) == ([], [], [], [(want, [have])])
+        assert REQUEST_FLAGS[BESIDE] == nl.NLM_F_REQUEST | nl.NLM_F_CREATE
+        assert deletes_sent(netlink, plan.besides[0][1]) == [(HOP2, 2, RTPROT_AGENTD, 1024)]
+        report: list[str] = []
+        state.installed([want], report, beside=True)
+        state.deleted([have], [])
+        assert report == [V6] and state.kernel == {V6: want}
+        # Back to a gateway route: a replace takes ours on every kernel (the fallback to the
+        # first route at the key for an ECMP-able new one).
+        state.set_desired([have])
+        assert (full_plan(state).replaces, full_plan(state).besides) == ([have], [])
+    # IPv4 has one route per key: replaced whatever its kind.
+    state = adopted(A)
+    state.set_desired([Route(A.dst, kind="blackhole")])
+    plan = full_plan(state)
+    assert (plan.replaces, plan.besides) == ([Route(A.dst, kind="blackhole")], [])
+
+
+def test_our_ipv6_multipath_route_becoming_a_blackhole_is_added_beside_its_next_hops():
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+    group = netlink.found_of(multipath_message(V6, RTPROT_AGENTD, [HOP2, HOP3]))
+    want = Route(V6, kind="blackhole")
+    # Filed as our route (HOP2) and a next hop to delete (HOP3): the blackhole goes in beside
+    # them, HOP2 goes after it, HOP3 by its gateway as any stray.
+    state = RouteState()
+    state.set_desired([want])
+    state.kernel, state.strays = adopt([group], state.desired)
+    plan = full_plan(state)
+    assert plan.adds == plan.replaces == [] and [w for w, _old in plan.besides] == [want]
+    assert deletes_sent(netlink, [*plan.deletes, *plan.besides[0][1]]) == [(HOP2, 2, RTPROT_AGENTD, 1024),
+                                                                            (HOP3, 2, RTPROT_AGENTD, 1024)]
+    # Both next hops strays (our route for V6 filed at another metric): the blackhole is no
+    # replace of them but goes in beside them, and they are deleted after it.
+    state = RouteState()
+    state.set_desired([want])
+    key = stray_of(want)
+    state.kernel, state.strays = {}, {key._replace(gateway=gw, dev="eth0") for gw in (HOP2, HOP3)}
+    plan = full_plan(state)
+    assert (plan.adds, plan.replaces, plan.deletes) == ([], [], [])
+    assert [w for w, _old in plan.besides] == [want]
+    assert deletes_sent(netlink, plan.besides[0][1]) == [(HOP2, 2, RTPROT_AGENTD, 1024), (HOP3, 2, RTPROT_AGENTD, 1024)]
+
+
 def test_our_ipv6_next_hop_at_a_second_metric_goes_by_its_gateway():
     # Our route moved to metric 100; at the old metric our old next hop (HOP4) still has
     # another daemon's (HOP3) appended.  The old one is filed as a stray of a second metric:
@@ -441,7 +497,7 @@ def test_another_daemons_next_hop_whose_delete_met_esrch_is_not_deleted_again():
     for _resync in range(2):
         state.kernel, state.strays = adopt(dump, state.desired, state.foreign_hops)
         assert state.strays == set()
-        assert full_plan(state) == ([], [], [], [])
+        assert full_plan(state) == ([], [], [], [], [])
     state.upsert(Route(V6, gateway=HOP2, dev="eth0", mtu=1400))
     assert not state.full_pending
     state.set_desired([want])
