@@ -871,6 +871,45 @@ def _check_ranges(ld: _Loader) -> None:
             fail("rr_client", f"needs iBGP peers (asn {v['bgp.asn']}); reflection stays in one AS")
 
 
+def peer_problems(cfg: Config) -> list[ConfigError]:
+    """What the checks of [[bgp.peers]] and [[bgp.listen_ranges]] (_check_peers) find in ``cfg``'s
+    peers and ranges against ``cfg``'s own [node] and [bgp] keys: a reload's peers are checked
+    with the running values of the keys only a restart changes (agentd.config.model.reloaded),
+    as ``agentd run`` checks them with the file's at start."""
+    ld = _Loader(check_files=False)
+    for section in ("node", "bgp"):
+        values = getattr(cfg, section)
+        for f in dataclasses.fields(values):
+            ld.values[f"{section}.{f.name}"] = getattr(values, f.name)
+    origin = _Origin(1, cfg.source or "the configuration")
+    for path, tables in (("bgp.peers", cfg.bgp.peers), ("bgp.listen_ranges", cfg.bgp.listen_ranges)):
+        ld.values[path] = [dataclasses.asdict(t) for t in tables]
+        ld.table_origins[path] = [(i, {}) for i in range(len(tables))]
+        ld.origins[path] = origin
+    _check_peers(ld)
+    return ld.problems
+
+
+class RunningHost:
+    """:class:`HostFacts` answered from a running configuration: a reload (SIGHUP) computes the
+    defaults of [node] name, address and address_v6 as they were at start, never from the
+    host again.  Those keys change only with a restart, and a default route gone at the
+    moment of a reload (a link flap, a DHCP renewal, an underlay outage) must not fail it
+    (nor a netlink dump hold up the event loop)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def hostname(self) -> str:
+        return self.cfg.node.name or ""
+
+    def default_address(self) -> IPv4Address | None:
+        return self.cfg.node.address
+
+    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None:
+        return self.cfg.node.address_v6
+
+
 def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
              overrides: Mapping[str, str] | None, require_file: bool,
              host: HostFacts | None, check_files: bool = True,
