@@ -383,7 +383,7 @@ def test_a_reload_with_the_default_route_gone_still_applies(tmp_path, monkeypatc
     the SIGHUP (a link flap, a DHCP renewal): the address is the running one (restart-only),
     not looked up again, and the reload applies the new log level."""
     import agentd.daemon.agent as agent_mod
-    import agentd.kernel.netinfo as netinfo
+    from agentd.kernel import netinfo
 
     class Host:
         route = True
