@@ -1,7 +1,8 @@
 """agentd's configuration as the daemon uses it: one frozen dataclass per section of the file
-(:class:`Config` holds them), the error every problem with it is, and what a reload applies.
-How it is read and validated from the file, the environment and the command line is
-:mod:`agentd.config.settings`, which also exports every name here."""
+(:class:`Config` holds them) and the error every problem with it is.  How it is read and
+validated from the file, the environment and the command line, and what a reload applies
+(:func:`agentd.config.settings.reloaded`), is :mod:`agentd.config.settings`, which also exports
+every name here."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from agentd.backend_table import NAMES, mtu_overhead
 from agentd.config.values import HostPort, IPAddress, IPNetwork, one_line
@@ -308,59 +309,6 @@ class Config:
             if d["hold_time"] is None:  # the hold time the session offers: [bgp] hold_time
                 d["hold_time"] = self.bgp.hold_time
         return out
-
-
-class Reload(NamedTuple):
-    """What :func:`reloaded` makes of a reload."""
-
-    config: Config  # the configuration to run with from now
-    pending: list[str]  # the keys whose new value waits for a restart ("[bgp] hold_time"), for the log
-    refused: str | None  # why the new peers and listen ranges were not applied (one line), or None
-
-
-# The restart-only keys the peers and listen ranges are checked against (agentd.config.settings
-# _check_peers): an rr_client needs route_reflector, a passive peer or a range the listener, a
-# peer is not the node's own address, a reflector's client is iBGP.
-_PEER_CONTEXT = ("[node] address", "[node] address_v6", "[node] route_reflector", "[node] asn",
-                 "[bgp] asn", "[bgp] router_id", "[bgp] listen")
-
-
-def reloaded(running: Config, read: Config, *, also: tuple[str, ...] = ()) -> Reload:
-    """What a SIGHUP applies: the external peers, the listen ranges and the log settings of
-    ``read``, and the ``[bgp]`` keys named in ``also`` (``agentd speaker``: ``originate``);
-    everything else stays as ``running`` has it.  The agent's reload and ``agentd speaker``'s
-    both go through here.
-
-    ``read`` was checked against its own [node] and [bgp] keys; the peers run with the running
-    ones.  Peers or ranges that those make invalid (an ``rr_client`` peer read with a new
-    ``route_reflector = true``, a passive peer with a new ``[bgp] listen``: what a start would
-    refuse) are not applied: the running peers and ranges stay, the rest of the reload applies,
-    and ``refused`` says why in one line, naming the keys that need a restart."""
-    from agentd.config.settings import peer_problems  # settings imports this module
-
-    peers = {"peers": read.bgp.peers, "listen_ranges": read.bgp.listen_ranges}
-    also_keys = {key: getattr(read.bgp, key) for key in also}
-    live = dataclasses.replace(running, bgp=dataclasses.replace(running.bgp, **peers, **also_keys), log=read.log)
-    refused = None
-    problems = peer_problems(live)
-    if problems:
-        live = dataclasses.replace(running, bgp=dataclasses.replace(running.bgp, **also_keys), log=read.log)
-    pending = []
-    for section in SECTIONS:
-        now, new = _jsonable(getattr(live, section)), _jsonable(getattr(read, section))
-        pending += [f"[{section}] {key}" for key in now if now[key] != new.get(key)]
-    if problems:
-        keys = [k for k in pending if k in _PEER_CONTEXT]
-        shown = "; ".join(f"{p.where}: {p.message}" for p in problems[:3])
-        if len(problems) > 3:
-            shown += f" (and {len(problems) - 3} more)"
-        refused = one_line(
-            f"the new [[bgp.peers]] and [[bgp.listen_ranges]] are not applied (the running ones stay): {shown} -- "
-            + (f"checked with the running {', '.join(keys)}: the file's new "
-               + ("values need a restart, which applies the new peers with them" if len(keys) > 1
-                  else "value needs a restart, which applies the new peers with it") if keys
-               else "checked with the running configuration"))
-    return Reload(live, pending, refused)
 
 
 def _jsonable(v: Any) -> Any:

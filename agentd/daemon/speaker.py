@@ -323,7 +323,7 @@ class SpeakerRuntime:
     def _reload(self, reload: Callable[[], Config]) -> None:
         """SIGHUP: re-read the configuration; the peers, listen ranges, originated prefixes and
         [log] change live, everything else (``[bgp] hold_time``...) waits for a restart, as in
-        the agent's reload (agentd.config.model.reloaded): a peer without a hold_time of its own
+        the agent's reload (agentd.config.settings.reloaded): a peer without a hold_time of its own
         keeps offering the running [bgp] hold_time, so its session is left alone."""
         try:
             read = reload()

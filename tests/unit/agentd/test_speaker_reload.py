@@ -1,4 +1,4 @@
-"""``agentd speaker``'s reload (SIGHUP) applies what the agent's does (agentd.config.model.reloaded):
+"""``agentd speaker``'s reload (SIGHUP) applies what the agent's does (agentd.config.settings.reloaded):
 the peers, listen ranges and [log] live, and its originated prefixes; the rest waits for a
 restart, so a reload that changes only [bgp] hold_time resets no session of a peer that inherits
 it."""
