@@ -1,7 +1,8 @@
 """agentd's configuration as the daemon uses it: one frozen dataclass per section of the file
-(:class:`Config` holds them), the error every problem with it is, and what a reload applies.
-How it is read and validated from the file, the environment and the command line is
-:mod:`agentd.config.settings`, which also exports every name here."""
+(:class:`Config` holds them) and the error every problem with it is.  How it is read and
+validated from the file, the environment and the command line, and what a reload applies
+(:func:`agentd.config.settings.reloaded`), is :mod:`agentd.config.settings`, which also exports
+every name here."""
 
 from __future__ import annotations
 
@@ -308,22 +309,6 @@ class Config:
             if d["hold_time"] is None:  # the hold time the session offers: [bgp] hold_time
                 d["hold_time"] = self.bgp.hold_time
         return out
-
-
-def reloaded(running: Config, read: Config, *, also: tuple[str, ...] = ()) -> tuple[Config, list[str]]:
-    """What a SIGHUP applies: the external peers, the listen ranges and the log settings of
-    ``read``, and the ``[bgp]`` keys named in ``also`` (``agentd speaker``: ``originate``);
-    everything else stays as ``running`` has it.  Returns that configuration and the keys whose
-    new value waits for a restart (``[bgp] hold_time``...), for the log.  The agent's reload and
-    ``agentd speaker``'s both go through here."""
-    bgp = dataclasses.replace(running.bgp, peers=read.bgp.peers, listen_ranges=read.bgp.listen_ranges,
-                              **{key: getattr(read.bgp, key) for key in also})
-    live = dataclasses.replace(running, bgp=bgp, log=read.log)
-    pending = []
-    for section in SECTIONS:
-        now, new = _jsonable(getattr(live, section)), _jsonable(getattr(read, section))
-        pending += [f"[{section}] {key}" for key in now if now[key] != new.get(key)]
-    return live, pending
 
 
 def _jsonable(v: Any) -> Any:

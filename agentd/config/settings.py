@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import hashlib
 from ipaddress import IPv4Address, IPv6Address, ip_address
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from agentd.backend_table import BACKENDS as BACKEND_TABLE
 from agentd.config.model import (  # noqa: F401 - re-exported: settings is where callers import them from
@@ -62,9 +62,10 @@ from agentd.config.model import (  # noqa: F401 - re-exported: settings is where
     NetworkConfig,
     NodeConfig,
     PolicyConfig,
-    reloaded,
+    _jsonable,
 )
 from agentd.config.values import (
+    one_line,
     parse_access_log,
     parse_controller_name,
     parse_listen_addresses,
@@ -869,6 +870,96 @@ def _check_ranges(ld: _Loader) -> None:
             fail("rr_client", "needs [node] route_reflector = true (RFC 4456: reflectors have clients)")
         if rng.get("rr_client") and rng["asn"] != v["bgp.asn"] and not ld.bad & {"node.asn", "bgp.asn"}:
             fail("rr_client", f"needs iBGP peers (asn {v['bgp.asn']}); reflection stays in one AS")
+
+
+def peer_problems(cfg: Config) -> list[ConfigError]:
+    """What the checks of [[bgp.peers]] and [[bgp.listen_ranges]] (_check_peers) find in ``cfg``'s
+    peers and ranges against ``cfg``'s own [node] and [bgp] keys: a reload's peers are checked
+    with the running values of the keys only a restart changes (:func:`reloaded`),
+    as ``agentd run`` checks them with the file's at start."""
+    ld = _Loader(check_files=False)
+    for section in ("node", "bgp"):
+        values = getattr(cfg, section)
+        for f in dataclasses.fields(values):
+            ld.values[f"{section}.{f.name}"] = getattr(values, f.name)
+    origin = _Origin(1, cfg.source or "the configuration")
+    for path, tables in (("bgp.peers", cfg.bgp.peers), ("bgp.listen_ranges", cfg.bgp.listen_ranges)):
+        ld.values[path] = [dataclasses.asdict(t) for t in tables]
+        ld.table_origins[path] = [(i, {}) for i in range(len(tables))]
+        ld.origins[path] = origin
+    _check_peers(ld)
+    return ld.problems
+
+
+class Reload(NamedTuple):
+    """What :func:`reloaded` makes of a reload."""
+
+    config: Config  # the configuration to run with from now
+    pending: list[str]  # the keys whose new value waits for a restart ("[bgp] hold_time"), for the log
+    refused: str | None  # why the new peers and listen ranges were not applied (one line), or None
+
+
+# The restart-only keys the peers and listen ranges are checked against (_check_peers): an
+# rr_client needs route_reflector, a passive peer or a range the listener, a peer is not the
+# node's own address, a reflector's client is iBGP.
+_PEER_CONTEXT = ("[node] address", "[node] address_v6", "[node] route_reflector", "[node] asn",
+                 "[bgp] asn", "[bgp] router_id", "[bgp] listen")
+
+
+def reloaded(running: Config, read: Config, *, also: tuple[str, ...] = ()) -> Reload:
+    """What a SIGHUP applies: the external peers, the listen ranges and the log settings of
+    ``read``, and the ``[bgp]`` keys named in ``also`` (``agentd speaker``: ``originate``);
+    everything else stays as ``running`` has it.  The agent's reload and ``agentd speaker``'s
+    both go through here.
+
+    ``read`` was checked against its own [node] and [bgp] keys; the peers run with the running
+    ones.  Peers or ranges that those make invalid (an ``rr_client`` peer read with a new
+    ``route_reflector = true``, a passive peer with a new ``[bgp] listen``: what a start would
+    refuse) are not applied: the running peers and ranges stay, the rest of the reload applies,
+    and ``refused`` says why in one line, naming the keys that need a restart."""
+    peers = {"peers": read.bgp.peers, "listen_ranges": read.bgp.listen_ranges}
+    also_keys = {key: getattr(read.bgp, key) for key in also}
+    live = dataclasses.replace(running, bgp=dataclasses.replace(running.bgp, **peers, **also_keys), log=read.log)
+    refused = None
+    problems = peer_problems(live)
+    if problems:
+        live = dataclasses.replace(running, bgp=dataclasses.replace(running.bgp, **also_keys), log=read.log)
+    pending = []
+    for section in SECTIONS:
+        now, new = _jsonable(getattr(live, section)), _jsonable(getattr(read, section))
+        pending += [f"[{section}] {key}" for key in now if now[key] != new.get(key)]
+    if problems:
+        keys = [k for k in pending if k in _PEER_CONTEXT]
+        shown = "; ".join(f"{p.where}: {p.message}" for p in problems[:3])
+        if len(problems) > 3:
+            shown += f" (and {len(problems) - 3} more)"
+        refused = one_line(
+            f"the new [[bgp.peers]] and [[bgp.listen_ranges]] are not applied (the running ones stay): {shown} -- "
+            + (f"checked with the running {', '.join(keys)}: the file's new "
+               + ("values need a restart, which applies the new peers with them" if len(keys) > 1
+                  else "value needs a restart, which applies the new peers with it") if keys
+               else "checked with the running configuration"))
+    return Reload(live, pending, refused)
+
+
+class RunningHost:
+    """:class:`HostFacts` answered from a running configuration: a reload (SIGHUP) computes the
+    defaults of [node] name, address and address_v6 as they were at start, never from the
+    host again.  Those keys change only with a restart, and a default route gone at the
+    moment of a reload (a link flap, a DHCP renewal, an underlay outage) must not fail it
+    (nor a netlink dump hold up the event loop)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def hostname(self) -> str:
+        return self.cfg.node.name or ""
+
+    def default_address(self) -> IPv4Address | None:
+        return self.cfg.node.address
+
+    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None:
+        return self.cfg.node.address_v6
 
 
 def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,

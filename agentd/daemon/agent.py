@@ -57,12 +57,12 @@ from agentd.dataplane.backends import (
 )
 from agentd.dataplane.bpf.datapath import BpfUnavailable, for_log
 from agentd.dataplane.bpf.podpath import WIRE_PROGRAM, PodFastPath, remove_pinned_fast_path
-from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
+from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, RunningHost, load_config, reloaded
 from agentd.flows.recorder import restore_sysctls
 from agentd.nft import flowmask
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel import sysctl
-from agentd.kernel.netinfo import LocalHost, NetInfoError, Underlay, underlay_for
+from agentd.kernel.netinfo import NetInfoError, Underlay, underlay_for
 from agentd.policy import podmacs
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy
 from agentd.nft import masquerade
@@ -171,6 +171,7 @@ class Agent:
         self.started_bgp = False
         self._stop = asyncio.Event()
         self.stopping = False  # no more route changes: a graceful stop leaves the kernel as it is
+        self.reload_error: str | None = None  # why the last reload failed (STATUS=), None once one succeeds
         self._leaving = False
         self._publishing: set[asyncio.Task] = set()  # node data being published (_node_data_changed)
         # `agentd leave`'s answer: None once the node has left etcd, else why it has not.
@@ -819,29 +820,47 @@ class Agent:
 
     def _reload(self) -> None:
         """SIGHUP: re-read the configuration; external peers and the log level change live.
-        An ingress access log file is opened again (logrotate's postrotate), whatever the file says."""
+        An ingress access log file is opened again (logrotate's postrotate), whatever the file says.
+        A reload that fails, or whose peers are not applied, is said in systemd's STATUS= line
+        (``; last reload failed: ...``) until a reload succeeds: ``systemctl reload`` itself
+        only sends the signal (its ExecReload= runs ``agentd check-config`` first)."""
         if self.ingress is not None:
             self.ingress.reopen_access_log()
         if self.config_path is None:
             return
         try:  # a file named at start (flag, AGENTD_CONFIG) that is gone now is a failed reload, not the defaults
-            cfg = load_config(self.config_path, overrides=self.overrides, require_file=self.config_named,
-                              host=LocalHost())
+            # [node] name, address and address_v6 change only with a restart: their defaults are
+            # the running ones, not the host's now (a default route gone must not fail a reload).
+            read = load_config(self.config_path, overrides=self.overrides, require_file=self.config_named,
+                               host=RunningHost(self.cfg))
         except ConfigError as err:
             log.error("reload failed, keeping the running configuration: %s", err)
+            self._reload_failed(str(err))
             return
-        cfg, pending = reloaded(self.cfg, cfg)
+        cfg, pending, refused = reloaded(self.cfg, read)
         if self.set_logging is not None:
             self.set_logging(cfg.log.level, cfg.log.format)
         else:
             logging.getLogger().setLevel(cfg.log.level.upper())
         self.cfg = cfg
-        self._apply_peers()
+        if refused is None:
+            self._apply_peers()
         log.info("configuration reloaded: %d external peers, log level %s, format %s", len(cfg.bgp.peers),
                  cfg.log.level, cfg.log.format)
         if pending:
             log.warning("changed but applied only by a restart: %s", ", ".join(pending))
+        if refused is not None:
+            log.error("reload: %s", refused)
+        self._reload_failed(refused)
         log.debug("debug logging is on")
+
+    def _reload_failed(self, why: str | None) -> None:
+        """The last reload's failure (None: it succeeded), in STATUS= at once."""
+        if why == self.reload_error:
+            return
+        self.reload_error = why
+        if not self.stopping:
+            self.notifier.status(self.status_line()[1])
 
     # ================================================================ node registry -> peers
 
@@ -958,10 +977,13 @@ class Agent:
         while ``problems()``), else "not ready: REASONS"."""
         ok, reasons = self.readiness()
         if not ok:
-            return False, f"not ready: {'; '.join(reasons)}"
+            return False, f"not ready: {'; '.join(reasons)}" + self._reload_status()
         problems = self.problems()
         return True, f"ready: subnet {self.lease.subnet if self.lease else '-'}" + (
-            f"; degraded: {'; '.join(problems)}" if problems else "")
+            f"; degraded: {'; '.join(problems)}" if problems else "") + self._reload_status()
+
+    def _reload_status(self) -> str:
+        return f"; last reload failed: {self.reload_error}" if self.reload_error else ""
 
 
 class _AgentMetrics:

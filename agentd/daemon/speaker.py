@@ -323,22 +323,25 @@ class SpeakerRuntime:
     def _reload(self, reload: Callable[[], Config]) -> None:
         """SIGHUP: re-read the configuration; the peers, listen ranges, originated prefixes and
         [log] change live, everything else (``[bgp] hold_time``...) waits for a restart, as in
-        the agent's reload (agentd.config.model.reloaded): a peer without a hold_time of its own
+        the agent's reload (agentd.config.settings.reloaded): a peer without a hold_time of its own
         keeps offering the running [bgp] hold_time, so its session is left alone."""
         try:
             read = reload()
         except ConfigError as err:
             log.error("reload failed, keeping the running configuration: %s", err)
             return
-        cfg, pending = reloaded(self.cfg, read, also=("originate",))
+        cfg, pending, refused = reloaded(self.cfg, read, also=("originate",))
         self.cfg = cfg
         if self.set_logging is not None:
             self.set_logging(cfg.log.level, cfg.log.format)
         else:
             logging.getLogger().setLevel(cfg.log.level.upper())
-        self.service.set_peers(peer_settings(p, cfg) for p in cfg.bgp.peers)
-        self.service.set_listen_ranges(listen_ranges(cfg))
+        if refused is None:  # else the running peers and ranges stay, as they are
+            self.service.set_peers(peer_settings(p, cfg) for p in cfg.bgp.peers)
+            self.service.set_listen_ranges(listen_ranges(cfg))
         self.service.set_originated(originations(cfg))
         log.info("configuration reloaded: %d peers, %d prefixes originated", len(cfg.bgp.peers), len(cfg.bgp.originate))
         if pending:
             log.warning("changed but applied only by a restart: %s", ", ".join(pending))
+        if refused is not None:
+            log.error("reload: %s", refused)

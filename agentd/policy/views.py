@@ -56,6 +56,11 @@ class PolicyState(Protocol):
 class PolicyViews:
     def __init__(self, agent: PolicyState) -> None:
         self.agent = agent
+        # agentd_policy_dropped_packets_total per (namespace, direction): what the pods' counters
+        # (PolicyState.dropped) read at the last scrape, and what counters gone since (a pod
+        # deleted, a counter made again from zero) had counted: the sum never goes down.
+        self._drops_seen: dict[tuple[PodKey, str], int] = {}
+        self._drops_gone: dict[tuple[str, str], int] = {}
 
     def status(self) -> dict[str, Any]:
         a = self.agent
@@ -135,15 +140,33 @@ class PolicyViews:
             "pods": pods,
         }
 
+    def dropped_by_namespace(self) -> dict[tuple[str, str], int]:
+        """Packets policy dropped per (namespace, direction), a counter that never goes down: a
+        pod label would make a series per pod ever run (unbounded over rollouts), and a sum of
+        only the pods there now would go down when one goes -- a counter reset to Prometheus,
+        whose rate() would count the whole sum again.  What a gone (or reset) pod counter had
+        counted at the last scrape is kept; drops since that scrape are lost with it.  Per pod
+        they stay in GET /policy and the flow records."""
+        now = dict(self.agent.dropped)
+        for (key, direction), before in self._drops_seen.items():
+            if now.get((key, direction), 0) < before:  # gone, or made again from zero
+                at = (key[0], direction)
+                self._drops_gone[at] = self._drops_gone.get(at, 0) + before
+        self._drops_seen = now
+        totals = dict(self._drops_gone)
+        for ((ns, _), direction), packets in now.items():
+            totals[(ns, direction)] = totals.get((ns, direction), 0) + packets
+        return totals
+
     def collect(self):
         """Prometheus metrics (registered as a collector on the agent's registry)."""
         a = self.agent
         dropped = CounterMetricFamily(
-            "agentd_policy_dropped_packets", "packets dropped by network policy, per local pod",
-            labels=["namespace", "pod", "direction"],
+            "agentd_policy_dropped_packets", "packets dropped by network policy to or from this node's pods, "
+            "per namespace", labels=["namespace", "direction"],
         )  # fmt: skip
-        for ((ns, pod), direction), packets in sorted(a.dropped.items()):
-            dropped.add_metric([ns, pod, direction], float(packets))
+        for (ns, direction), packets in sorted(self.dropped_by_namespace().items()):
+            dropped.add_metric([ns, direction], float(packets))
         spoofed = CounterMetricFamily("agentd_policy_spoofed_packets", "pod packets dropped for a foreign source address")
         spoofed.add_metric([], float(a.spoofed))
         isolated = GaugeMetricFamily("agentd_policy_isolated_pods", "local pods isolated by policy", labels=["direction"])

@@ -144,7 +144,9 @@ class ServiceViews:
         for labels, n in usable.items():
             eps.add_metric(list(labels), n)
         yield eps
-        yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=a.syncs)
+        syncs = CounterMetricFamily("agentd_services_syncs", "services table transactions sent to nftables")
+        syncs.add_metric([], float(a.syncs))  # counted up (ServiceAgent.syncs), never down: a counter
+        yield syncs
         errors = CounterMetricFamily("agentd_services_sync_errors", "services sync passes that failed (tried again)")
         errors.add_metric([], float(a.sync_errors))
         yield errors

@@ -86,12 +86,15 @@ def service(key: str) -> str:
 
 
 def verifiable_copy(directory: Path) -> Path:
-    """The unit with ExecStart pointing at this checkout's agentd: `verify` checks that the
-    binary exists, and this machine has no /usr/local/bin/agentd (tests never install one)."""
+    """The unit with ExecStart (and ExecReload's check-config) pointing at this checkout's agentd:
+    `verify` checks that the binary exists, and this machine has no /usr/local/bin/agentd (tests
+    never install one)."""
     text = UNIT.read_text()
     assert "ExecStart=/usr/local/bin/agentd run " in text
     copy = directory / "agentd.service"
-    copy.write_text(text.replace("ExecStart=/usr/local/bin/agentd ", f"ExecStart={AGENTD} "))
+    assert "ExecReload=/usr/local/bin/agentd check-config " in text
+    copy.write_text(text.replace("ExecStart=/usr/local/bin/agentd ", f"ExecStart={AGENTD} ")
+                    .replace("ExecReload=/usr/local/bin/agentd ", f"ExecReload={AGENTD} "))
     return copy
 
 
@@ -105,13 +108,13 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
 
 
 def test_verify_fails_only_for_the_missing_binary():
-    """The unit as shipped is the copy above except for the ExecStart path."""
+    """The unit as shipped is the copy above except for the agentd path (ExecStart, ExecReload)."""
     proc = subprocess.run(["systemd-analyze", "verify", str(UNIT)], capture_output=True, text=True, timeout=60)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     if os.path.exists("/usr/local/bin/agentd"):
         assert proc.returncode == 0, lines
     else:
-        assert lines == [f"{UNIT.name}: Command /usr/local/bin/agentd is not executable: No such file or directory"]
+        assert lines == [f"{UNIT.name}: Command /usr/local/bin/agentd is not executable: No such file or directory"] * 2
 
 
 def test_unit_hardening_keys():
@@ -120,7 +123,8 @@ def test_unit_hardening_keys():
     assert re.fullmatch(r"\d+s", service("WatchdogSec"))
     assert service("Restart") == "on-failure"
     assert service("ExecStart") == "/usr/local/bin/agentd run --config /etc/agentd/agentd.toml"
-    assert service("ExecReload") == "/bin/kill -HUP $MAINPID"
+    assert UNIT_KEYS["Service.ExecReload"] == [  # the file checked first: a bad one fails the reload
+        "/usr/local/bin/agentd check-config --config /etc/agentd/agentd.toml", "/bin/kill -HUP $MAINPID"]
     assert service("KillMode") == "process"  # the data-plane worker outlives a restart
     caps = {"CAP_NET_ADMIN", "CAP_BPF", "CAP_PERFMON", "CAP_NET_RAW", "CAP_NET_BIND_SERVICE"}
     assert set(service("CapabilityBoundingSet").split()) == caps

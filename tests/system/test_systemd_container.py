@@ -291,6 +291,30 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     journal = sd1.journal()
     assert "changed but applied only by a restart: [bgp] hold_time" in journal, journal[-3000:]
     assert sd1.main_pid() == pid and sd1.show("ActiveState")["ActiveState"] == "active"
+    # A file with a problem: ExecReload='s check-config fails `systemctl reload` with it, and no
+    # SIGHUP goes to the agent.
+    good = node_config("sd1", NODES["sd1"], log={"level": "debug"}, bgp={"hold_time": 12})
+    (tmp_path / "sd1.toml").write_text(node_config("sd1", NODES["sd1"], bgp={"hold_time": 2}))
+    refused = sd1.engine.docker("exec", sd1.container, "systemctl", "reload", "agentd", check=False, timeout=120)
+    assert refused.returncode != 0, (refused.stdout, refused.stderr)
+    journal = sd1.journal()
+    assert "[bgp] hold_time = 2: must be 0 or at least 3" in journal, journal[-3000:]
+    assert "reload failed" not in journal and sd1.main_pid() == pid
+    # Peers valid in the file but not with the running [node] route_reflector (restart-only): the
+    # reload goes through, the peers are not applied, and `systemctl status` says so until a
+    # reload succeeds.
+    (tmp_path / "sd1.toml").write_text(node_config(
+        "sd1", NODES["sd1"], node={"route_reflector": True}, log={"level": "debug"},
+        bgp={"hold_time": 12, "peers": [{"address": f"{SUBNET}.99", "asn": 64512, "rr_client": True}]}))
+    sd1.sh("systemctl", "reload", "agentd")
+    until(lambda: "; last reload failed: the new [[bgp.peers]]" in sd1.show("StatusText")["StatusText"], 30,
+          what=lambda: f"the refused peers in sd1's STATUS=: {sd1.show('StatusText')}", interval=0.3)
+    assert f"{SUBNET}.99" not in json.dumps(sd1.api("/status")[1])
+    (tmp_path / "sd1.toml").write_text(good)
+    sd1.sh("systemctl", "reload", "agentd")
+    until(lambda: sd1.show("StatusText")["StatusText"] == f"ready: subnet {subnet}", 30,
+          what=lambda: f"sd1's STATUS= cleared by a good reload: {sd1.show('StatusText')}", interval=0.3)
+    assert sd1.main_pid() == pid
 
     # -- kill -9: Restart= brings it back with the same subnet; the routes stay throughout
     routes = {n.name: n.routes() for n in (sd1, sd2)}

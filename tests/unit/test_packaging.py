@@ -198,6 +198,22 @@ def test_the_unit_lets_the_agent_write_where_the_defaults_say():
     assert exec_start == f"/usr/local/bin/agentd run --config {DEFAULT_CONFIG_PATH}"
 
 
+def test_the_unit_checks_the_file_before_it_signals_a_reload(tmp_path, capsys):
+    """`systemctl reload agentd` fails, with the problems, for a file the agent would refuse:
+    ExecReload= runs ExecStart='s agentd check-config on the unit's file first (as HAProxy's unit
+    runs `haproxy -c`), and sends SIGHUP only once it passed.  Only a signal, the reload said
+    nothing (exit 0) and the refusal was in the journal alone."""
+    (exec_start,) = unit_values("ExecStart")
+    agentd, _, args = exec_start.partition(" ")
+    config = args.split("--config ", 1)[1].split()[0]
+    assert unit_values("ExecReload") == [f"{agentd} check-config --config {config}", "/bin/kill -HUP $MAINPID"]
+    # check-config's exit status is what fails the reload: non-zero for a file with problems.
+    bad = tmp_path / "agentd.toml"
+    bad.write_text('[node]\nname = "n1"\naddress = "10.1.1.1"\n[bgp]\nhold_time = 2\n')
+    code, _, err = run_cli(capsys, "check-config", "--config", str(bad))
+    assert code == 1 and "[bgp] hold_time" in err
+
+
 def test_the_unit_lets_bpf_maps_be_made_on_kernels_that_charge_them_to_memlock():
     """Before Linux 5.11 BPF maps count against RLIMIT_MEMLOCK (64 KiB under systemd < 253),
     and the unit allows neither CAP_SYS_RESOURCE nor setrlimit() to raise it."""

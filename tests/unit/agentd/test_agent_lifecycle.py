@@ -342,3 +342,94 @@ def test_a_changed_pod_mtu_is_warned_about_at_start(tmp_path, monkeypatch, caplo
     assert ("the pod MTU changed from 1500 to 1450: pods and containers made before keep the old one until they "
             "are created again; a Docker host runs `agentd docker-opts` and restarts Docker") in caplog.text
     assert "subnet changed" not in caplog.text
+
+
+# -- reload (SIGHUP): what the running configuration's restart-only keys make of it
+
+_RR_PEER = '[[bgp.peers]]\naddress = "10.9.9.9"\nasn = 64512\npassive = true\nrr_client = true\n'
+
+
+def test_a_reload_whose_peers_need_restart_only_keys_keeps_the_running_peers(tmp_path, caplog):
+    """The new file turns route_reflector and [bgp] listen on (applied only by a restart) and
+    adds a passive rr_client peer: valid in the file, but against the running keys it is what
+    a start refuses.  The running peers stay, one error names both problems and the keys that
+    need a restart; the rest of the reload ([log] level) applies."""
+    conf = tmp_path / "agentd.toml"
+    conf.write_text('[node]\nname = "n1"\naddress = "10.1.1.1"\n[bgp]\nlisten = ""\n'
+                    '[[bgp.peers]]\naddress = "10.9.9.8"\nasn = 64513\n')
+    running = load_config(conf, env={})
+    conf.write_text('[node]\nname = "n1"\naddress = "10.1.1.1"\nroute_reflector = true\n[bgp]\nlisten = "0.0.0.0:179"\n'
+                    '[log]\nlevel = "debug"\n' + _RR_PEER)
+    load_config(conf, env={})  # valid on its own (what `agentd check-config` says)
+
+    async def main():
+        agent = Agent(running, config_path=str(conf), set_logging=lambda *_: None)
+        agent.notifier = _Recorder()
+        with caplog.at_level(logging.INFO, logger="agentd"):
+            agent._reload()
+        assert agent.cfg.bgp.peers == running.bgp.peers and agent.cfg.bgp.listen is None
+        assert not agent.cfg.node.route_reflector and agent.cfg.log.level == "debug"
+        (error,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        text = error.getMessage()
+        assert "rr_client: needs [node] route_reflector = true" in text and "passive" in text, text
+        assert "running [node] route_reflector, [bgp] listen" in text and "restart" in text, text
+        assert agent.notifier.sent[-1][0] == "STATUS" and "last reload failed: the new [[bgp.peers]]" in agent.notifier.sent[-1][1]
+
+    asyncio.run(main())
+
+
+def test_a_reload_with_the_default_route_gone_still_applies(tmp_path, monkeypatch):
+    """[node] address left to the default route (as etc/agentd.toml has it), which is gone at
+    the SIGHUP (a link flap, a DHCP renewal): the address is the running one (restart-only),
+    not looked up again, and the reload applies the new log level."""
+    import agentd.daemon.agent as agent_mod
+    from agentd.kernel import netinfo
+
+    class Host:
+        route = True
+
+        def hostname(self):
+            return "n1"
+
+        def default_address(self):
+            return IPv4Address("10.1.1.1") if Host.route else None
+
+        def default_address_v6(self, beside=None):
+            return None
+
+    monkeypatch.setattr(agent_mod, "LocalHost", Host, raising=False)
+    monkeypatch.setattr(netinfo, "LocalHost", Host)
+    conf = tmp_path / "agentd.toml"
+    conf.write_text('[node]\nname = "n1"\n')
+    running = load_config(conf, env={}, host=Host())
+    conf.write_text('[node]\nname = "n1"\n[log]\nlevel = "debug"\n')
+    Host.route = False
+
+    async def main():
+        agent = Agent(running, config_path=str(conf), set_logging=lambda *_: None)
+        agent._reload()
+        assert agent.cfg.log.level == "debug" and agent.cfg.node.address == IPv4Address("10.1.1.1")
+        assert agent.reload_error is None
+
+    asyncio.run(main())
+
+
+def test_a_failed_reload_is_in_the_status_line_until_one_succeeds(tmp_path):
+    """`systemctl reload` only signals: a refused file shows in STATUS= (systemctl status),
+    and the next good reload clears it."""
+    conf = tmp_path / "agentd.toml"
+    conf.write_text('[node]\nname = "n1"\naddress = "10.1.1.1"\n[bgp]\nhold_time = 2\n')
+
+    async def main():
+        agent = Agent(CFG, config_path=str(conf), set_logging=lambda *_: None)
+        agent.notifier = _Recorder()
+        agent._reload()
+        ((kind, line),) = agent.notifier.sent
+        assert kind == "STATUS" and line.startswith("not ready: ") and "; last reload failed: " in line, line
+        assert "[bgp] hold_time" in line and agent.status_line()[1] == line
+        conf.write_text('[node]\nname = "n1"\naddress = "10.1.1.1"\n')
+        agent._reload()
+        assert agent.notifier.sent[-1][0] == "STATUS" and "reload failed" not in agent.notifier.sent[-1][1]
+        assert agent.reload_error is None and "reload failed" not in agent.status_line()[1]
+
+    asyncio.run(main())

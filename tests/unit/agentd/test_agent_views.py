@@ -160,7 +160,7 @@ def test_policy_views_allow_lists_are_as_before_within_the_budget_and_cut_past_i
 
 def test_policy_metrics():
     got = metric_values(policy_agent().views)
-    assert got[("agentd_policy_dropped_packets_total", ("x", "a", "ingress"))] == 7
+    assert got[("agentd_policy_dropped_packets_total", ("x", "ingress"))] == 7
     assert got[("agentd_policy_spoofed_packets_total", ())] == 2
     assert got[("agentd_policy_isolated_pods", ("ingress",))] == 1
     assert got[("agentd_policy_local_pods", ())] == 2
@@ -219,6 +219,38 @@ def test_services_metrics():
     got = metric_values(service_agent().views)
     assert got[("agentd_service_connections_total", ("x", "web"))] == 5
     assert got[("agentd_service_endpoints", ("x", "web", "80/TCP"))] == 1
+
+
+def test_services_syncs_is_a_counter():
+    """ServiceAgent.syncs only counts up: a gauge without _total (as it was) tells Prometheus
+    to take each value as it is, so rate() and increase() were not meant for it."""
+    agent = service_agent()
+    agent.syncs = 7
+    (family,) = [f for f in agent.views.collect() if f.name == "agentd_services_syncs"]
+    assert family.type == "counter" and [(s.name, s.value) for s in family.samples] == [("agentd_services_syncs_total", 7.0)]
+
+
+def test_policy_drops_are_counted_per_namespace_and_never_go_down():
+    """A pod label made a series per pod ever run (unbounded over rollouts), and a pod's counts
+    went with it.  Per (namespace, direction): what a gone pod (or a counter made again) had
+    counted is kept, so the sum never goes down (a counter reset to Prometheus)."""
+    agent = policy_agent()
+
+    def drops() -> dict:
+        got = metric_values(agent.views)
+        assert not any(name.startswith("agentd_policy_dropped") and len(labels) != 2 for name, labels in got), got
+        return {labels: v for (name, labels), v in got.items() if name == "agentd_policy_dropped_packets_total"}
+
+    assert drops() == {("x", "ingress"): 7}
+    families = {f.name: f for f in agent.views.collect()}
+    samples = families["agentd_policy_dropped_packets"].samples
+    assert all(set(s.labels) == {"namespace", "direction"} for s in samples), samples
+    agent.dropped = {(("x", "a"), "ingress"): 9, (("x", "b"), "ingress"): 4, (("x", "b"), "egress"): 1,
+                     (("y", "p"), "ingress"): 2}  # fmt: skip
+    assert drops() == {("x", "ingress"): 13, ("x", "egress"): 1, ("y", "ingress"): 2}
+    agent.dropped = {(("x", "b"), "ingress"): 6, (("y", "p"), "ingress"): 1}  # x/a gone, b's egress gone, y/p reset
+    assert drops() == {("x", "ingress"): 15, ("x", "egress"): 1, ("y", "ingress"): 3}
+    assert agent.views.view("x/b")["pods"][0]["dropped"] == {"ingress": 6, "egress": 0}  # per pod: /policy
 
 
 # ------------------------------------------------------------------ the publisher's files side
@@ -413,7 +445,7 @@ def test_policy_drop_counters_of_a_pod_whose_chain_name_is_hashed():
                          (pcompiler.BRIDGE, pcompiler.SPOOFED): 4})  # fmt: skip
     got = metric_values(agent.views)
     dropped = {labels: v for (name, labels), v in got.items() if name == "agentd_policy_dropped_packets_total"}
-    assert dropped == {(ns, pod, "ingress"): 5, ("x", "a", "egress"): 3}
+    assert dropped == {(ns, "ingress"): 5, ("x", "egress"): 3}
     assert got[("agentd_policy_spoofed_packets_total", ())] == 4
     (row,) = agent.views.view(f"{ns}/{pod}")["pods"]
     assert row["dropped"] == {"ingress": 5, "egress": 0}

@@ -883,11 +883,11 @@ def test_sighup_applies_only_peers_and_log_settings(tmp_path):
         "[node]\naddress = '10.0.0.1'\n[bgp]\nhold_time = 30\n[network]\nbackend = 'ipip'\n"
         "[log]\nlevel = 'debug'\n[[bgp.peers]]\naddress = '192.0.2.1'\nasn = 64513\n"
     )
-    live, pending = reloaded(running, pure(path))
+    live, pending, refused = reloaded(running, pure(path))
     assert live.log.level == "debug" and [str(p.address) for p in live.bgp.peers] == ["192.0.2.1"]
     assert (live.bgp.hold_time, live.network.backend) == (90, running.network.backend)
     assert "[bgp] hold_time" in pending and "[network] backend" in pending
-    assert not any("peers" in k or "[log]" in k for k in pending)
+    assert not any("peers" in k or "[log]" in k for k in pending) and refused is None
 
 
 def test_sighup_with_only_bgp_hold_time_changed_leaves_the_external_sessions_alone():
@@ -901,13 +901,13 @@ def test_sighup_with_only_bgp_hold_time_changed_leaves_the_external_sessions_alo
     ranges = json.dumps([{"prefix": "10.1.0.0/16", "asn": 64513}])
     env = {"AGENTD_NODE_ADDRESS": "10.0.0.1", "AGENTD_BGP_PEERS": peers, "AGENTD_BGP_LISTEN_RANGES": ranges}
     running = pure(env=env)
-    live, pending = reloaded(running, pure(env={**env, "AGENTD_BGP_HOLD_TIME": "30"}))
+    live, pending, refused = reloaded(running, pure(env={**env, "AGENTD_BGP_HOLD_TIME": "30"}))
     assert live.bgp.hold_time == 90
     assert [peer_settings(p, live) for p in live.bgp.peers] == [peer_settings(p, running) for p in running.bgp.peers]
     assert [peer_settings(p, live).hold_time for p in live.bgp.peers] == [90, 9]
     assert [r.template for r in listen_ranges(live)] == [r.template for r in listen_ranges(running)]
     assert [r.template.hold_time for r in listen_ranges(live)] == [90]
-    assert pending == ["[bgp] hold_time", "[bgp] keepalive_time"]
+    assert pending == ["[bgp] hold_time", "[bgp] keepalive_time"] and refused is None
     # A restart (the new file read afresh) gives them the new one.
     fresh = pure(env={**env, "AGENTD_BGP_HOLD_TIME": "30"})
     assert [peer_settings(p, fresh).hold_time for p in fresh.bgp.peers] == [30, 9]

@@ -1,4 +1,4 @@
-"""``agentd speaker``'s reload (SIGHUP) applies what the agent's does (agentd.config.model.reloaded):
+"""``agentd speaker``'s reload (SIGHUP) applies what the agent's does (agentd.config.settings.reloaded):
 the peers, listen ranges and [log] live, and its originated prefixes; the rest waits for a
 restart, so a reload that changes only [bgp] hold_time resets no session of a peer that inherits
 it."""
@@ -56,5 +56,30 @@ def test_a_reload_that_changes_only_bgp_hold_time_resets_no_session(tmp_path, ca
         assert rt.speaker.listen_ranges[0].template.hold_time == 30
         assert [str(p) for p in rt.cfg.bgp.originate] == ["10.99.0.0/24"] and rt.speaker.rib.count() == 1
         assert "[bgp] originate" not in caplog.text
+
+    asyncio.run(main())
+
+
+def test_a_reload_whose_peers_need_a_restart_only_key_keeps_the_running_peers(tmp_path, caplog):
+    """An rr_client peer read with a new [node] route_reflector = true (applied only by a
+    restart): the running peers and ranges stay, one error says why; the originated prefixes
+    and [log] still change."""
+    running = config(tmp_path)
+    rt = SpeakerRuntime(running)
+
+    async def main():
+        rt.service._loop = asyncio.get_running_loop()
+        rt.service.set_peers(peer_settings(p, running) for p in running.bgp.peers)
+        rt.service.set_listen_ranges(listen_ranges(running))
+        before = dict(rt.speaker.peers)
+        peers = json.dumps([*PEERS, {"address": "192.0.2.4", "asn": 64512, "rr_client": True}])
+        with caplog.at_level(logging.INFO, logger="agentd.speaker"):
+            rt._reload(lambda: config(tmp_path, AGENTD_NODE_ROUTE_REFLECTOR="true", AGENTD_BGP_PEERS=peers,
+                                      AGENTD_BGP_ORIGINATE="10.99.0.0/24", AGENTD_LOG_LEVEL="debug"))
+        assert rt.speaker.peers == before and rt.cfg.bgp.peers == running.bgp.peers
+        assert [str(p) for p in rt.cfg.bgp.originate] == ["10.99.0.0/24"] and rt.cfg.log.level == "debug"
+        (error,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert "[[bgp.peers]] #3 rr_client: needs [node] route_reflector = true" in error, error
+        assert "running [node] route_reflector" in error, error
 
     asyncio.run(main())
