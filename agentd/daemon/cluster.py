@@ -157,11 +157,15 @@ class ClusterView:
             raise OSError(f"{node} unreachable: {type(err).__name__} {err}".strip()) from None
 
     async def get_json(self, node: str, path: str) -> Any:
-        """One node's JSON answer to ``GET path`` (raises OSError/ValueError/KeyError with the reason)."""
+        """One node's JSON answer to ``GET path`` (raises OSError/ValueError/KeyError with the
+        reason: JSON nested too deep to read is a ValueError too, as one node's error)."""
         status, _, body = await self.get(node, path)
         if status != 200:
             raise NodeAnswered(node, status, body)
-        return json.loads(body)
+        try:
+            return json.loads(body)
+        except RecursionError:  # (json.loads raises it, not ValueError, past Python's recursion limit)
+            raise ValueError(f"{node} answered JSON nested too deep to read") from None
 
     async def lines(self, node: str, path: str, *, follow: bool = False, blanks: bool = False,
                     seen: dict[str, str] | None = None) -> AsyncIterator[bytes]:

@@ -17,7 +17,8 @@ for SEQ; all it holds when ID is not its ring's, as after a restart), ``follow=1
 ``cluster=1`` (every node's records, gathered, followed ones too of a node that joins meanwhile;
 a ``node`` filter alone also asks those nodes, each for its own records); ``follow`` and
 ``cluster`` take 1/true/yes or 0/false/no (or empty), nothing else.  One JSON record per
-line; a node that cannot be asked is a line ``{"node": ..., "error": ...}``, records a slow
+line (gathered: JSON objects only -- a node's line that is none is left out, its error said); a
+node that cannot be asked is a line ``{"node": ..., "error": ...}``, records a slow
 reader missed a line ``{"lost": N}`` -- gathered, one node's records lost (its answer said so, or
 this node's own follower fell behind) name it: ``{"lost": N, "why": ..., "node": ...}``.
 """
@@ -366,18 +367,21 @@ class _Handlers:
                 answer = cluster.lines(name, path)
             try:
                 async for line in answer:
-                    record = json.loads(line)
+                    record = _json(line, name)
                     if not isinstance(record, dict):
                         errors[name] = f"{name} answered a line that is not a JSON object"
                         return
                     if "error" in record:
                         errors[name] = str(record["error"])
                         return
-                    if "time" in record:  # not a {"lost": N} of a remote follower
+                    line = line if line.endswith(b"\n") else line + b"\n"
+                    if "time" in record:
                         if record.get("node") != name:  # a node answers for itself alone: left out, said once
                             errors.setdefault(name, _not_its_own(name, record.get("node")))
                             continue
-                        newest.add(float(record["time"]), line if line.endswith(b"\n") else line + b"\n")
+                        newest.add(float(record["time"]), line)
+                    elif "lost" in record:  # a record too long to read (cluster._skipped): said, with whose
+                        lost.append(_lost_at(name, line)[0])
             except (OSError, ValueError, TypeError) as err:
                 errors[name] = str(err)
             except KeyError:
@@ -775,28 +779,41 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
 
     held: list[tuple[bytes, int]] = []  # the current answer's {"lost": N} lines (and N), before its next record
     foreign = False  # a record naming another node came (said once, each such record left out)
+    garbled = False  # a line that is no JSON object came (said once per outage, each such line left out)
 
     def forward(line: bytes) -> None:
-        """Into ``merge``; a ``{"lost": N}`` line, named with the node (the merged stream is
-        many nodes'), held until the answer's next record comes.  An answer broken before it
-        is asked again after the same record: its new answer says anew what is lost after it
-        (left out, scrolled out, not kept up with), so the held line goes, and no record lost
-        is told twice."""
+        """Into ``merge``, if it is a JSON object (else left out, and said once per outage:
+        whatever answers on the node's address, its readers are given JSON lines only); a
+        ``{"lost": N}`` line, named with the node (the merged stream is many nodes'), held
+        until the answer's next record comes.  An answer broken before it is asked again after
+        the same record: its new answer says anew what is lost after it (left out, scrolled
+        out, not kept up with), so the held line goes, and no record lost is told twice."""
+        nonlocal garbled
+        try:
+            record = _json(line, node)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            if not garbled:
+                garbled = True
+                merge.put(_line({"node": node, "error": f"{node} answered a line that is not a JSON object: "
+                                                        "left out (is that an agentd's cluster listener?)"}))
+            return
         if line.startswith(b'{"lost":'):
             held.append(_lost_at(node, line))
             return
-        if not own(line):
+        if not own(line, record):
             return
         for lost, n in held:
             merge.put(lost, n)
         held.clear()
         merge.put(line)
 
-    def own(line: bytes) -> bool:
+    def own(line: bytes, record: Any = None) -> bool:
         """Whether a line is the node's own (a node answers for itself alone): a record naming
-        another is left out, and said once."""
+        another is left out, and said once.  ``record``: the line, read already."""
         nonlocal foreign
-        if _names(line, node):
+        if _names(line, node, record):
             return True
         if not foreign:
             foreign = True
@@ -850,7 +867,7 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
                 say(f"{message}: it left the cluster, no longer followed")
                 return True
         if loop.time() - started > RETRY_MAX:  # it ran a good while: a new outage, not the same one
-            delay, said = RETRY_FIRST, None
+            delay, said, garbled = RETRY_FIRST, None, False
         if message != said:  # said once per outage, not at every retry
             say(message)
             said = message
@@ -868,21 +885,31 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
         delay = min(RETRY_MAX, delay * 2)
 
 
+def _json(line: bytes, node: str) -> Any:
+    """A line of ``node``'s answer, read: ValueError if it is no JSON -- or JSON nested too deep
+    to read (json.loads raises RecursionError then), one node's error, not the gathering's."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError(f"{node} answered JSON nested too deep to read") from None
+
+
 def _named(line: bytes) -> Any:
     """The node a gathered record names (None: none, or not a record)."""
     try:
-        record = json.loads(line)
+        record = _json(line, "")
     except ValueError:
         return None
     return record.get("node") if isinstance(record, dict) else None
 
 
-def _names(line: bytes, node: str) -> bool:
+def _names(line: bytes, node: str, record: Any = None) -> bool:
     """Whether a line of ``node``'s followed stream is its own: a record that names it (an
-    answer's other lines -- its error, a keep-alive -- are not records)."""
+    answer's other lines -- its error, a keep-alive -- are not records).  ``record``: the
+    line, read already (else it is read here)."""
     if not line.startswith(b'{"seq":'):  # Flow.json: the number first
         return True
-    return _named(line) == node
+    return (record.get("node") if isinstance(record, dict) else _named(line)) == node
 
 
 def _not_its_own(asked: str, named: Any) -> str:
@@ -893,7 +920,7 @@ def _lost_at(node: str, line: bytes) -> tuple[bytes, int]:
     """A node's ``{"lost": N, ...}`` line as a gathered stream passes it on: with ``"node"``
     naming the node asked (its records were lost: a node speaks for itself alone), and N."""
     try:
-        record = json.loads(line)
+        record = _json(line, node)
         n = max(1, int(record["lost"]))
     except (ValueError, TypeError, KeyError, OverflowError):  # not what an agentd sends (Infinity): passed on as it came
         return line, 1

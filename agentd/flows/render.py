@@ -14,8 +14,10 @@ from typing import Any
 
 
 def _where(ip: Any, port: Any) -> str:
-    """``ip:port``, an IPv6 address in brackets (``[fd00:10:96::a]:80``): never ambiguous."""
-    return f"[{ip}]:{port}" if ":" in str(ip) else f"{ip}:{port}"
+    """``ip:port``, an IPv6 address in brackets (``[fd00:10:96::a]:80``): never ambiguous.
+    Each made printable (:func:`_clean`): a gathered record is another node's word."""
+    ip, port = _clean(str(ip)), _clean(str(port))
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 def _end(peer: dict[str, Any]) -> str:
@@ -56,7 +58,7 @@ def info(r: dict[str, Any]) -> str:
             who = f"{_clean(sender['pod'])} on " if sender.get("pod") else ""
             text += f" (sent by {who}{_clean(sender.get('interface'))})"
         if r.get("suppressed"):
-            text += f" (+{r['suppressed']} like it)"
+            text += f" (+{_clean(r['suppressed'])} like it)"
         return text
     if event == "end":
         return (f"end  sent {_size(r.get('bytes_sent'))} received {_size(r.get('bytes_received'))}"
@@ -65,17 +67,23 @@ def info(r: dict[str, Any]) -> str:
     return _clean(event)
 
 
+def _stamp(t: Any) -> str:
+    """``HH:MM:SS.mmm`` of a UNIX time, or ``-`` (none, or none a clock shows: nan, 1e400)."""
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int((t % 1) * 1000):03d}"
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "-"
+
+
 def line(r: dict[str, Any]) -> str:
     """One record as a line of text."""
-    t = r.get("time")
-    stamp = time.strftime("%H:%M:%S", time.localtime(t)) + f".{int((t % 1) * 1000):03d}" if isinstance(
-        t, (int, float)) else "-"
+    stamp = _stamp(r.get("time"))
     src, dst = r.get("src") or {}, r.get("dst") or {}
     svc = r.get("service")
     target = _end(dst)
     if svc:
         target = f"svc {_clean(svc.get('name'))} {_where(svc.get('ip'), svc.get('port'))} => {target}"
-    verdict = str(r.get("verdict", "-")).upper()
+    verdict = _clean(str(r.get("verdict", "-"))).upper()
     return (f"{stamp}  {_clean(r.get('node'))}  {_end(src)} -> {target}  {_clean(r.get('protocol'))}  "
             f"{verdict}  {info(r)}")
 

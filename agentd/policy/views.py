@@ -219,13 +219,20 @@ class AllowLists:
         self._rules: dict[tuple[Any, str, int], _Rule] = {}
 
     def of(self, policies: list[Policy], direction: str) -> list[dict[str, Any]]:
+        """The entries of ``policies``' rules in ``direction``; those of a policy refused as too
+        large to program (``engine.too_large``: its chain is empty, it allows nothing) say
+        ``"programmed": false``."""
         out = []
         for policy in policies:
+            refused = policy.key in self.engine.too_large
             for index, rule in enumerate((policy.ingress if direction == "in" else policy.egress) or ()):
                 key = (policy.key, direction, index)
                 if key not in self._rules:
                     self._rules[key] = _Rule(self.engine, policy, direction, index, rule)
-                out.append(self._listed(self._rules[key]))
+                entry = self._listed(self._rules[key])
+                if refused:
+                    entry["programmed"] = False
+                out.append(entry)
         return out
 
     def _listed(self, rule: _Rule) -> dict[str, Any]:

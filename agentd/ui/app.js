@@ -217,10 +217,20 @@ async function showNode(name) {
     // The policy agent's last sync failed (nftables refused a change): what it lists is what
     // it wants, which the kernel does not have while the error stands.
     policy.error ? policyError(policy.error) : null,
+    tooLarge(policy.too_large),
     policy.failed ? null : table(["pod", "address", "labels", "policies", "isolated", "dropped in/out"],
       pods.map((p) => [el("a", { href: `#/pod/${encodeURIComponent(name)}/${p.pod}`, "data-pod-link": p.pod }, p.pod), p.ip, el("span", {}, labels(p.labels)),
         p.policies.join(", ") || "–", [p.isolated.ingress ? "ingress" : "", p.isolated.egress ? "egress" : ""].filter(Boolean).join(", ") || "no",
         `${p.dropped.ingress}/${p.dropped.egress}`])));
+}
+
+// Policies refused as too large to program (GET /policy's too_large, "NS/NAME": why): each
+// isolates the pods it selects and allows nothing, whatever its rules say.
+function tooLarge(refused, only) {
+  const names = Object.keys(refused || {}).filter((n) => !only || only.includes(n)).sort();
+  if (!names.length) return null;
+  return el("ul", { class: "err", id: "policy-too-large" }, names.map((n) =>
+    el("li", { "data-too-large": n }, `${n} not programmed: ${refused[n]} -- it isolates the pods it selects and allows nothing`)));
 }
 
 function policyError(error) {
@@ -241,13 +251,17 @@ async function showPod(node, pod) {
   if (!p) { page(`Pod ${pod}`, failure(new Error(`${node} has no pod ${pod}`))); return; }
   const allow = (rules) => rules === null ? el("p", { class: "muted" }, "not isolated: everything is allowed") :
     rules.length === 0 ? el("p", { class: "bad" }, "isolated, and no rule allows anything (default deny)") :
-    table(["policy", "rule", "peers", "addresses", "ports"], rules.map((r) => [r.policy, r.rule,
+    table(["policy", "rule", "peers", "addresses", "ports"], rules.map((r) => [
+      r.programmed === false ? el("span", {}, r.policy, " ", el("span", { class: "bad" }, "(not programmed: allows nothing)")) : r.policy, r.rule,
       r.peers === "all" ? "all" : r.peers.map((x) => x.ipBlock ? `ipBlock ${x.ipBlock}${x.except && x.except.length ? " except " + x.except.join(", ") : ""}` : `ns ${x.namespace} pods ${x.pods}`).join("; "),
       r.peer_addresses === null ? "any" : (r.peer_addresses.join(", ") || (r.left_out ? "" : "none")) + (r.left_out ? ` (${r.left_out} more not listed)` : ""),
-      r.ports === "all" ? "all" : r.ports.map((x) => `${x.port === null || x.port === undefined ? "all" : x.port}${x.endPort ? "-" + x.endPort : ""}/${x.protocol}`).join(", ")]));
+      r.ports === "all" ? "all" : r.ports.map((x) => `${x.port === null || x.port === undefined ? "all" : x.port}${x.endPort ? "-" + x.endPort : ""}/${x.protocol}`).join(", ")]),
+      // A rule of a policy too large to program is not in the kernel: shown struck through.
+      (i) => rules[i].programmed === false ? { class: "not-programmed", "data-programmed": "false" } : {});
   const flows = el("div", {});
   page(`Pod ${pod}`,
     policy.error ? policyError(policy.error) : null,
+    tooLarge(policy.too_large, p.policies),
     el("div", { class: "card" }, el("div", {}, `node ${node} · address ${p.ip} · interface ${p.interface}`), el("div", {}, labels(p.labels))),
     el("div", { class: "card" }, el("b", {}, "Policies selecting it: "), p.policies.length ? p.policies.join(", ") : "none"),
     el("div", { class: "grid2" },
@@ -281,9 +295,13 @@ async function showServices() {
     }
   }
   const conflicts = (data.services || []).flatMap((s) => (s.errors || []).map((e) => el("li", {}, `${s.namespace}/${s.name}: ${e}`)));
+  // Services whose records could not be built or compiled: not translated, so in no row.
+  const failed = Object.entries(data.failed || {}).sort().map(([name, why]) => el("li", { "data-failed": name }, `${name}: ${why}`));
   page("Services",
     el("p", { class: "muted" }, `as node ${data.node} translates them (revision ${data.revision})`),
     data.error ? el("p", { class: "err", id: "services-error" }, `services not in sync: ${data.error}`) : null,
+    data.dns_error ? el("p", { class: "err", id: "services-dns-error" }, `service DNS not served: ${data.dns_error}`) : null,
+    failed.length ? el("ul", { class: "err", id: "services-failed" }, failed) : null,
     conflicts.length ? el("ul", { class: "err", id: "services-conflicts" }, conflicts) : null,
     table(["service", "cluster IP", "port", "endpoints", "connections"], rows));
 }
@@ -371,14 +389,28 @@ function flowTable(container, params, follow) {
           const text = buf.slice(0, i).trim();
           buf = buf.slice(i + 1);
           if (!text) continue;
-          const r = JSON.parse(text);
+          // One line that cannot be shown is said in the status line; the table and the
+          // stream go on (the other nodes' records are not lost with it).
+          let r;
+          try {
+            r = JSON.parse(text);
+            if (r === null || typeof r !== "object" || Array.isArray(r)) throw new Error("not a JSON object");
+          } catch (err) {
+            status.textContent = `a line of the stream left out (${err.message}): ${text.slice(0, 80)}`;
+            continue;
+          }
           if (r.error) { status.textContent = `node ${r.node}: ${r.error}`; continue; }
           if (r.lost) {  // gathered: a node's records lost name the node
             const whose = r.node ? `node ${r.node}: ` : "";
             status.textContent = `${whose}${r.lost} records lost (${r.why || (r.node ? "not read fast enough from it" : "the browser was too slow")})`;
             continue;
           }
-          body.prepend(flowRow(r));
+          let row;
+          try { row = flowRow(r); } catch (err) {
+            status.textContent = `a record of node ${r.node} left out (${err.message})`;
+            continue;
+          }
+          body.prepend(row);
           if (++count > 500) body.lastChild.remove();
         }
       }

@@ -1906,9 +1906,11 @@ async def test_browser_view_shows_what_rest_says_when_something_failed(shop, tmp
     node2 unreachable leaves its session with node1 unknown (not "Established at one end");
     the policy agent's error shows above the pods it still lists; a cluster IP and node port
     another Service holds are not shown as this one's, and the conflicts and the services
-    agent's error are shown.  Answers altered in the browser (Playwright's routes), as a
-    node would give them: node1's own answers (asked here: the browser's driver runs outside
-    node1's namespace), changed."""
+    agent's error are shown, and so are the Services it could not build or compile (in no
+    row: not translated) and why service DNS is not served.  Answers altered in the browser
+    (Playwright's routes), as a node would give them: node1's own answers (asked here: the
+    browser's driver runs outside node1's namespace), changed (a Service fails to compile only
+    by a bug: valid records never make one)."""
     from urllib.parse import urlsplit
 
     node1 = shop.lab.nodes[0]
@@ -1935,6 +1937,8 @@ async def test_browser_view_shows_what_rest_says_when_something_failed(shop, tmp
         port["clusterIP"], port["nodePort"] = None, None
         web["errors"] = [f"cluster IP {port['asked']['clusterIP']} TCP/{port['port']} is shop/older's: left out"]
         data["error"] = "nft: a sync failed"
+        data["failed"] = {"shop/bad": "cannot be compiled, not translated: ValueError: a bug"}
+        data["dns_error"] = "cannot bind 10.96.0.10:53: address in use"
         await route.fulfill(json=data)
 
     async with _ui_page(node1, tmp_path) as (page, errors, address):
@@ -1962,8 +1966,67 @@ async def test_browser_view_shows_what_rest_says_when_something_failed(shop, tmp
         assert "node port 30999: another Service's" in await row.inner_text()
         assert "shop/older's: left out" in await page.locator("#services-conflicts").inner_text()
         assert "a sync failed" in await page.locator("#services-error").inner_text()
+        failed = await page.locator("#services-failed").inner_text()
+        assert "shop/bad: cannot be compiled, not translated: ValueError: a bug" in failed
+        assert "address in use" in await page.locator("#services-dns-error").inner_text()
         assert "null" not in await page.locator("#view").inner_text()
+
+        # A stream line the page cannot show (no JSON, no object) is said and left out: the
+        # live table goes on with the lines after it (it was replaced by an error).
+        record = {"seq": 1, "time": 1.0, "node": "node2", "event": "new", "verdict": "forwarded", "protocol": "TCP",
+                  "src": {"ip": "10.0.0.1", "port": 1}, "dst": {"ip": "10.0.0.2", "port": 80}}
+        await page.route("**/flows?*", lambda route: route.fulfill(
+            status=200, content_type="application/x-ndjson",
+            body="<h1>It works</h1>\n[1, 2]\n" + json.dumps(record) + "\n"))
+        await page.goto(UI_BASE + "#/flows")
+        await page.wait_for_selector("#flow-status:text('stream ended')")
+        assert await page.locator("#flow-rows tr[data-node=node2]").count() == 1
+        assert await page.locator("#view .err").count() == 0
         assert not errors, errors
+
+
+def _huge_policy() -> dict[str, Any]:
+    """A policy on shop/web too large to program: four ipBlocks (a quarter of IPv4 each, minus
+    64 /32s) are 6,144 prefixes, on TCP and UDP more than compiler.MAX_POLICY_RULES rules.
+    Ingress only: web is isolated already (default-deny), so it changes no connection."""
+    blocks = [{"ipBlock": {"cidr": f"{q * 64}.0.0.0/2", "except": [f"{q * 64 + i}.{i}.0.1/32" for i in range(64)]}}
+              for q in range(4)]  # fmt: skip
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "huge", "namespace": "shop"},
+            "spec": {"podSelector": {"matchLabels": {"app": "web"}},
+                     "ingress": [{"from": blocks, "ports": [{"port": 80}, {"port": 80, "protocol": "UDP"}]}]}}  # fmt: skip
+
+
+async def test_browser_view_shows_a_policy_too_large_to_program(shop, tmp_path):
+    """A policy refused as too large to program allows nothing (its chain is empty): the node
+    page says so, and the pod page does not list its rules as allowing traffic (struck through,
+    "not programmed"), while the pod's other policies' rules are shown as ever."""
+    node2 = shop.lab.nodes[1]
+    res = await shop.lab.resources()
+
+    def refused() -> dict[str, str]:
+        return (node2.api_or_none("/policy?view=summary") or {}).get("too_large", {"?": "not answered"})
+
+    await res.apply([_huge_policy()])
+    try:
+        await auntil(lambda: "shop/huge" in refused(), 30, what="shop/huge refused as too large on node2")
+        async with _ui_page(shop.lab.nodes[0], tmp_path) as (page, errors, address):
+            await page.goto(address + "#/node/node2")
+            await page.wait_for_selector("[data-pod-link='shop/web']")
+            said = await page.locator("#policy-too-large").inner_text()
+            assert "shop/huge not programmed" in said and "allows nothing" in said
+
+            await page.goto(UI_BASE + "#/pod/node2/shop/web")
+            await page.wait_for_selector("text=Policies selecting it")
+            assert "shop/huge not programmed" in await page.locator("#policy-too-large").inner_text()
+            struck = page.locator("tr[data-programmed=false]")
+            assert await struck.count() == 1
+            assert "shop/huge" in await struck.first.inner_text() and "not programmed" in await struck.first.inner_text()
+            other = page.locator(".grid2 tr", has_text="shop/web-from-clients")  # (the allow-lists, not the flows)
+            assert await other.count() == 1 and await other.first.get_attribute("data-programmed") is None
+            assert not errors, errors
+    finally:
+        await res.delete("NetworkPolicy", "shop", "huge")
+        await auntil(lambda: refused() == {}, 30, what="shop/huge gone from node2")
 
 
 # ------------------------------------------------------------------ the read token kept

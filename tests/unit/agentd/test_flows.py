@@ -3618,3 +3618,151 @@ def test_an_end_the_sweep_found_gone_is_timed_when_it_was_found():
     gone = recorded_flow("node2", CONN_RECORD.pack(key, REC_GONE, value), CLIENT, WEB, 0, 1_075.0)
     fin = recorded_flow("node2", CONN_RECORD.pack(key, REC_FIN, value), CLIENT, WEB, 0, 1_075.0)
     assert (gone.time, fin.time, gone.duration) == (1_075.0, 1_010.0, 10.0)
+
+
+# ------------------------------------------------------------------ what one node answers stays that node's
+
+
+DEEP = b"[" * 5000 + b"]" * 5000  # JSON nested past Python's recursion limit: json.loads raises RecursionError
+
+
+class _Answers(_Registry):
+    """node2 answers ``node2`` (its lines, as they come), every other node one record of its own."""
+
+    def __init__(self, names, node2):
+        super().__init__(names)
+        self.node2 = node2
+
+    async def lines(self, node, path, **_):
+        if node == "node2":
+            async for line in self.node2():
+                yield line
+            return
+        yield json.dumps({"seq": 1, "time": 1.0, "node": node}).encode() + b"\n"
+
+
+async def test_json_nested_too_deep_from_one_node_is_that_nodes_error_alone():
+    """A node answering JSON nested too deep to read (json.loads raises RecursionError, not
+    ValueError) failed the whole gathering: GET /cluster 500 for every node, the cluster's last
+    N lost for every node, and the node's followed stream ended unsaid and never followed
+    again.  Now that node alone is an error; the others are shown, its stream goes on."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+    from agentd.daemon.cluster import ClusterView
+
+    class Deep(ClusterView):
+        async def get(self, node, path):
+            return 200, "application/json", DEEP if node == "node2" else json.dumps({"node": {"name": node}}).encode()
+
+    view = Deep("node1", lambda: {"node2": "192.0.2.2", "node3": "192.0.2.3"}, 9098)
+    gathered = await view.gather("/status", lambda: {"node": {"name": "node1"}})
+    assert gathered == {"node1": {"node": {"name": "node1"}}, "node2": {"error": "node2 answered JSON nested too deep to read"},
+                        "node3": {"node": {"name": "node3"}}}
+
+    async def deep():
+        yield DEEP + b"\n"
+
+    registry = _Answers(["node1", "node2", "node3"], deep)
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    records, errors = await handlers._gather_last(["node2", "node3"], FlowFilter(), 100, None)
+    assert [json.loads(r)["node"] for r in records] == ["node3"]
+    assert errors == {"node2": "node2 answered JSON nested too deep to read"}
+
+    follow = _Node([[b'{"lost":' + DEEP + b"}\n", b'{"seq":2,"time":2.0,"node":"node2"}\n']])
+    merge = observe_api._Merge()
+    task = asyncio.create_task(observe_api._pump_remote(follow, "node2", "/flows?follow=1", merge))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    got = [json.loads(merge.queue.get_nowait()) for _ in range(merge.queue.qsize())]
+    assert got[:2] == [{"node": "node2", "error": "node2 answered a line that is not a JSON object: left out "
+                                                  "(is that an agentd's cluster listener?)"},
+                       {"seq": 2, "time": 2.0, "node": "node2"}]
+    assert not task.done() or task.exception() is None  # (asked again after the end: not dead of it)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    for deep_line in (DEEP, b'{"lost":' + DEEP + b"}"):
+        assert observe_api._named(deep_line) is None and observe_api._lost_at("node2", deep_line) == (deep_line, 1)
+
+
+async def test_a_followed_node_that_answers_no_json_lines_is_said_once_and_its_lines_left_out(monkeypatch):
+    """Something else answering 200 on a node's cluster port (a web server: no LAST_END header)
+    is asked again without its last N, and its lines went into the merged stream as they came:
+    the browser's live table was replaced by an error for every node, `agentd flows -A -f`
+    exited blaming the local agent.  Now only JSON objects are passed on; the rest is said
+    once (per outage: not at every retry) and left out."""
+    from agentd.daemon import observe_api
+    from agentd.daemon.cluster import UnmarkedStream
+
+    html = [b"<!doctype html>\n", b"<h1>It works</h1>\n", b"[1, 2]\n", b"null\n", b'"text"\n']
+
+    class Squatter:
+        asked = 0
+
+        async def lines(self, node, path, *, follow=False, blanks=False, seen=None):
+            self.asked += 1
+            if blanks:
+                raise UnmarkedStream("node2 does not end its last records with an empty line")
+            for answered in html:
+                yield answered
+            if self.asked > 3:
+                await asyncio.Event().wait()
+
+    monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)
+    squatter = Squatter()
+    merge = observe_api._Merge()
+    task = asyncio.create_task(observe_api._pump_remote(squatter, "node2", "/flows?last=100&follow=1", merge,
+                                                        first=observe_api._Snapshot(100), again="/flows?last=0&follow=1"))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert squatter.asked == 4  # the unmarked one, then asked again three times
+    got = [json.loads(merge.queue.get_nowait()) for _ in range(merge.queue.qsize())]  # each a JSON object
+    assert all(isinstance(x, dict) for x in got)
+    assert got == [{"node": "node2", "error": "node2 answered a line that is not a JSON object: left out "
+                                              "(is that an agentd's cluster listener?)"},
+                   {"node": "node2", "error": "node2 ended the stream"}]
+
+
+def test_a_records_addresses_ports_verdict_and_count_are_printed_printable():
+    """`agentd flows` printed a (remote) record's ip, port, verdict, suppressed count and
+    Service address as they came: a node could forge lines or send terminal escapes."""
+    record = {"time": 1.0, "node": "node2", "protocol": "TCP", "verdict": "dropped\x1b[2J", "event": "drop",
+              "reason": "policy", "direction": "ingress", "policies": ["x/y"], "suppressed": "3\x1b[31m",
+              "src": {"ip": "10.0.0.1\x1b]0;owned\x07", "port": "1\n10:00:00.000  node2  FAKE LINE"},
+              "dst": {"ip": "10.0.0.2", "port": 80},
+              "service": {"name": "a/s", "ip": "\x1b[1m", "port": "1\r"}}
+    text = line(record)
+    assert "\x1b" not in text and "\n" not in text and "\r" not in text and "\x07" not in text
+    assert "10.0.0.1\\x1b]0;owned\\x07:1\\n10:00:00.000" in text and "DROPPED\\X1B[2J" in text
+    assert "(+3\\x1b[31m like it)" in text
+    # A time no clock shows is "-", not a crash of the CLI (time.localtime raised).
+    for t in (1e400, float("nan"), 1e20, -1e20):
+        assert line({**record, "time": t}).startswith("-  node2  ")
+
+
+async def test_a_gathered_last_n_says_a_record_too_long_to_read_was_lost(monkeypatch):
+    """A node's record longer than LINE_MAX is a line saying one record was lost
+    (cluster._skipped); the gathered last N (the browser's first 100 rows, `agentd flows -A`)
+    left that line out silently: only a followed stream told it."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import cluster, observe_api
+
+    monkeypatch.setattr(cluster, "LINE_MAX", 100)
+    big = json.dumps({"seq": 7, "time": 5.0, "node": "node2", "src": {"labels": {"k": "v" * 300}}}).encode() + b"\n"
+    small = json.dumps({"seq": 8, "time": 6.0, "node": "node2"}).encode() + b"\n"
+
+    async def node2():
+        async for part in cluster._lines(_Chunks(big + small, 64), "node2"):  # type: ignore[arg-type]
+            yield part
+
+    registry = _Answers(["node1", "node2"], node2)
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    records, errors = await handlers._gather_last(["node2"], FlowFilter(), 100, None)
+    assert errors == {}
+    assert [json.loads(r) for r in records] == [
+        {"seq": 7, "node": "node2", "lost": 1, "why": "a record of more than 100 bytes, not read"}, json.loads(small)]

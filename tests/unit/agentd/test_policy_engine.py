@@ -682,6 +682,27 @@ def test_a_policy_too_large_to_program_allows_nothing_and_the_others_stay():
     assert not forwarded(rs, Packet(ya.addr(6), a.addr(6), compiler.l4proto("UDP"), 81))
 
 
+def test_the_allow_list_of_a_policy_too_large_to_program_says_it_is_not_programmed():
+    """The pod page listed a policy refused as too large (empty chain: it allows nothing) as
+    allowing what its rules say: its entries now say "programmed": false; the others none."""
+    wide = {"cidr": "::/0", "except": [f"2001:{i:x}::1/128" for i in range(64)]}
+    big = np("big", "x", {"podSelector": {}, "ingress": [{"from": [{"ipBlock": wide}],
+                                                          "ports": [{"port": 80}, {"port": 81, "protocol": "UDP"}]}]})
+    small = np("small", "x", {"podSelector": {}, "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "b"}}}]}]})
+    cluster = grid()
+    cluster.policies = [big, small]
+    a = cluster.pods[0]
+    eng = engine_for(cluster, [a.key], families=(4, 6))
+    eng.build()
+    assert list(eng.too_large) == [("x", "big")]
+    view = pod_view(eng, ("x", "a"))
+    assert [(r["policy"], r.get("programmed")) for r in view["ingress"]] == [("x/big", False), ("x/small", None)]
+    eng.upsert_policy(Policy.parse(kinds.validate(np("big", "x", {**big["spec"], "ingress": [
+        {"from": [{"ipBlock": {**wide, "except": wide["except"][:8]}}], "ports": [{"port": 80}]}]}))))
+    eng.build()  # made smaller: programmed, and said so no longer
+    assert [r.get("programmed") for r in pod_view(eng, ("x", "a"))["ingress"]] == [None, None]
+
+
 def test_many_ipblocks_are_refused_before_collapsing_them_all(monkeypatch):
     monkeypatch.setattr(compiler, "RAW_PREFIXES_MAX", 100)
     blocks = [{"ipBlock": {"cidr": "10.0.0.0/8", "except": [f"10.{i}.0.1/32"]}} for i in range(10)]  # 24 prefixes each
