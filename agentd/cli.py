@@ -22,7 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, HostFacts, check_config, config_warnings, load_config
+from agentd.config.settings import (
+    DEFAULT_CONFIG_PATH,
+    ConfigError,
+    HostFacts,
+    RunningHost,
+    check_config,
+    config_warnings,
+    load_config,
+)
 from agentd.config.values import one_line, shorten
 from agentd.kernel.netinfo import LocalHost
 from agentd.tables import render_table
@@ -420,7 +428,9 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             from agentd.daemon.speaker import SpeakerRuntime
 
             def reload():
-                return load_config(path, overrides=overrides, require_file=named, host=LocalHost())
+                # [node] name and address as at start (RunningHost): a reload must not fail
+                # when the default route is gone at that moment, nor dump routes on the loop.
+                return load_config(path, overrides=overrides, require_file=named, host=RunningHost(cfg))
 
             tune_gc()
             limit_malloc_arenas()

@@ -472,6 +472,53 @@ def test_leave_without_an_agent_cleans_the_host_up_without_etcds_files_or_a_node
     assert f"{agent_module.ETCD_STEP}: {FAILED}: etcd TLS ca file '{tmp_path}/ca.pem'" in out, out
 
 
+class RouteGoesAway(NoDefaultRoute):
+    """A host whose default route is there at start and gone at the reload (a link flap)."""
+
+    route: str | None = "10.0.0.5"
+
+    def default_address(self):
+        from ipaddress import IPv4Address
+
+        return None if self.route is None else IPv4Address(self.route)
+
+
+def test_a_speaker_reload_takes_the_node_address_of_its_start(capsys, monkeypatch, tmp_path):
+    """`agentd speaker`'s SIGHUP read the host's default route again: without [node] address
+    and with the route gone at that moment, the reload failed ("[node] address: not set and
+    this host has no IPv4 default route") and its new peers and prefixes were not applied.
+    Now it takes the start's [node] name and address, as the agent's reload does."""
+    import agentd.daemon.speaker
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    monkeypatch.setattr(RouteGoesAway, "route", "10.0.0.5")
+    monkeypatch.setattr(cli, "LocalHost", RouteGoesAway)
+    for name in ("setup_logging", "tune_gc", "limit_malloc_arenas"):
+        monkeypatch.setattr(cli, name, lambda *a, **k: None)
+    conf = tmp_path / "spk.toml"
+    conf.write_text('[bgp]\noriginate = ["10.9.0.0/24"]\n')
+    seen = []
+
+    class Speaker:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        async def run(self, *, reload, set_logging):
+            seen.append(self.cfg)
+            RouteGoesAway.route = None  # the default route is gone at the SIGHUP
+            conf.write_text('[bgp]\noriginate = ["10.9.0.0/24", "10.9.1.0/24"]\n')
+            seen.append(reload())
+            return 0
+
+    monkeypatch.setattr(agentd.daemon.speaker, "SpeakerRuntime", Speaker)
+    code, _, err = run(capsys, "speaker", "--config", str(conf))
+    assert code == 0, err
+    start, reloaded = seen
+    assert str(start.node.address) == str(reloaded.node.address) == "10.0.0.5"
+    assert reloaded.node.name == start.node.name == "n1"
+    assert [str(p) for p in reloaded.bgp.originate] == ["10.9.0.0/24", "10.9.1.0/24"]
+
+
 @pytest.mark.parametrize("command", [[sys.executable, "-m", "agentd.cli"], [str(Path(sys.executable).parent / "agentd")]],
                          ids=["python -m agentd.cli", "installed agentd"])
 def test_lab_help_works_both_as_installed_and_as_python_m(command):
