@@ -728,12 +728,19 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
     if why is not None:
         sys.stderr.write(f"agentd flows: {why}\n")
         return 1
-    # Without -f, the whole stream within FLOWS_WAIT; followed, it has no end (the agent sends an
-    # empty line every 10 s on a quiet one).
+    # Without -f, the whole stream within FLOWS_WAIT.  Followed, it has no end: each line within
+    # FOLLOW_IDLE (the agent sends an empty line every 10 s on a quiet one; a host gone, or a
+    # network partition, sends nothing, not even a FIN), the answer's head and its first line
+    # within FLOWS_WAIT (-A: the last N come once gathered from the nodes).
     deadline = None if args.follow else time.monotonic() + FLOWS_WAIT
+    lines = 0
+
+    def idle() -> float:
+        return FOLLOW_IDLE if lines else FLOWS_WAIT
+
     try:
         req = urllib.request.Request(url, headers=headers)
-        resp = api_open(req, timeout=None if args.follow else 30, deadline=deadline)
+        resp = api_open(req, timeout=30, deadline=deadline, idle=idle if args.follow else None)
     except urllib.error.HTTPError as err:
         try:
             body = read_answer(err, API_ERROR_MAX).decode(errors="replace")
@@ -760,6 +767,7 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
     try:
         with resp:
             while raw := resp.readline(FLOW_LINE_MAX + 1):
+                lines += 1
                 if len(raw) > FLOW_LINE_MAX:
                     sys.stderr.write(f"agentd flows: {url} answered with a line of more than {FLOW_LINE_MAX} bytes: "
                                      "is that an agentd API?\n")
@@ -781,7 +789,13 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
     except BrokenPipeError:  # our reader went (`| head`): main() ends quietly, 141
         raise
     except TimeoutError:
-        sys.stderr.write(f"agentd flows: the stream from {args.api} broke: not whole within {FLOWS_WAIT:g} s\n")
+        if not args.follow:
+            why = f"not whole within {FLOWS_WAIT:g} s"
+        elif lines:
+            why = f"no keep-alive within {FOLLOW_IDLE:g} s: the stream is gone"
+        else:
+            why = f"no line within {FLOWS_WAIT:g} s"
+        sys.stderr.write(f"agentd flows: the stream from {args.api} broke: {why}\n")
         return 1
     except (http.client.HTTPException, OSError) as err:  # Ctrl-C is main()'s too: 130
         sys.stderr.write(f"agentd flows: the stream from {args.api} broke: {server_text(err)}\n")
@@ -856,6 +870,8 @@ SERVER_TEXT_MAX = 400  # characters of one text from a server shown (an error, a
 STATUS_WAIT = 10.0  # seconds `agentd status` waits for the whole /status answer
 FLOWS_WAIT = 90.0  # seconds `agentd flows` (without -f) waits for the whole stream (the agent gathers
 # from other nodes for 60 s at most: agentd.daemon.cluster.GATHER_TOTAL)
+FOLLOW_IDLE = 25.0  # seconds `agentd flows -f` waits for a line: agentd.daemon.cluster.FOLLOW_IDLE,
+# 2.5 keep-alive intervals
 
 
 def server_text(value: Any, limit: int = SERVER_TEXT_MAX) -> str:
@@ -901,15 +917,19 @@ def read_answer(resp: Any, limit: int = API_BODY_MAX) -> bytes:
 class _DeadlineReads:
     """Every receive of a connected socket waits only until ``_deadline`` (time.monotonic):
     the whole answer -- status line, headers, body -- within one bound, however slowly it
-    trickles in.  http.client reads through ``recv_into`` (its socket file); a TLS socket's
+    trickles in; and each within ``_idle()`` seconds where that is set (a followed stream, which
+    has no end).  http.client reads through ``recv_into`` (its socket file); a TLS socket's
     read waits at most its timeout in all (CPython's ssl module), so the bound holds there too."""
 
-    _deadline: float
+    _deadline: float  # inf: none
+    _idle: Callable[[], float] | None = None
 
     def _wait_left(self) -> None:
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out")
+        if self._idle is not None:
+            left = min(left, self._idle())
         self.settimeout(left)  # type: ignore[attr-defined]
 
     def recv_into(self, *args: Any, **kwargs: Any) -> int:
@@ -924,19 +944,27 @@ class _DeadlineReads:
 class _DeadlineSocket(_DeadlineReads, socket.socket):
     """A plain (http://) connection's socket under :class:`_DeadlineReads`."""
 
-    def __init__(self, sock: Any, deadline: float) -> None:
+    def __init__(self, sock: Any, deadline: float, idle: Callable[[], float] | None = None) -> None:
+        timeout = sock.gettimeout()
         super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
-        self._deadline = deadline
-        self.settimeout(max(0.001, deadline - time.monotonic()))  # sending the request too
+        self._deadline, self._idle = deadline, idle
+        if deadline != NO_DEADLINE:  # sending the request too (else the connection's timeout)
+            timeout = max(0.001, deadline - time.monotonic())
+        self.settimeout(timeout)
 
 
-def api_open(req: Any, timeout: float | None, *, deadline: float | None = None) -> Any:
+NO_DEADLINE = float("inf")
+
+
+def api_open(req: Any, timeout: float | None, *, deadline: float | None = None,
+             idle: Callable[[], float] | None = None) -> Any:
     """``urlopen`` for an agent's API: straight to the address given, never through
     ``http_proxy`` (the API token must not go to a proxy), and no redirect followed (urllib
     would send the Authorization header on to wherever it points): a 3xx is an HTTPError.
     ``deadline`` (time.monotonic), for http:// and https:// URLs alike: the connection, the
     answer's head and every read of its body end by then (:class:`TimeoutError`), not only each
-    read within ``timeout``."""
+    read within ``timeout``.  ``idle``: each read of the answer (its head too) within ``idle()``
+    seconds, asked before each one."""
     import urllib.error
     import urllib.request
 
@@ -946,16 +974,18 @@ def api_open(req: Any, timeout: float | None, *, deadline: float | None = None) 
                                          "followed (an agent's API does not redirect)", headers, fp)
 
     handlers: list[Any] = [urllib.request.ProxyHandler({}), NoRedirect()]
-    if deadline is not None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out")
-        timeout = left if timeout is None else min(timeout, left)
+    if deadline is not None or idle is not None:
+        end = NO_DEADLINE if deadline is None else deadline
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            timeout = left if timeout is None else min(timeout, left)
 
         class Connection(http.client.HTTPConnection):
             def connect(self) -> None:
                 super().connect()
-                self.sock = _DeadlineSocket(self.sock, deadline)
+                self.sock = _DeadlineSocket(self.sock, end, idle)
 
         class DeadlineHandler(urllib.request.HTTPHandler):
             def http_open(self, req: Any) -> Any:
@@ -966,7 +996,8 @@ def api_open(req: Any, timeout: float | None, *, deadline: float | None = None) 
             import ssl
 
             class DeadlineSSLSocket(_DeadlineReads, ssl.SSLSocket):
-                _deadline = deadline
+                _deadline = end
+                _idle = None if idle is None else staticmethod(idle)
 
             class TLSConnection(http.client.HTTPSConnection):
                 def __init__(self, *args: Any, **kwargs: Any) -> None:
