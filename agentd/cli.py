@@ -779,12 +779,22 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
                 except (ValueError, RecursionError):
                     sys.stderr.write(f"agentd flows: {url} answered, but not with JSON lines: is that an agentd API?\n")
                     return 1
-                what = notice(record) if isinstance(record, dict) else None
+                if not isinstance(record, dict):
+                    sys.stderr.write(f"agentd flows: {url} answered, but not with flow records: is that an agentd API?\n")
+                    return 1
+                try:  # (printed outside: a closed pipe is main()'s, 141)
+                    what = notice(record)
+                    text = "" if what is not None else json.dumps(record) if args.output == "json" else line(record)
+                except (TypeError, AttributeError, KeyError, ValueError, OverflowError, OSError, RecursionError) as err:
+                    # OSError, OverflowError: a time localtime cannot give (EOVERFLOW)
+                    sys.stderr.write(f"agentd flows: {url} answered with a record that is not an agentd flow record "
+                                     f"({type(err).__name__}: {server_text(err)}): is that an agentd API?\n")
+                    return 1
                 if what is not None:
                     errors += "error" in record
                     sys.stderr.write(f"agentd flows: {what}\n")
                     continue
-                print(json.dumps(record) if args.output == "json" else line(record), flush=args.follow)
+                print(text, flush=args.follow)
             broke = cut_short(resp)  # the agent died mid-stream: what was printed is not all
     except BrokenPipeError:  # our reader went (`| head`): main() ends quietly, 141
         raise

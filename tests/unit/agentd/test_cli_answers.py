@@ -227,6 +227,31 @@ def test_a_followed_stream_gone_silent_ends(capsys, monkeypatch, request, over):
     assert one_line(err) == f"agentd flows: the stream from {api} broke: no line within 0.3 s\n"
 
 
+def flows_with(body: bytes) -> Callable[[socket.socket], None]:
+    """A whole /flows answer of ``body`` (its lines)."""
+    def answer(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nContent-Length: %d\r\n\r\n"
+                     % len(body) + body)
+    return answer
+
+
+@pytest.mark.parametrize("body, says", [
+    (b"[1, 2]", "answered, but not with flow records: is that an agentd API?"),
+    (b"null", "answered, but not with flow records: is that an agentd API?"),
+    (b'"str"', "answered, but not with flow records: is that an agentd API?"),
+    (b'{"src": "x"}', "answered with a record that is not an agentd flow record (AttributeError: "),
+    (b'{"service": "shop/web"}', "answered with a record that is not an agentd flow record (AttributeError: "),
+    (b'{"time": 1e300}', "answered with a record that is not an agentd flow record (OverflowError: "),
+], ids=["list", "null", "string", "src-string", "service-string", "time-overflow"])
+def test_flows_refuses_lines_that_are_no_flow_records_in_one_line(capsys, body, says):
+    """A JSON line that is not a well-formed flow record was a traceback (AttributeError from
+    render.line, OverflowError from localtime): one line, exit 1, after what came before it."""
+    with server(flows_with(RECORD + body + b"\n" + RECORD)) as api:
+        code, out, err = run(capsys, "flows", "--api", api)
+    assert code == 1 and len(out.splitlines()) == 1 and "10.244.1.2" in out, (out, err)
+    assert one_line(err).startswith(f"agentd flows: {api}/flows?last=20 {says}"), err
+
+
 def test_an_error_answer_is_read_to_a_bound(capsys):
     def huge_error(conn):
         conn.sendall(b"HTTP/1.1 500 X\r\nContent-Type: application/json\r\n\r\n{\"error\": \"")
