@@ -1060,12 +1060,13 @@ def status_command(api: str, *, as_json: bool = False) -> int:
         reason = getattr(err, "reason", err)
         sys.stderr.write(f"agentd status: cannot reach the agent at {url}: {server_text(reason)}\n")
         return 1
+    if not isinstance(status, dict) or not isinstance(status.get("node"), dict):  # --json too
+        sys.stderr.write(f"agentd status: {url} did not answer with an agentd status (no 'node' object)\n")
+        return 1
     if as_json:
         print(json.dumps(status, indent=2))
         return 0
     try:
-        if not isinstance(status, dict) or not isinstance(status.get("node"), dict):
-            raise ValueError("no 'node' object")
         text = render_status(status)
     except (TypeError, KeyError, AttributeError, ValueError, OverflowError, OSError) as err:  # OSError: a time
         # localtime cannot give (EOVERFLOW)

@@ -252,6 +252,18 @@ def test_flows_refuses_lines_that_are_no_flow_records_in_one_line(capsys, body, 
     assert one_line(err).startswith(f"agentd flows: {api}/flows?last=20 {says}"), err
 
 
+def test_status_json_refuses_an_answer_that_is_no_agentd_status(capsys):
+    """Served [1]: `agentd status` said so (exit 1), `agentd status --json` printed it, exit 0."""
+    def answer(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 3\r\n\r\n[1]")
+
+    with server(answer) as api:
+        for extra in ([], ["--json"]):
+            code, out, err = run(capsys, "status", *extra, "--api", api)
+            assert (code, out) == (1, ""), extra
+            assert one_line(err) == f"agentd status: {api}/status did not answer with an agentd status (no 'node' object)\n"
+
+
 def test_an_error_answer_is_read_to_a_bound(capsys):
     def huge_error(conn):
         conn.sendall(b"HTTP/1.1 500 X\r\nContent-Type: application/json\r\n\r\n{\"error\": \"")

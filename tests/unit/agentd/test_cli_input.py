@@ -106,6 +106,19 @@ def test_status_with_an_unexpected_reply_is_one_line(capsys, monkeypatch, reply)
     assert code == 1 and "did not answer with an agentd status" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("reply", [[1], [], "hello", None, 3, {}, {"node": "x"}, {"nodes": {}}])
+def test_status_json_refuses_what_is_no_agentd_status(capsys, monkeypatch, reply):
+    """`agentd status --json` printed whatever JSON answered and exited 0 (the text mode's
+    check of the answer's shape came after it): a script took any server for an agent."""
+    monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
+    code, out, err = run(capsys, "status", "--json", "--api", "http://127.0.0.1:9099")
+    assert (code, out) == (1, "")
+    assert err == "agentd status: http://127.0.0.1:9099/status did not answer with an agentd status (no 'node' object)\n"
+    monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: {"node": {"name": "n1"}, "x": [1]})
+    code, out, err = run(capsys, "status", "--json", "--api", "http://127.0.0.1:9099")
+    assert (code, err) == (0, "") and json.loads(out) == {"node": {"name": "n1"}, "x": [1]}
+
+
 def test_status_with_json_nested_too_deep_is_one_line(capsys, monkeypatch):
     def deep(url, timeout=5.0):
         raise RecursionError("maximum recursion depth exceeded while decoding a JSON object")
