@@ -373,7 +373,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if getattr(args, "api", None) is not None:
         problem = api_url_problem(args.api)
         if problem is not None:
-            sys.stderr.write(f"agentd {cmd}: {named} {args.api!r}: {problem}\n")
+            sys.stderr.write(f"agentd {cmd}: {named} {shown_url(args.api)!r}: {problem}\n")
             return 2
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
@@ -858,6 +858,11 @@ def api_url_problem(url: str) -> str | None:
 
     try:
         parts = urllib.parse.urlsplit(url)
+        # (http.client would look the whole USER:PASSWORD@HOST up as the name.)  Before the
+        # port's error, which would show a password with a "/" in it as the port.
+        if "@" in url.partition("://")[2].partition("?")[0].partition("#")[0]:
+            return ("a user or password in the URL is not for the agent's API, whose key comes from [api] "
+                    "token_file: leave it out")
         port = parts.port
     except ValueError as err:  # "Port out of range 0-65535", "Port could not be cast to integer value"
         return f"the port must be a number 1..65535 ({err})"
@@ -868,6 +873,15 @@ def api_url_problem(url: str) -> str | None:
     if port is not None and not 1 <= port <= 65535:
         return f"the port must be a number 1..65535, not {port}"
     return None
+
+
+def shown_url(url: str) -> str:
+    """``url`` as a message shows it: whatever comes before its last ``@`` after ``://`` (a
+    user and password, however malformed) left out."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        return f"{scheme}://***@{rest.rpartition('@')[2]}"
+    return url
 
 
 # What the commands read of an agent's answers.  Whatever answers at --api may be no agent: a

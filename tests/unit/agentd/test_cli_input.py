@@ -55,6 +55,24 @@ def test_bad_arguments_give_one_line(capsys, monkeypatch, argv, message):
     assert code not in (0, None) and message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("command", ["status", "flows"])
+@pytest.mark.parametrize("url, shown", [
+    ("http://admin:s3cret@127.0.0.1:9099", "http://***@127.0.0.1:9099"),
+    ("https://admin:s3cret@127.0.0.1", "https://***@127.0.0.1"),
+    ("http://admin:s3cret@127.0.0.1:99999", "http://***@127.0.0.1:99999"),
+    ("http://admin:s3/cret@127.0.0.1:9099", "http://***@127.0.0.1:9099"),  # (its port would be "s3")
+    ("http://s3cret@127.0.0.1:9099", "http://***@127.0.0.1:9099"),
+])
+def test_an_api_url_with_a_password_is_refused_without_showing_it(capsys, monkeypatch, command, url, shown):
+    """`--api http://user:pw@host` passed the URL's check, then failed looking up the name
+    "user:pw@host" ("Name or service not known"), the password in the message."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    code, out, err = run(capsys, command, "--api", url)
+    assert (code, out) == (2, "") and "s3" not in err and "cret" not in err, err
+    assert err == (f"agentd {command}: --api {shown!r}: a user or password in the URL is not for the agent's "
+                   "API, whose key comes from [api] token_file: leave it out\n")
+
+
 def test_a_bad_api_url_is_a_usage_error(capsys):
     code, out, err = run(capsys, "flows", "--api", "http://127.0.0.1:65536")
     assert (code, out) == (2, "") and err.startswith("agentd flows: --api 'http://127.0.0.1:65536': the port must be")
