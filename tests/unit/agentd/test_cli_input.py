@@ -375,7 +375,7 @@ def test_flows_sends_the_read_only_key_not_the_api_token(capsys, monkeypatch, tm
     monkeypatch.setattr(cli, "load_config", lambda *a, **kw: type("C", (), {"api": type("A", (), {"token_file": token})})())
     asked = []
 
-    def urlopen(req, timeout=None, deadline=None):
+    def urlopen(req, timeout=None, deadline=None, idle=None):
         asked.append(req)
         return io.BytesIO(b'{"time": 1.0, "node": "node2", "event": "new", "protocol": "TCP", "verdict": "forwarded", '
                           b'"direction": "ingress", "src": {"ip": "10.244.1.2", "port": 1}, "dst": {"ip": "10.244.2.3", "port": 80}}\n')
@@ -400,7 +400,7 @@ def test_flows_says_whose_records_were_lost(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "load_config", lambda *a, **kw: type("C", (), {"api": type("A", (), {"token_file": token})})())
     stream = (b'{"lost": 5, "why": "made after the reader\'s last record, since scrolled out of the node\'s ring", '
               b'"node": "node2"}\n{"lost": 3, "node": "node1"}\n{"lost": 2}\n')
-    monkeypatch.setattr(cli, "api_open", lambda req, timeout=None, deadline=None: io.BytesIO(stream))
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout=None, deadline=None, idle=None: io.BytesIO(stream))
     code, out, err = run(capsys, "flows", "-A", "-f")
     assert code == 0 and out == ""
     assert err.splitlines() == [
