@@ -22,7 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, HostFacts, check_config, config_warnings, load_config
+from agentd.config.settings import (
+    DEFAULT_CONFIG_PATH,
+    ConfigError,
+    HostFacts,
+    RunningHost,
+    check_config,
+    config_warnings,
+    load_config,
+)
 from agentd.config.values import one_line, shorten
 from agentd.kernel.netinfo import LocalHost
 from agentd.tables import render_table
@@ -180,6 +188,9 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
     sp = sub.add_parser("check-config", help="report every problem in a configuration without touching the system")
     config_args(sp)
     sp.add_argument("--show", action="store_true", help="print the effective configuration as JSON")
+    sp.add_argument("--reload", action="store_true",
+                    help="check for a reload of the running agent (systemctl reload): a [node] address the host "
+                         "cannot give now is a warning, since a reload keeps the running one")
 
     if not full:
         return p
@@ -331,15 +342,25 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         overrides = _overrides(args.set, parser)
         if getattr(args, "log_level", None):
             overrides["log.level"] = args.log_level
-        problems = check_config(path, overrides=overrides, require_file=named, host=LocalHost())
+        host = LocalHost()
+        # --reload (the unit's ExecReload=): what the running agent's SIGHUP would refuse.  Its
+        # reload takes [node] name and address as they were at its start (RunningHost), so a
+        # default route gone at this moment fails only a start: a warning here, not a problem.
+        problems = check_config(path, overrides=overrides, require_file=named, host=host,
+                                need_address=not args.reload)
         for p in problems:
             print(p, file=sys.stderr)
         if problems:
             return 1
-        for line in config_warnings(load_config(path, overrides=overrides, host=LocalHost())):
+        if args.reload:
+            for p in check_config(path, overrides=overrides, require_file=named, host=host):
+                print(f"warning: a start would fail: {p} (a reload keeps the running [node] values)",
+                      file=sys.stderr)
+        cfg = load_config(path, overrides=overrides, host=host, need_address=not args.reload)
+        for line in config_warnings(cfg):
             print(f"warning: {line}", file=sys.stderr)
         if args.show:
-            print(json.dumps(load_config(path, overrides=overrides, host=LocalHost()).to_dict(), indent=2))
+            print(json.dumps(cfg.to_dict(), indent=2))
         elif os.path.exists(path):
             print(f"{path}: configuration OK")
         else:
@@ -352,7 +373,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if getattr(args, "api", None) is not None:
         problem = api_url_problem(args.api)
         if problem is not None:
-            sys.stderr.write(f"agentd {cmd}: {named} {args.api!r}: {problem}\n")
+            sys.stderr.write(f"agentd {cmd}: {named} {shown_url(args.api)!r}: {problem}\n")
             return 2
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
@@ -420,7 +441,9 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             from agentd.daemon.speaker import SpeakerRuntime
 
             def reload():
-                return load_config(path, overrides=overrides, require_file=named, host=LocalHost())
+                # [node] name and address as at start (RunningHost): a reload must not fail
+                # when the default route is gone at that moment, nor dump routes on the loop.
+                return load_config(path, overrides=overrides, require_file=named, host=RunningHost(cfg))
 
             tune_gc()
             limit_malloc_arenas()
@@ -705,12 +728,19 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
     if why is not None:
         sys.stderr.write(f"agentd flows: {why}\n")
         return 1
-    # Without -f, the whole stream within FLOWS_WAIT; followed, it has no end (the agent sends an
-    # empty line every 10 s on a quiet one).
+    # Without -f, the whole stream within FLOWS_WAIT.  Followed, it has no end: each line within
+    # FOLLOW_IDLE (the agent sends an empty line every 10 s on a quiet one; a host gone, or a
+    # network partition, sends nothing, not even a FIN), the answer's head and its first line
+    # within FLOWS_WAIT (-A: the last N come once gathered from the nodes).
     deadline = None if args.follow else time.monotonic() + FLOWS_WAIT
+    lines = 0
+
+    def idle() -> float:
+        return FOLLOW_IDLE if lines else FLOWS_WAIT
+
     try:
         req = urllib.request.Request(url, headers=headers)
-        resp = api_open(req, timeout=None if args.follow else 30, deadline=deadline)
+        resp = api_open(req, timeout=30, deadline=deadline, idle=idle if args.follow else None)
     except urllib.error.HTTPError as err:
         try:
             body = read_answer(err, API_ERROR_MAX).decode(errors="replace")
@@ -737,6 +767,7 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
     try:
         with resp:
             while raw := resp.readline(FLOW_LINE_MAX + 1):
+                lines += 1
                 if len(raw) > FLOW_LINE_MAX:
                     sys.stderr.write(f"agentd flows: {url} answered with a line of more than {FLOW_LINE_MAX} bytes: "
                                      "is that an agentd API?\n")
@@ -748,17 +779,33 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
                 except (ValueError, RecursionError):
                     sys.stderr.write(f"agentd flows: {url} answered, but not with JSON lines: is that an agentd API?\n")
                     return 1
-                what = notice(record) if isinstance(record, dict) else None
+                if not isinstance(record, dict):
+                    sys.stderr.write(f"agentd flows: {url} answered, but not with flow records: is that an agentd API?\n")
+                    return 1
+                try:  # (printed outside: a closed pipe is main()'s, 141)
+                    what = notice(record)
+                    text = "" if what is not None else json.dumps(record) if args.output == "json" else line(record)
+                except (TypeError, AttributeError, KeyError, ValueError, OverflowError, OSError, RecursionError) as err:
+                    # OSError, OverflowError: a time localtime cannot give (EOVERFLOW)
+                    sys.stderr.write(f"agentd flows: {url} answered with a record that is not an agentd flow record "
+                                     f"({type(err).__name__}: {server_text(err)}): is that an agentd API?\n")
+                    return 1
                 if what is not None:
                     errors += "error" in record
                     sys.stderr.write(f"agentd flows: {what}\n")
                     continue
-                print(json.dumps(record) if args.output == "json" else line(record), flush=args.follow)
+                print(text, flush=args.follow)
             broke = cut_short(resp)  # the agent died mid-stream: what was printed is not all
     except BrokenPipeError:  # our reader went (`| head`): main() ends quietly, 141
         raise
     except TimeoutError:
-        sys.stderr.write(f"agentd flows: the stream from {args.api} broke: not whole within {FLOWS_WAIT:g} s\n")
+        if not args.follow:
+            why = f"not whole within {FLOWS_WAIT:g} s"
+        elif lines:
+            why = f"no keep-alive within {FOLLOW_IDLE:g} s: the stream is gone"
+        else:
+            why = f"no line within {FLOWS_WAIT:g} s"
+        sys.stderr.write(f"agentd flows: the stream from {args.api} broke: {why}\n")
         return 1
     except (http.client.HTTPException, OSError) as err:  # Ctrl-C is main()'s too: 130
         sys.stderr.write(f"agentd flows: the stream from {args.api} broke: {server_text(err)}\n")
@@ -811,6 +858,11 @@ def api_url_problem(url: str) -> str | None:
 
     try:
         parts = urllib.parse.urlsplit(url)
+        # (http.client would look the whole USER:PASSWORD@HOST up as the name.)  Before the
+        # port's error, which would show a password with a "/" in it as the port.
+        if "@" in url.partition("://")[2].partition("?")[0].partition("#")[0]:
+            return ("a user or password in the URL is not for the agent's API, whose key comes from [api] "
+                    "token_file: leave it out")
         port = parts.port
     except ValueError as err:  # "Port out of range 0-65535", "Port could not be cast to integer value"
         return f"the port must be a number 1..65535 ({err})"
@@ -823,6 +875,15 @@ def api_url_problem(url: str) -> str | None:
     return None
 
 
+def shown_url(url: str) -> str:
+    """``url`` as a message shows it: whatever comes before its last ``@`` after ``://`` (a
+    user and password, however malformed) left out."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        return f"{scheme}://***@{rest.rpartition('@')[2]}"
+    return url
+
+
 # What the commands read of an agent's answers.  Whatever answers at --api may be no agent: a
 # body that never ends (4.5 GB read by `agentd status` before these), one that drips a byte at a
 # time (each under the socket's timeout), text with newlines and escape sequences for the terminal.
@@ -833,6 +894,8 @@ SERVER_TEXT_MAX = 400  # characters of one text from a server shown (an error, a
 STATUS_WAIT = 10.0  # seconds `agentd status` waits for the whole /status answer
 FLOWS_WAIT = 90.0  # seconds `agentd flows` (without -f) waits for the whole stream (the agent gathers
 # from other nodes for 60 s at most: agentd.daemon.cluster.GATHER_TOTAL)
+FOLLOW_IDLE = 25.0  # seconds `agentd flows -f` waits for a line: agentd.daemon.cluster.FOLLOW_IDLE,
+# 2.5 keep-alive intervals
 
 
 def server_text(value: Any, limit: int = SERVER_TEXT_MAX) -> str:
@@ -878,15 +941,19 @@ def read_answer(resp: Any, limit: int = API_BODY_MAX) -> bytes:
 class _DeadlineReads:
     """Every receive of a connected socket waits only until ``_deadline`` (time.monotonic):
     the whole answer -- status line, headers, body -- within one bound, however slowly it
-    trickles in.  http.client reads through ``recv_into`` (its socket file); a TLS socket's
+    trickles in; and each within ``_idle()`` seconds where that is set (a followed stream, which
+    has no end).  http.client reads through ``recv_into`` (its socket file); a TLS socket's
     read waits at most its timeout in all (CPython's ssl module), so the bound holds there too."""
 
-    _deadline: float
+    _deadline: float  # inf: none
+    _idle: Callable[[], float] | None = None
 
     def _wait_left(self) -> None:
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out")
+        if self._idle is not None:
+            left = min(left, self._idle())
         self.settimeout(left)  # type: ignore[attr-defined]
 
     def recv_into(self, *args: Any, **kwargs: Any) -> int:
@@ -901,19 +968,27 @@ class _DeadlineReads:
 class _DeadlineSocket(_DeadlineReads, socket.socket):
     """A plain (http://) connection's socket under :class:`_DeadlineReads`."""
 
-    def __init__(self, sock: Any, deadline: float) -> None:
+    def __init__(self, sock: Any, deadline: float, idle: Callable[[], float] | None = None) -> None:
+        timeout = sock.gettimeout()
         super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
-        self._deadline = deadline
-        self.settimeout(max(0.001, deadline - time.monotonic()))  # sending the request too
+        self._deadline, self._idle = deadline, idle
+        if deadline != NO_DEADLINE:  # sending the request too (else the connection's timeout)
+            timeout = max(0.001, deadline - time.monotonic())
+        self.settimeout(timeout)
 
 
-def api_open(req: Any, timeout: float | None, *, deadline: float | None = None) -> Any:
+NO_DEADLINE = float("inf")
+
+
+def api_open(req: Any, timeout: float | None, *, deadline: float | None = None,
+             idle: Callable[[], float] | None = None) -> Any:
     """``urlopen`` for an agent's API: straight to the address given, never through
     ``http_proxy`` (the API token must not go to a proxy), and no redirect followed (urllib
     would send the Authorization header on to wherever it points): a 3xx is an HTTPError.
     ``deadline`` (time.monotonic), for http:// and https:// URLs alike: the connection, the
     answer's head and every read of its body end by then (:class:`TimeoutError`), not only each
-    read within ``timeout``."""
+    read within ``timeout``.  ``idle``: each read of the answer (its head too) within ``idle()``
+    seconds, asked before each one."""
     import urllib.error
     import urllib.request
 
@@ -923,16 +998,18 @@ def api_open(req: Any, timeout: float | None, *, deadline: float | None = None) 
                                          "followed (an agent's API does not redirect)", headers, fp)
 
     handlers: list[Any] = [urllib.request.ProxyHandler({}), NoRedirect()]
-    if deadline is not None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out")
-        timeout = left if timeout is None else min(timeout, left)
+    if deadline is not None or idle is not None:
+        end = NO_DEADLINE if deadline is None else deadline
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            timeout = left if timeout is None else min(timeout, left)
 
         class Connection(http.client.HTTPConnection):
             def connect(self) -> None:
                 super().connect()
-                self.sock = _DeadlineSocket(self.sock, deadline)
+                self.sock = _DeadlineSocket(self.sock, end, idle)
 
         class DeadlineHandler(urllib.request.HTTPHandler):
             def http_open(self, req: Any) -> Any:
@@ -943,7 +1020,8 @@ def api_open(req: Any, timeout: float | None, *, deadline: float | None = None) 
             import ssl
 
             class DeadlineSSLSocket(_DeadlineReads, ssl.SSLSocket):
-                _deadline = deadline
+                _deadline = end
+                _idle = None if idle is None else staticmethod(idle)
 
             class TLSConnection(http.client.HTTPSConnection):
                 def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -996,12 +1074,13 @@ def status_command(api: str, *, as_json: bool = False) -> int:
         reason = getattr(err, "reason", err)
         sys.stderr.write(f"agentd status: cannot reach the agent at {url}: {server_text(reason)}\n")
         return 1
+    if not isinstance(status, dict) or not isinstance(status.get("node"), dict):  # --json too
+        sys.stderr.write(f"agentd status: {url} did not answer with an agentd status (no 'node' object)\n")
+        return 1
     if as_json:
         print(json.dumps(status, indent=2))
         return 0
     try:
-        if not isinstance(status, dict) or not isinstance(status.get("node"), dict):
-            raise ValueError("no 'node' object")
         text = render_status(status)
     except (TypeError, KeyError, AttributeError, ValueError, OverflowError, OSError) as err:  # OSError: a time
         # localtime cannot give (EOVERFLOW)

@@ -1108,7 +1108,10 @@ def _listen_family_warnings(cfg: Config, at: HostPort, *, nodes: bool = True) ->
 
 def check_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
                  overrides: Mapping[str, str] | None = None, require_file: bool = False,
-                 host: HostFacts | None = None, check_files: bool = True) -> list[ConfigError]:
+                 host: HostFacts | None = None, check_files: bool = True,
+                 need_address: bool = True) -> list[ConfigError]:
     """Every problem load_config would find, in file, env, override order, and an [api]
-    token_group this host has no group of (which ``agentd run`` refuses at start); [] when valid."""
-    return _collect(path, env, overrides, require_file, host, check_files, check_group=True)[1]
+    token_group this host has no group of (which ``agentd run`` refuses at start); [] when valid.
+    ``need_address`` as load_config's (``agentd check-config --reload``)."""
+    return _collect(path, env, overrides, require_file, host, check_files, check_group=True,
+                    need_address=need_address)[1]

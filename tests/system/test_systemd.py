@@ -124,7 +124,7 @@ def test_unit_hardening_keys():
     assert service("Restart") == "on-failure"
     assert service("ExecStart") == "/usr/local/bin/agentd run --config /etc/agentd/agentd.toml"
     assert UNIT_KEYS["Service.ExecReload"] == [  # the file checked first: a bad one fails the reload
-        "/usr/local/bin/agentd check-config --config /etc/agentd/agentd.toml", "/bin/kill -HUP $MAINPID"]
+        "/usr/local/bin/agentd check-config --reload --config /etc/agentd/agentd.toml", "/bin/kill -HUP $MAINPID"]
     assert service("KillMode") == "process"  # the data-plane worker outlives a restart
     caps = {"CAP_NET_ADMIN", "CAP_BPF", "CAP_PERFMON", "CAP_NET_RAW", "CAP_NET_BIND_SERVICE"}
     assert set(service("CapabilityBoundingSet").split()) == caps

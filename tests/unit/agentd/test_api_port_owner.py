@@ -123,7 +123,7 @@ def test_agentd_flows_sends_nothing_where_it_cannot_tell_who_listens(tmp_path, m
     token_file = tmp_path / "api.token"
     token_file.write_text("t0ken\n")
     sent = []
-    monkeypatch.setattr(cli, "api_open", lambda req, timeout, deadline=None: sent.append(req))
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout, deadline=None, idle=None: sent.append(req))
 
     def unknowable(*a, **kw):
         raise ValueError("port out of range")
@@ -147,7 +147,7 @@ def test_agentd_flows_asks_who_listens_on_the_schemes_default_port(api, port, tm
     token_file.write_text("t0ken\n")
     asked, sent = [], []
     monkeypatch.setattr(listeners, "squatter", lambda host, p, _tf: asked.append((host, p)) or "squatted")
-    monkeypatch.setattr(cli, "api_open", lambda req, timeout, deadline=None: sent.append(req))
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout, deadline=None, idle=None: sent.append(req))
     args = argparse.Namespace(api=api, last=5, follow=False, cluster=True, output="text",
                               **{f"filter_{n.replace('-', '_')}": [] for n in cli.FLOW_FILTERS})  # fmt: skip
     assert cli.flows_command(args, token_file) == 1

@@ -192,6 +192,78 @@ def test_flows_has_a_deadline_and_a_bound_on_its_lines(capsys, monkeypatch):
     assert one_line(err).endswith(f"answered with a line of more than {cli.FLOW_LINE_MAX} bytes: is that an agentd API?\n")
 
 
+def gone_silent(keepalives: int) -> Callable[[socket.socket], None]:
+    """A followed stream: its head and ``keepalives`` empty lines, then nothing (the agent's host
+    vanished, a partition: no keep-alive, no FIN), until the command goes."""
+    def answer(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(keepalives):
+            conn.sendall(b"1\r\n\n\r\n")
+        conn.settimeout(10)
+        conn.recv(1)  # until the command closes its end (the test's bound: 10 s)
+    return answer
+
+
+@pytest.mark.parametrize("over", ["http", "https"])
+def test_a_followed_stream_gone_silent_ends(capsys, monkeypatch, request, over):
+    """`agentd flows -f` waited forever on a stream that went silent: the agent sends an empty
+    line every 10 s, so 2.5 intervals without one (FOLLOW_IDLE, what the agent's own gatherer
+    waits) is a stream gone.  Before its first line, FLOWS_WAIT (-A gathers the last N first)."""
+    from agentd.daemon import cluster
+
+    assert cli.FOLLOW_IDLE == cluster.FOLLOW_IDLE
+    monkeypatch.setattr(cli, "FOLLOW_IDLE", 0.2)
+    tls = request.getfixturevalue("tls") if over == "https" else None
+    with server(gone_silent(1), tls) as api:
+        start = time.monotonic()
+        code, out, err = run(capsys, "flows", "-f", "--api", api)
+        assert (code, out) == (1, "") and time.monotonic() - start < 1
+    assert one_line(err) == f"agentd flows: the stream from {api} broke: no keep-alive within 0.2 s: the stream is gone\n"
+    monkeypatch.setattr(cli, "FLOWS_WAIT", 0.3)
+    with server(gone_silent(0), tls) as api:
+        start = time.monotonic()
+        code, out, err = run(capsys, "flows", "-f", "--api", api)
+        assert (code, out) == (1, "") and 0.3 <= time.monotonic() - start < 1.5
+    assert one_line(err) == f"agentd flows: the stream from {api} broke: no line within 0.3 s\n"
+
+
+def flows_with(body: bytes) -> Callable[[socket.socket], None]:
+    """A whole /flows answer of ``body`` (its lines)."""
+    def answer(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nContent-Length: %d\r\n\r\n"
+                     % len(body) + body)
+    return answer
+
+
+@pytest.mark.parametrize("body, says", [
+    (b"[1, 2]", "answered, but not with flow records: is that an agentd API?"),
+    (b"null", "answered, but not with flow records: is that an agentd API?"),
+    (b'"str"', "answered, but not with flow records: is that an agentd API?"),
+    (b'{"src": "x"}', "answered with a record that is not an agentd flow record (AttributeError: "),
+    (b'{"service": "shop/web"}', "answered with a record that is not an agentd flow record (AttributeError: "),
+    (b'{"time": 1e300}', "answered with a record that is not an agentd flow record (OverflowError: "),
+], ids=["list", "null", "string", "src-string", "service-string", "time-overflow"])
+def test_flows_refuses_lines_that_are_no_flow_records_in_one_line(capsys, body, says):
+    """A JSON line that is not a well-formed flow record was a traceback (AttributeError from
+    render.line, OverflowError from localtime): one line, exit 1, after what came before it."""
+    with server(flows_with(RECORD + body + b"\n" + RECORD)) as api:
+        code, out, err = run(capsys, "flows", "--api", api)
+    assert code == 1 and len(out.splitlines()) == 1 and "10.244.1.2" in out, (out, err)
+    assert one_line(err).startswith(f"agentd flows: {api}/flows?last=20 {says}"), err
+
+
+def test_status_json_refuses_an_answer_that_is_no_agentd_status(capsys):
+    """Served [1]: `agentd status` said so (exit 1), `agentd status --json` printed it, exit 0."""
+    def answer(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 3\r\n\r\n[1]")
+
+    with server(answer) as api:
+        for extra in ([], ["--json"]):
+            code, out, err = run(capsys, "status", *extra, "--api", api)
+            assert (code, out) == (1, ""), extra
+            assert one_line(err) == f"agentd status: {api}/status did not answer with an agentd status (no 'node' object)\n"
+
+
 def test_an_error_answer_is_read_to_a_bound(capsys):
     def huge_error(conn):
         conn.sendall(b"HTTP/1.1 500 X\r\nContent-Type: application/json\r\n\r\n{\"error\": \"")

@@ -128,3 +128,42 @@ def test_commands_that_never_open_etcds_files_run_without_reading_them(monkeypat
     # A command that talks to etcd still says the key cannot be read.
     assert cli.main(["get", "pods", "--config", str(conf)]) == 1
     assert "etcd-key.pem is not readable" in capsys.readouterr().err
+
+
+class NoDefaultRoute:
+    """A host whose default route is gone (a link flap, a DHCP renewal, an underlay outage)."""
+
+    def hostname(self) -> str:
+        return "n1"
+
+    def default_address(self):
+        return None
+
+    def default_address_v6(self, beside=None):
+        return None
+
+
+def test_check_config_for_a_reload_takes_a_missing_default_route_as_a_warning(capsys, monkeypatch, tmp_path):
+    """The unit's ExecReload= ran `agentd check-config`, which with no [node] address and no
+    default route at that moment exited 1: systemd never sent the SIGHUP the agent would have
+    taken (its reload keeps the running [node] address), so no peer or log level changed during
+    an underlay outage.  `check-config --reload` says what a start would fail on as a warning."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    monkeypatch.setattr(cli, "LocalHost", NoDefaultRoute)
+    conf = tmp_path / "agentd.toml"
+    conf.write_text('[bgp]\n[[bgp.peers]]\naddress = "10.0.0.9"\nasn = 65000\n')
+    # A start would fail: check-config says so, as before.
+    assert cli.main(["check-config", "--config", str(conf)]) == 1
+    assert "[node] address: not set and this host has no IPv4 default route" in capsys.readouterr().err
+    # A reload would not.
+    assert cli.main(["check-config", "--reload", "--config", str(conf)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{conf}: configuration OK\n"
+    (line,) = err.splitlines()
+    assert line.startswith("warning: a start would fail: ") and "[node] address: not set" in line, err
+    assert cli.main(["check-config", "--reload", "--show", "--config", str(conf)]) == 0
+    assert '"address": null' in capsys.readouterr().out
+    # What a reload refuses all the same still fails it.
+    conf.write_text('[bgp]\nhold_time = 2\n')
+    assert cli.main(["check-config", "--reload", "--config", str(conf)]) == 1
+    assert "[bgp] hold_time = 2" in capsys.readouterr().err

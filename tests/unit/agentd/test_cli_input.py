@@ -55,6 +55,24 @@ def test_bad_arguments_give_one_line(capsys, monkeypatch, argv, message):
     assert code not in (0, None) and message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("command", ["status", "flows"])
+@pytest.mark.parametrize("url, shown", [
+    ("http://admin:s3cret@127.0.0.1:9099", "http://***@127.0.0.1:9099"),
+    ("https://admin:s3cret@127.0.0.1", "https://***@127.0.0.1"),
+    ("http://admin:s3cret@127.0.0.1:99999", "http://***@127.0.0.1:99999"),
+    ("http://admin:s3/cret@127.0.0.1:9099", "http://***@127.0.0.1:9099"),  # (its port would be "s3")
+    ("http://s3cret@127.0.0.1:9099", "http://***@127.0.0.1:9099"),
+])
+def test_an_api_url_with_a_password_is_refused_without_showing_it(capsys, monkeypatch, command, url, shown):
+    """`--api http://user:pw@host` passed the URL's check, then failed looking up the name
+    "user:pw@host" ("Name or service not known"), the password in the message."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    code, out, err = run(capsys, command, "--api", url)
+    assert (code, out) == (2, "") and "s3" not in err and "cret" not in err, err
+    assert err == (f"agentd {command}: --api {shown!r}: a user or password in the URL is not for the agent's "
+                   "API, whose key comes from [api] token_file: leave it out\n")
+
+
 def test_a_bad_api_url_is_a_usage_error(capsys):
     code, out, err = run(capsys, "flows", "--api", "http://127.0.0.1:65536")
     assert (code, out) == (2, "") and err.startswith("agentd flows: --api 'http://127.0.0.1:65536': the port must be")
@@ -104,6 +122,19 @@ def test_status_with_an_unexpected_reply_is_one_line(capsys, monkeypatch, reply)
     monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
     code, _, err = run(capsys, "status", "--api", "http://127.0.0.1:9099")
     assert code == 1 and "did not answer with an agentd status" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("reply", [[1], [], "hello", None, 3, {}, {"node": "x"}, {"nodes": {}}])
+def test_status_json_refuses_what_is_no_agentd_status(capsys, monkeypatch, reply):
+    """`agentd status --json` printed whatever JSON answered and exited 0 (the text mode's
+    check of the answer's shape came after it): a script took any server for an agent."""
+    monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
+    code, out, err = run(capsys, "status", "--json", "--api", "http://127.0.0.1:9099")
+    assert (code, out) == (1, "")
+    assert err == "agentd status: http://127.0.0.1:9099/status did not answer with an agentd status (no 'node' object)\n"
+    monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: {"node": {"name": "n1"}, "x": [1]})
+    code, out, err = run(capsys, "status", "--json", "--api", "http://127.0.0.1:9099")
+    assert (code, err) == (0, "") and json.loads(out) == {"node": {"name": "n1"}, "x": [1]}
 
 
 def test_status_with_json_nested_too_deep_is_one_line(capsys, monkeypatch):
@@ -344,7 +375,7 @@ def test_flows_sends_the_read_only_key_not_the_api_token(capsys, monkeypatch, tm
     monkeypatch.setattr(cli, "load_config", lambda *a, **kw: type("C", (), {"api": type("A", (), {"token_file": token})})())
     asked = []
 
-    def urlopen(req, timeout=None, deadline=None):
+    def urlopen(req, timeout=None, deadline=None, idle=None):
         asked.append(req)
         return io.BytesIO(b'{"time": 1.0, "node": "node2", "event": "new", "protocol": "TCP", "verdict": "forwarded", '
                           b'"direction": "ingress", "src": {"ip": "10.244.1.2", "port": 1}, "dst": {"ip": "10.244.2.3", "port": 80}}\n')
@@ -369,7 +400,7 @@ def test_flows_says_whose_records_were_lost(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "load_config", lambda *a, **kw: type("C", (), {"api": type("A", (), {"token_file": token})})())
     stream = (b'{"lost": 5, "why": "made after the reader\'s last record, since scrolled out of the node\'s ring", '
               b'"node": "node2"}\n{"lost": 3, "node": "node1"}\n{"lost": 2}\n')
-    monkeypatch.setattr(cli, "api_open", lambda req, timeout=None, deadline=None: io.BytesIO(stream))
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout=None, deadline=None, idle=None: io.BytesIO(stream))
     code, out, err = run(capsys, "flows", "-A", "-f")
     assert code == 0 and out == ""
     assert err.splitlines() == [
@@ -470,6 +501,53 @@ def test_leave_without_an_agent_cleans_the_host_up_without_etcds_files_or_a_node
     assert len(ran) == 1 and ran[0].node.name == "n1" and ran[0].node.address is None, err
     assert code == 1 and err == "", err
     assert f"{agent_module.ETCD_STEP}: {FAILED}: etcd TLS ca file '{tmp_path}/ca.pem'" in out, out
+
+
+class RouteGoesAway(NoDefaultRoute):
+    """A host whose default route is there at start and gone at the reload (a link flap)."""
+
+    route: str | None = "10.0.0.5"
+
+    def default_address(self):
+        from ipaddress import IPv4Address
+
+        return None if self.route is None else IPv4Address(self.route)
+
+
+def test_a_speaker_reload_takes_the_node_address_of_its_start(capsys, monkeypatch, tmp_path):
+    """`agentd speaker`'s SIGHUP read the host's default route again: without [node] address
+    and with the route gone at that moment, the reload failed ("[node] address: not set and
+    this host has no IPv4 default route") and its new peers and prefixes were not applied.
+    Now it takes the start's [node] name and address, as the agent's reload does."""
+    import agentd.daemon.speaker
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    monkeypatch.setattr(RouteGoesAway, "route", "10.0.0.5")
+    monkeypatch.setattr(cli, "LocalHost", RouteGoesAway)
+    for name in ("setup_logging", "tune_gc", "limit_malloc_arenas"):
+        monkeypatch.setattr(cli, name, lambda *a, **k: None)
+    conf = tmp_path / "spk.toml"
+    conf.write_text('[bgp]\noriginate = ["10.9.0.0/24"]\n')
+    seen = []
+
+    class Speaker:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        async def run(self, *, reload, set_logging):
+            seen.append(self.cfg)
+            RouteGoesAway.route = None  # the default route is gone at the SIGHUP
+            conf.write_text('[bgp]\noriginate = ["10.9.0.0/24", "10.9.1.0/24"]\n')
+            seen.append(reload())
+            return 0
+
+    monkeypatch.setattr(agentd.daemon.speaker, "SpeakerRuntime", Speaker)
+    code, _, err = run(capsys, "speaker", "--config", str(conf))
+    assert code == 0, err
+    start, reloaded = seen
+    assert str(start.node.address) == str(reloaded.node.address) == "10.0.0.5"
+    assert reloaded.node.name == start.node.name == "n1"
+    assert [str(p) for p in reloaded.bgp.originate] == ["10.9.0.0/24", "10.9.1.0/24"]
 
 
 @pytest.mark.parametrize("command", [[sys.executable, "-m", "agentd.cli"], [str(Path(sys.executable).parent / "agentd")]],
