@@ -241,11 +241,11 @@ def flows_with(body: bytes) -> Callable[[socket.socket], None]:
     (b'"str"', "answered, but not with flow records: is that an agentd API?"),
     (b'{"src": "x"}', "answered with a record that is not an agentd flow record (AttributeError: "),
     (b'{"service": "shop/web"}', "answered with a record that is not an agentd flow record (AttributeError: "),
-    (b'{"time": 1e300}', "answered with a record that is not an agentd flow record (OverflowError: "),
-], ids=["list", "null", "string", "src-string", "service-string", "time-overflow"])
+], ids=["list", "null", "string", "src-string", "service-string"])
 def test_flows_refuses_lines_that_are_no_flow_records_in_one_line(capsys, body, says):
     """A JSON line that is not a well-formed flow record was a traceback (AttributeError from
-    render.line, OverflowError from localtime): one line, exit 1, after what came before it."""
+    render.line): one line, exit 1, after what came before it.  (A time no clock shows, 1e300,
+    is rendered ``-`` by render.line itself: tests/unit/agentd/test_flows.py.)"""
     with server(flows_with(RECORD + body + b"\n" + RECORD)) as api:
         code, out, err = run(capsys, "flows", "--api", api)
     assert code == 1 and len(out.splitlines()) == 1 and "10.244.1.2" in out, (out, err)
