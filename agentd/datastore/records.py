@@ -299,7 +299,11 @@ class NodeRecord:
     ``address`` is its IPv4 underlay address (None only in an IPv6-only cluster),
     ``address_v6`` its IPv6 one where it has one, ``link_local_v6`` the fe80:: address of its
     underlay interface (host-gw's IPv6 next hop where the segment has no IPv6 addresses),
-    ``subnet`` / ``subnet_v6`` its pod subnets."""
+    ``subnet`` / ``subnet_v6`` its pod subnets.  ``create_revision``: etcd's create_revision of
+    the record's key where it was read from etcd (0: not read from etcd, or not known) -- not
+    part of the JSON, and not compared: a put of the key (a re-publish, a new lease's) keeps it,
+    only a key deleted and made again gets a new one.  Of two records publishing one VTEP MAC
+    the one made first keeps it (agentd.kernel.forwarding.vxlan_vtep_refusals)."""
 
     name: str
     address: IPv4Address | None
@@ -311,6 +315,7 @@ class NodeRecord:
     address_v6: IPv6Address | None = None
     subnet_v6: IPv6Network | None = None
     link_local_v6: IPv6Address | None = None
+    create_revision: int = field(default=0, compare=False)
 
     _KIND = "node record"
 
@@ -361,7 +366,7 @@ class NodeRecord:
         return _dumps(obj)
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> Self:
+    def from_json(cls, data: bytes | str, create_revision: int = 0) -> Self:
         kind = cls._KIND
         obj = _load(kind, data)
         subnet = _field(kind, obj, "subnet")
@@ -382,6 +387,7 @@ class NodeRecord:
             address_v6=optional("address_v6", _address),
             subnet_v6=optional("subnet_v6", _network),
             link_local_v6=optional("link_local_v6", _address),
+            create_revision=create_revision,
         )
 
 
@@ -522,10 +528,10 @@ def parse_node_key(prefix: str, key: bytes | str) -> str:
     return check_node_name(text[len(head) :], f"node key under {head}")
 
 
-def parse_node(prefix: str, key: bytes | str, value: bytes) -> NodeRecord:
-    """A node record whose name must match its key."""
+def parse_node(prefix: str, key: bytes | str, value: bytes, create_revision: int = 0) -> NodeRecord:
+    """A node record whose name must match its key (``create_revision``: its key's, from etcd)."""
     name = parse_node_key(prefix, key)
-    record = NodeRecord.from_json(value)
+    record = NodeRecord.from_json(value, create_revision)
     if record.name != name:
         raise RecordError(f"node record at key {_q(name)} names itself {_q(record.name)}")
     return record

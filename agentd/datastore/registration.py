@@ -177,29 +177,31 @@ class Registration:
     def parse_nodes(self, kvs: Any) -> dict[str, NodeRecord]:
         nodes: dict[str, NodeRecord] = {}
         for kv in kvs:
-            record = self.parse_node_kv(kv.key, kv.value, kv.mod_revision)
+            record = self.parse_node_kv(kv.key, kv.value, kv.mod_revision, kv.create_revision)
             if record is not None:
                 nodes[record.name] = record
         return nodes
 
-    def parse_node_kv(self, key: bytes, value: bytes, mod_revision: int) -> NodeRecord | None:
+    def parse_node_kv(self, key: bytes, value: bytes, mod_revision: int, create_revision: int = 0) -> NodeRecord | None:
+        """The record at ``key`` (carrying its key's ``create_revision``), or None, logged once, if it is bad."""
         try:
-            return parse_node(self.prefix, key, value)
+            return parse_node(self.prefix, key, value, create_revision)
         except RecordError as e:
             self.connection.report_bad(key, mod_revision, e)
             return None
 
     def node_event(self, key: bytes, value: bytes, mod_revision: int, kind: str,
-                   nodes: dict[str, NodeRecord]) -> NodeEvent | None:
+                   nodes: dict[str, NodeRecord], create_revision: int = 0) -> NodeEvent | None:
         """A watch's "put"/"delete" of a node key as a NodeEvent (``nodes``: what the consumer
-        has seen, updated); None when the consumer learns nothing from it."""
+        has seen, updated; ``create_revision``: the put key's); None when the consumer learns
+        nothing from it."""
         if kind == "delete":
             try:
                 name = parse_node_key(self.prefix, key)
             except RecordError:
                 return None
             return NodeEvent("delete", name=name) if nodes.pop(name, None) is not None else None
-        record = self.parse_node_kv(key, value, mod_revision)
+        record = self.parse_node_kv(key, value, mod_revision, create_revision)
         if record is None:
             # The record we knew became unreadable: to the consumer it is gone.
             with contextlib.suppress(RecordError):

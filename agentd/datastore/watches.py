@@ -30,12 +30,14 @@ STABLE_AFTER = 5.0
 
 @dataclasses.dataclass(frozen=True)
 class KeyValue:
-    """One etcd key-value as a watch or a read delivers it (``lease`` 0: none)."""
+    """One etcd key-value as a watch or a read delivers it (``lease`` 0: none;
+    ``create_revision`` 0: not known, as in a delete event)."""
 
     key: bytes
     value: bytes
     mod_revision: int
     lease: int
+    create_revision: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +69,7 @@ class Watches:
                 yield NodeEvent("snapshot", nodes=dict(nodes))
                 continue
             kv = ev.kvs[0]
-            item = registration.node_event(kv.key, kv.value, kv.mod_revision, ev.kind, nodes)
+            item = registration.node_event(kv.key, kv.value, kv.mod_revision, ev.kind, nodes, kv.create_revision)
             if item is not None:
                 yield item
 
@@ -119,7 +121,7 @@ class Watches:
                 if revision is None:
                     got = await cancel_kept(asyncio.wait_for(client.get_prefix(prefix), conn.request_timeout))
                     revision = got.header.revision
-                    kvs = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in got]
+                    kvs = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease, kv.create_revision) for kv in got]
                     conn.set_connected(True)
                     if interrupted:
                         log.info("%s re-synced at revision %d (%d keys)", what, revision, len(kvs))
@@ -139,7 +141,8 @@ class Watches:
                     # aetcd queues all events of a watch response before any error, so a
                     # revision is never split across an interruption.
                     revision = max(revision, event.kv.mod_revision)
-                    kv = KeyValue(event.kv.key, event.kv.value, event.kv.mod_revision, event.kv.lease)
+                    kv = KeyValue(event.kv.key, event.kv.value, event.kv.mod_revision, event.kv.lease,
+                                  event.kv.create_revision)
                     kind = "delete" if event.kind == aetcd.EventKind.DELETE else "put"
                     yield PrefixEvent(kind, event.kv.mod_revision, [kv])
                 if conn.closed:

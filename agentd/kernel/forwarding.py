@@ -519,7 +519,9 @@ def vxlan_vtep_refusals(
     either way the other node's pod traffic would go to it.  So a VTEP address must be the
     network address of the subnet of its family the node holds (``held``, from
     :func:`held_subnets`; as flannel takes it from the subnet lease, never from the backend
-    data), and a MAC two records publish is taken from neither (both families).  ``families``:
+    data), and a MAC two records publish is the one made first's (:func:`vtep_mac_holder`),
+    refused to the others (both families): a record copying a node's MAC does not take that
+    node off the network.  ``families``:
     the pod families this node routes; a VTEP address of another family is not used here (no
     route, no neighbour entry), so not checked: while a cluster moves from IPv4 to dual-stack,
     a node not yet restarted holds no IPv6 pod network, and the IPv6 subnets of the restarted
@@ -546,19 +548,44 @@ def vxlan_vtep_refusals(
                 reason = None if same else f"{field_} is not {net.network_address}, the network address of its subnet {net}"
             if reason is not None:
                 why.setdefault(n.name, {})[version] = reason
-    by_mac: dict[str, list[str]] = {}
+    by_mac: dict[str, list[NodeRecord]] = {}
     for n in nodes:
         mac = n.backend.get("vtep_mac")
         if isinstance(mac, str):
-            by_mac.setdefault(mac.lower(), []).append(n.name)
-    for mac, names in by_mac.items():
-        if len(names) > 1:
-            for name in names:
-                for version in (4, 6):
-                    why.setdefault(name, {}).setdefault(
-                        version, f"backend field 'vtep_mac' = {mac!r} is claimed by the records of nodes "
-                                 f"{', '.join(sorted(names))}")
+            by_mac.setdefault(mac.lower(), []).append(n)
+    for mac, claimants in by_mac.items():
+        if len(claimants) < 2:
+            continue
+        holder = vtep_mac_holder(claimants)
+        names = ", ".join(sorted(c.name for c in claimants))
+        for n in claimants:
+            if n is holder:
+                continue
+            if holder is None:
+                reason = (f"backend field 'vtep_mac' = {mac!r} is claimed by the records of nodes {names}, "
+                          "and which was made first is not known")
+            else:
+                reason = (f"backend field 'vtep_mac' = {mac!r} is claimed by the records of nodes {names}: "
+                          f"it is {holder.name}'s, whose record was made first (etcd create_revision "
+                          f"{holder.create_revision}, {n.name}'s {n.create_revision})")
+            for version in (4, 6):
+                why.setdefault(n.name, {}).setdefault(version, reason)
     return why
+
+
+def vtep_mac_holder(claimants: Iterable[NodeRecord]) -> NodeRecord | None:
+    """Of the records publishing one VTEP MAC, the one that keeps it: the one whose etcd key was
+    made first (lowest ``create_revision``, which a put of the key -- a re-publish, a lease
+    renewed or replaced -- keeps), so that a record copying a node's MAC takes nothing from it.
+    None where that is not known: a record not read from etcd (``create_revision`` 0), or the
+    earliest made in one transaction with another (etcd gives every key of a transaction its
+    revision) -- then none keeps it."""
+    claimants = list(claimants)
+    if any(c.create_revision <= 0 for c in claimants):
+        return None
+    first = min(c.create_revision for c in claimants)
+    earliest = [c for c in claimants if c.create_revision == first]
+    return earliest[0] if len(earliest) == 1 else None
 
 
 def _plan_or_none(node: NodeRecord, underlay: Underlay, **kwargs: Any) -> PeerPlan:

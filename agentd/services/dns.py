@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import ipaddress
 import errno
 import logging
@@ -549,6 +550,27 @@ class Upstreams:
             if upstream.fails == MAX_FAILS:
                 log.warning("upstream DNS server %s:%d failed %d times in a row (%s): not asked for %.0f s",
                             upstream.host, upstream.port, upstream.fails, err, backoff)  # fmt: skip
+
+    def status(self, wall: float) -> list[dict[str, Any]]:
+        """Each upstream as ``GET /services`` shows it, in the configured order: ``address``
+        (host:port, an IPv6 host bracketed), ``state`` -- "healthy" (fewer than MAX_FAILS
+        failures in a row), "down" (skipped until ``down_until``) or "retrying" (down, its
+        backoff over: asked again in its place, one more failure downs it for twice as long) --,
+        ``fails`` (in a row), and while down ``down_until`` (UTC, RFC 3339, from ``wall``: the
+        wall clock now, in seconds since the epoch) and ``retry_in`` (seconds)."""
+        now = self.clock()
+        out = []
+        for u in self.all:
+            host = f"[{u.host}]" if ":" in u.host else u.host
+            down = u.fails >= MAX_FAILS and now < u.retry_at
+            state = "healthy" if u.fails < MAX_FAILS else "down" if down else "retrying"
+            until = None
+            if down:
+                at = datetime.datetime.fromtimestamp(wall + (u.retry_at - now), datetime.UTC)
+                until = at.isoformat(timespec="seconds").replace("+00:00", "Z")
+            out.append({"address": f"{host}:{u.port}", "state": state, "fails": u.fails, "down_until": until,
+                        "retry_in": round(u.retry_at - now, 1) if down else None})
+        return out
 
     def answered(self, upstream: Upstream) -> None:
         if upstream.fails >= MAX_FAILS:

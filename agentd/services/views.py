@@ -7,6 +7,8 @@ prometheus_client collector and the source of its REST view.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,6 +23,7 @@ class ServiceState(Protocol):
     applied_revision: int
     error: str | None
     error_dns: str | None
+    dns_config: Any  # agentd.config.settings.DnsConfig; None or not enabled: no DNS
     syncs: int
     sync_errors: int
     last_sync: dict[str, Any] | None
@@ -45,8 +48,9 @@ class ServiceState(Protocol):
 
 
 class ServiceViews:
-    def __init__(self, agent: ServiceState) -> None:
+    def __init__(self, agent: ServiceState, wall: Callable[[], float] = time.time) -> None:
         self.agent = agent
+        self.wall = wall  # the wall clock (an upstream's "down_until")
 
     def view(self, summary: bool = False) -> dict[str, Any]:
         """GET /services: per service its VIP, ports and endpoints with their state
@@ -118,7 +122,10 @@ class ServiceViews:
             "dns": None if a.dns_server is None else {
                 "address": a.dns_server.address, "addresses": a.dns_server.addresses, "queries": a.dns_server.queries,
                 "forwarded": a.dns_server.forwarded, "servfail": a.dns_server.failed,
-                "rejected": a.dns_server.rejected, "foreign": a.dns_server.outcomes["foreign"]},
+                "rejected": a.dns_server.rejected, "foreign": a.dns_server.outcomes["foreign"],
+                # Each upstream's health (dns.Upstreams): healthy, down (skipped until
+                # down_until), or retrying (its backoff over), with its failures in a row.
+                "max_fails": dns.MAX_FAILS, "upstreams": a.dns_server.upstreams.status(self.wall())},
             "dns_error": a.error_dns, "services": sorted(services.values(), key=lambda s: (s["namespace"], s["name"])),
         }  # fmt: skip
 
@@ -151,11 +158,21 @@ class ServiceViews:
         errors.add_metric([], float(a.sync_errors))
         yield errors
         outcomes = a.dns_outcomes()  # those of the servers before too: a restarted task's counts from 0
+        if outcomes is None and _dns_configured(a):
+            # Before a server first runs (starting, or its address not taken yet): every
+            # outcome at 0, so the series exist from the start as the other counters do.
+            outcomes = dict.fromkeys(dns.OUTCOMES, 0)
         if outcomes is not None:
             q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
             for outcome, n in outcomes.items():  # monotonic: a query in flight is in none; rejected: over MAX_FORWARDED, SERVFAIL at once, or a TCP connection over MAX_TCP_CLIENTS; foreign: from outside the pods and the node, dropped
                 q.add_metric([outcome], n)
             yield q
+
+
+def _dns_configured(a: ServiceState) -> bool:
+    """``[dns] enabled`` (the agent's DNS config)."""
+    cfg = getattr(a, "dns_config", None)
+    return cfg is not None and bool(getattr(cfg, "enabled", False))
 
 
 def _failed(a: ServiceState) -> dict[str, str]:

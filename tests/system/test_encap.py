@@ -412,6 +412,49 @@ async def test_vxlan_peers_with_their_own_vni_and_port_and_entries_the_kernel_lo
     await lab.ready.reachable(10)
 
 
+async def test_a_record_copying_a_nodes_vtep_mac_takes_nothing_from_it(lab_factory):
+    """A node record (node3, no agent behind it) publishing node2's VTEP MAC: node2's record
+    was made first (lower etcd create_revision), so node2 keeps its MAC, its FDB entry and its
+    pods' traffic on node1, and only node3 is refused, the reason naming both.  Restarting
+    node2's agent puts its record again (same key, same create_revision): still node2's."""
+    lab = await lab_factory(nodes=2, pods=1, backend="vxlan")
+    node1, node2 = lab.nodes
+    await lab.ready.reachable(60)
+    mac2 = json.loads(node2.ns.ip("-j", "link", "show", "agentd.vxlan").stdout)[0]["address"]
+    copy = (
+        "import asyncio, json, aetcd\n"
+        "async def main():\n"
+        f"    async with aetcd.Client('{ETCD_ADDRESS}', 2379) as c:\n"
+        "        rec = json.loads((await c.get(b'/agentd/nodes/node2')).value)\n"
+        "        rec.update(name='node3', address='172.30.0.99', subnet='10.244.250.0/24')\n"
+        "        rec['backend'] = {**rec['backend'], 'vtep_ip': '10.244.250.0'}\n"
+        "        await c.put(b'/agentd/nodes/node3', json.dumps(rec).encode())\n"
+        "        print(rec['backend']['vtep_mac'])\n"
+        "asyncio.run(main())\n"
+    )
+    assert lab.etcd_ns.exec(sys.executable, "-c", copy).strip().lower() == mac2.lower()
+
+    def decided():
+        peers = {p["address"]: p for p in node1.api("/peers")}
+        three, two = peers.get("172.30.0.99"), peers.get(node2.address)
+        return three is not None and three["backend"] == "none" and two is not None and two["backend"] == "vxlan" \
+            and (three, two)
+
+    three, _two = await auntil(decided, in_thread=True, what="node3 refused, node2 kept on node1")
+    assert "node2, node3" in three["backend_reason"] and "it is node2's" in three["backend_reason"]
+    assert re.search(rf"{mac2} dst {node2.address} self permanent", _fdb(node1.ns, "agentd.vxlan"))
+    assert "172.30.0.99" not in _fdb(node1.ns, "agentd.vxlan")
+    await lab.ready.reachable(10)
+    # node2's agent restarted: its record put again, under the same key -- still made first.
+    await node2.stop_agent(signal.SIGTERM)
+    node2.start_agent()
+    await lab.ready.established(60)
+    await lab.ready.reachable(60)
+    three, two = decided() or (None, None)
+    assert two is not None and two["backend"] == "vxlan" and three["backend"] == "none", (three, two)
+    assert re.search(rf"{mac2} dst {node2.address} self permanent", _fdb(node1.ns, "agentd.vxlan"))
+
+
 async def test_node_changes_backend_by_config_and_restart(lab_factory):
     lab = await lab_factory(nodes=3, pods=1, backend="vxlan")
     node3 = lab.nodes[2]

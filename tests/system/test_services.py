@@ -604,6 +604,10 @@ async def test_service_dns_answers_a_srv_headless_forwards_and_follows_changes(w
         assert r["rcode"] == "NOERROR" and r["answer"] == [], r
         r = await client.dns(DNS, "www.example.org", "A")  # forwarded to the upstream stand-in
         assert r["rcode"] == "NOERROR" and r["answer"] == ["www.example.org. 30 IN A 192.0.2.99"], r
+        # The upstream's health in GET /services: it answered, so healthy.
+        shown = (await asyncio.to_thread(world.lab.nodes[0].api, "/services"))["dns"]
+        assert shown["upstreams"] == [{"address": f"{world.lab.nodes[2].address}:5300", "state": "healthy", "fails": 0,
+                                       "down_until": None, "retry_in": None}], shown
         # A change is answered once the node has applied it.
         await world.delete("Service", "web")
         r = await client.dns(DNS, "web.svc.svc.cluster.local", "A")

@@ -370,3 +370,42 @@ async def test_with_one_endpoint_a_failure_after_a_tls_renewal_makes_a_new_clien
     assert again is not renewed and again._credentials == 3_000_000_000
     conn.closed = True
     await conn.shut()
+
+
+async def test_node_records_carry_their_keys_create_revision_from_the_snapshot_and_the_events():
+    """Of two records publishing one VTEP MAC the one made first keeps it (agentd.kernel.
+    forwarding.vtep_mac_holder): every record the node watch delivers carries its key's etcd
+    create_revision -- from the snapshot and from each put -- and a re-put (a re-publish, a
+    lease renewed) keeps it, as etcd does."""
+    from types import SimpleNamespace
+
+    from agentd.datastore.watches import Watches
+
+    def kv(name, mod, create):
+        return SimpleNamespace(key=node_key(PREFIX, name), value=record(name).to_json(), mod_revision=mod,
+                               lease=0, create_revision=create)
+
+    class Client(_WatchClient):
+        async def get_prefix(self, prefix, keys_only=False):
+            return _Got([kv("n1", 40, 30)])
+
+    async def stream():
+        for k in (kv("n2", 101, 101), kv("n1", 102, 30)):
+            yield SimpleNamespace(kv=k, kind=aetcd.EventKind.PUT)
+        raise aetcd.ClientError("the test's end")
+
+    conn = connection()
+    conn.new_client = lambda i: Client(conn.targets[0], [], stream)
+    registration = Registration(conn, LeaseKeeper(conn, PREFIX, 30), PREFIX)
+    seen = []
+    async for ev in Watches(conn, registration, PREFIX).watch_nodes():
+        seen.append(ev)
+        if len(seen) == 3:
+            break
+    snapshot, put2, put1 = seen
+    assert snapshot.kind == "snapshot" and snapshot.nodes["n1"].create_revision == 30
+    assert (put2.name, put2.record.create_revision) == ("n2", 101)
+    assert (put1.name, put1.record.create_revision) == ("n1", 30)
+    # The list call's records carry it too; equality does not look at it.
+    listed = registration.parse_nodes([kv("n1", 40, 30)])
+    assert listed["n1"].create_revision == 30 and listed == {"n1": record("n1")}

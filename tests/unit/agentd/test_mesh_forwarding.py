@@ -381,6 +381,48 @@ def test_a_peers_bad_vxlan_data_makes_that_peer_unroutable_not_the_rest(bad):
     assert direct.backend == "host-gw"
 
 
+@pytest.mark.parametrize("first", ["n2", "n3"])
+def test_a_vtep_mac_two_records_publish_stays_with_the_record_made_first(first):
+    """A record copying another node's VTEP MAC (n3 publishing n2's) must not take that node off
+    the network: the record whose etcd key was made first (lower create_revision) keeps its
+    MAC and its route, only the other is refused, the reason naming both.  Whichever that is:
+    the order is etcd's, not the names'."""
+    import dataclasses
+
+    from agentd.kernel.forwarding import desired_routes
+
+    mac = "aa:bb:cc:dd:ee:02"
+    peers = [node("n2", "10.9.0.2", subnet="10.244.2.0/24",
+                  backend={"type": "vxlan", "vtep_ip": "10.244.2.0", "vtep_mac": mac}),
+             node("n3", "10.9.0.3", subnet="10.244.3.0/24",
+                  backend={"type": "vxlan", "vtep_ip": "10.244.3.0", "vtep_mac": mac.upper()})]
+    made = {first: 5, ({"n2", "n3"} - {first}).pop(): 9}
+    peers = [dataclasses.replace(p, create_revision=made[p.name]) for p in peers]
+    later = "n3" if first == "n2" else "n2"
+    bests = [("10.244.2.0/24", IPv4Address("10.9.0.2"), False), ("10.244.3.0/24", IPv4Address("10.9.0.3"), False)]
+    plan = desired_routes(bests, peers, UNDERLAY, LocalPaths({"vxlan": "vxlan-device"}), own_subnets=[],
+                          blackhole_metric=4000, own_backend="vxlan", encap="always")  # fmt: skip
+    by_name = {p.node: p for p in plan.plans.values()}
+    assert by_name[first].backend == "vxlan" and by_name[first].extra["vtep_mac"].lower() == mac
+    refused = by_name[later]
+    assert not refused.routable and refused.extra == {}
+    assert "n2, n3" in refused.reason and f"it is {first}'s, whose record was made first" in refused.reason
+    assert [r.dst for r in plan.routes] == [f"10.244.{first[1]}.0/24"]
+
+
+def test_a_vtep_mac_two_records_made_at_once_is_neithers():
+    """Records made in one etcd transaction share its revision: which came first is not known,
+    so the MAC is neither's (as it is for records whose revision is not known)."""
+    import dataclasses
+
+    from agentd.kernel.forwarding import vxlan_vtep_refusals
+
+    vx = {"type": "vxlan", "vtep_mac": "aa:bb:cc:dd:ee:02"}
+    tied = [dataclasses.replace(node(n, a, backend=vx), create_revision=7) for n, a in (("n2", "10.9.0.2"), ("n3", "10.9.0.3"))]
+    why = vxlan_vtep_refusals(tied, {})
+    assert set(why) == {"n2", "n3"} and all("not known" in r[4] and "n2, n3" in r[4] for r in why.values())
+
+
 def test_a_dual_stack_peer_reached_over_vxlan_for_ipv6_only_gets_its_vtep_entries():
     """cross-subnet, on-link for IPv4 but without an IPv6 next hop on the segment: the IPv6 plan
     is VXLAN, so the peer's neighbour and FDB entries are wanted although its IPv4 plan is direct."""

@@ -1282,3 +1282,54 @@ def test_the_zones_apex_has_its_soa_and_ns_with_services_or_none():
         assert lines(r.answer) == ["in-addr.arpa. 5 IN SOA ns.dns.in-addr.arpa. hostmaster.in-addr.arpa. 1 7200 1800 86400 5"]
         assert sdns.resolve(table, dns.message.make_query("ip6.arpa", "SOA"), ranges) is None  # no IPv6 range: not ours
     assert sdns.resolve(sdns.Names("cluster.local"), dns.message.make_query("x.cluster.local", "A")).rcode() == dns.rcode.NXDOMAIN
+
+
+def test_each_upstreams_health_shows_in_get_services():
+    """GET /services' "dns" shows each upstream, in the configured order: healthy (below
+    max_fails), down with when it is asked again, or retrying (its backoff over), and its
+    failures in a row.  Clocks passed in: the upstreams' monotonic one and the wall clock."""
+    from types import SimpleNamespace
+
+    from agentd.services.views import ServiceViews
+
+    now = [1000.0]
+    server = sdns.DnsServer("169.254.20.10", 53, lambda: TABLE, [("10.0.0.1", 53), ("2001:db8::53", 5353), ("8.8.8.8", 53)],
+                            clock=lambda: now[0])
+    first, second, third = server.upstreams.all
+    server.upstreams.failed(first, "timeout")  # once: still healthy
+    for _ in range(sdns.MAX_FAILS):
+        server.upstreams.failed(second, "timeout")  # down for RETRY_INITIAL
+    for _ in range(sdns.MAX_FAILS):
+        server.upstreams.failed(third, "refused")
+    now[0] += sdns.RETRY_INITIAL  # the backoffs of both are over: retrying
+    server.upstreams.failed(third, "refused")  # failing again: down for twice as long
+    state = SimpleNamespace(node="n1", applied_revision=1, error=None, error_dns=None, syncs=1, sync_errors=0,
+                            last_sync=None, flushed=0, counters={}, failed={}, ports=[], compiled_ports=[], conflicts={},
+                            dns_server=server, dns_config=SimpleNamespace(enabled=True), dns_outcomes=lambda: None)
+    view = ServiceViews(state, wall=lambda: 1_700_000_000.0).view()  # type: ignore[arg-type]
+    assert view["dns"]["max_fails"] == sdns.MAX_FAILS
+    assert view["dns"]["upstreams"] == [
+        {"address": "10.0.0.1:53", "state": "healthy", "fails": 1, "down_until": None, "retry_in": None},
+        {"address": "[2001:db8::53]:5353", "state": "retrying", "fails": 2, "down_until": None, "retry_in": None},
+        {"address": "8.8.8.8:53", "state": "down", "fails": 3, "down_until": "2023-11-14T22:13:22Z", "retry_in": 2.0},
+    ]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_dns_query_counters_are_exported_at_zero_before_a_server_ran_when_dns_is_configured(enabled):
+    """agentd_dns_queries_total{outcome} exists from the start (every outcome at 0) when [dns]
+    enabled, like the other counters, not only once a server has run; without DNS it is not
+    exported at all."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from agentd.services.views import ServiceViews
+
+    state = SimpleNamespace(node="n1", applied_revision=0, error=None, error_dns=None, syncs=0, sync_errors=0,
+                            last_sync=None, flushed=0, counters={}, failed={}, ports=[], port_count=0, dns_server=None,
+                            dns_config=SimpleNamespace(enabled=enabled), dns_outcomes=lambda: None)
+    registry = CollectorRegistry()
+    registry.register(ServiceViews(state))  # type: ignore[arg-type]
+    samples = {o: registry.get_sample_value("agentd_dns_queries_total", {"outcome": o}) for o in sdns.OUTCOMES}
+    assert samples == dict.fromkeys(sdns.OUTCOMES, 0.0 if enabled else None)
