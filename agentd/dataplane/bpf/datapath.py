@@ -42,7 +42,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from ipaddress import IPv4Network, IPv6Address, IPv6Network, ip_network
 from pathlib import Path
 
@@ -540,11 +540,14 @@ def open_checked(path: Path, check: Callable[[lb.BpfObject], None]) -> lb.BpfObj
 
 def adopt_pins(
     obj: lb.BpfObject, directory: str | os.PathLike, replacing: Callable[[str, int, dict], None] | None = None,
+    stale: Collection[str] = (),
 ) -> list[str]:
     """Point the object's pinned-by-name maps at ``directory``.  Those pinned there already
     with the shape the object gives them (type, key and value sizes, entries, flags) are what
     libbpf will reuse at load: their names are returned.  A pin of another shape (an older
     agent's layout) is removed, so that libbpf makes that map afresh instead of refusing it;
+    so is one named in ``stale`` (of the same shape, but its entries laid out or meant
+    otherwise, as the caller knows: the pod fast path's ``agentd_podconns``).
     ``replacing`` is called first with its name, its map (an fd, open for the call) and that
     map's :func:`libbpf.map_info`: what the old map notes that the new one must go on noting
     (the pod fast path's ``agentd_podcfg``: conntrack's be_liberal as the operator had it)."""
@@ -554,13 +557,13 @@ def adopt_pins(
         path = Path(directory) / name
         if not mdef.pinned or not path.exists():
             continue
-        what = "holds a map of another shape (an older agent's layout) and cannot be removed"
+        what = "holds a map of another shape or layout (an older agent's) and cannot be removed"
         try:
             fd = lb.obj_get(str(path))
             try:
                 info = lb.map_info(fd)
                 if (info["type"], info["key_size"], info["value_size"], info["max_entries"],
-                        info["flags"]) == mdef.shape():  # fmt: skip
+                        info["flags"]) == mdef.shape() and name not in stale:  # fmt: skip
                     adopted.append(name)
                     continue
                 if replacing is not None:

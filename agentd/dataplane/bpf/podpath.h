@@ -89,6 +89,12 @@ enum podconn_state {
 	PODCONN_RESET_HI = 5, /* ... sends again without RST (back to OPEN: its TCP ignored it) */
 };
 
+/* The layout of struct podconn_value and the meaning of its fields, enum podconn_state and
+ * enum podconn_fin included: a change to any of them, the map's size the same or not, takes
+ * a new number here (and in podpath.py), so that an upgraded agent replaces the pinned map
+ * instead of reading an older agent's entries its own way (their connections end, GONE). */
+#define PODCONN_LAYOUT 1
+
 struct podconn_value {
 	__u64 packets[2];
 	__u64 bytes[2];
@@ -159,6 +165,8 @@ struct pod_config {
 	__be32 cluster_net;   /* the cluster's pod network: only pods' traffic between nodes is carried */
 	__be32 cluster_mask;
 	__u32 wire_ifindex;   /* the underlay device agentd_pod_wire is on (read at a SYN to another node's pod) */
+	__u32 conns_layout;   /* not read by the programs: the agent's note of PODCONN_LAYOUT, the
+			       * layout the pinned podconns has (a pin of another is not adopted) */
 };
 
 /* IPv6 has maps of its own beside these (so that theirs keep their shapes, and an upgraded
