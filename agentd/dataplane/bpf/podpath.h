@@ -20,7 +20,7 @@ enum pod_verdict {
 	POD_CARRIED = 0,         /* redirected: into the receiving pod, or out toward its node */
 	POD_NO_CONNTRACK = 1,    /* no confirmed conntrack entry: the normal path */
 	POD_NOT_ESTABLISHED = 2, /* the connection is not (or no longer) ESTABLISHED */
-	POD_NAT = 3,             /* translated (a Service): the normal path translates */
+	POD_NAT = 3,             /* translated (a Service), or a helper reads it: the normal path */
 	POD_NO_ROUTE = 4,        /* to another node, but no FIB answer with a resolved neighbour */
 	POD_VERDICTS = 5,
 };
