@@ -98,11 +98,18 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_routes6 SEC(".maps");
 
+/* The member maps hold every node of the cluster: as many as the IPv6 pod network's node
+ * subnets (docs/networking.md: 65,536 /64s in a /48, the most kube-controller-manager
+ * allows).  Not preallocated: an entry takes memory (agentd_peers': one value per CPU) only
+ * once a member is there, the hash's buckets 1 MB each. */
+#define MEMBERS_MAX 65536
+
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, struct addr6);
 	__type(value, __u32);
-	__uint(max_entries, 4096);
+	__uint(max_entries, MEMBERS_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_peers6 SEC(".maps");
 
@@ -118,7 +125,8 @@ struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
 	__type(key, __be32);
 	__type(value, struct peer_stats);
-	__uint(max_entries, 4096);
+	__uint(max_entries, MEMBERS_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_peers SEC(".maps");
 

@@ -42,7 +42,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from ipaddress import IPv4Network, IPv6Address, IPv6Network, ip_network
 from pathlib import Path
 
@@ -120,6 +120,8 @@ class BpfDatapath:
         self.ports: dict[tuple[int, bytes], int] = {}  # as in the map
         self.ports_refused = 0  # learned MACs the full ports map refused at the last sync
         self.members: set[str] = set()
+        self.members_refused = 0  # members the full member maps refused at the last sync
+        self._replaced_members: dict[str, dict[bytes, int]] = {}  # map -> key -> flags, of older maps (open)
         self.peer_flags: dict[str, int] = {}
         self.guarded: set[int] = set()  # bridges the ingress filter is attached to as well
         self.unguarded: dict[int, str] = {}  # bridges it could not be attached to, and why
@@ -146,10 +148,11 @@ class BpfDatapath:
             self.pins = tc.Pins.read(self.dir)  # the previous agent's programs, before ours replace the pins
             tc.sweep(self.pins)
             self.ncpus = lb.possible_cpus()
-            self.adopted = adopt_pins(obj, self.dir)
+            self.adopted = adopt_pins(obj, self.dir, self._replacing)
             obj.load()
             self.obj = obj
             self.maps = {name: obj.map_fd(name) for name in layout.MAPS}
+            self._carry_members()
             self._read_back()
             self.set_config(config, keep=True, clear=clear)
             for name in layout.PROGRAMS:
@@ -168,6 +171,40 @@ class BpfDatapath:
                 obj.close()
             self.close()
             raise BpfUnavailable(reason + self._detach(list(layout.PROGRAMS))) from None
+
+    def _replacing(self, name: str, fd: int, info: dict) -> None:
+        """A member map of another shape (an older agent's: another size) :func:`adopt_pins` is
+        about to remove: its members are read, so that the new map holds them before the new
+        programs replace the old ones on the device -- an empty one would drop every member's
+        packets until the first sync after the members are known, seconds or more."""
+        if name not in (layout.PEERS, layout.PEERS6) or info["key_size"] != (
+                layout.PEER_KEY.size if name == layout.PEERS else layout.ADDR6.size):  # fmt: skip
+            return
+        size = ((info["value_size"] + 7) & ~7) * self.ncpus if name == layout.PEERS else info["value_size"]
+        found = {}
+        try:
+            for key in lb.map_keys(fd, info["key_size"]):
+                raw = lb.map_lookup(fd, key, size)
+                flags = struct.unpack_from("<Q", raw)[0] if name == layout.PEERS and raw and len(raw) >= 8 else 0
+                found[key] = flags
+        except lb.BpfError as err:  # its members come with the first sync, as they would anyway
+            log.warning("BPF: could not read the members of %s of an older layout: %s", name, explain(err))
+        self._replaced_members[name] = found
+
+    def _carry_members(self) -> None:
+        """The members :meth:`_replacing` read, into the new maps (their flags; counters from 0)."""
+        slot = (layout.PEER_STATS.size + 7) & ~7
+        for name, found in self._replaced_members.items():
+            fd = self.maps[name]
+            for key, flags in found.items():
+                value = b"".join(struct.pack("<Q", flags).ljust(slot, b"\0") for _ in range(self.ncpus)) \
+                    if name == layout.PEERS else layout.PEER6_VALUE.pack(1)
+                try:
+                    lb.map_update(fd, key, value, lb.BPF_NOEXIST)
+                except OSError as err:
+                    if err.errno not in (errno.EEXIST, errno.E2BIG):
+                        raise
+        self._replaced_members.clear()
 
     def _note(self, lines: list[str]) -> None:
         self.unidentified.update(lines)
@@ -293,17 +330,31 @@ class BpfDatapath:
         """Make the member set exactly ``members`` (underlay addresses: IPv4 ones, or IPv6
         ones on an IPv6 underlay, each kept in its family's map), with ``peer_flags`` (enum
         peer_flag, e.g. for peers this node speaks to through its user-space workers); the
-        counters of those that stay are kept."""
+        counters of those that stay are kept.  Members that go are taken out first; one a
+        full map refuses (E2BIG: more than :data:`layout.MEMBERS_MAX` of a family) is left
+        out -- what fits stays in, counted as ``members_refused`` in the status, logged once
+        while it lasts -- and tried again at the next sync."""
         wanted6 = {a for a in members if ":" in a}
+        wanted = {a for a in members if ":" not in a}
         fd6 = self.maps[layout.PEERS6]
-        for addr in sorted(wanted6 - self.members):
-            lb.map_update(fd6, layout.ADDR6.pack(socket.inet_pton(socket.AF_INET6, addr)), layout.PEER6_VALUE.pack(1))
-            self.members.add(addr)
+        fd = self.maps[layout.PEERS]
         for addr in [a for a in self.members if ":" in a and a not in wanted6]:
             lb.map_delete(fd6, layout.ADDR6.pack(socket.inet_pton(socket.AF_INET6, addr)))
             self.members.discard(addr)
-        fd = self.maps[layout.PEERS]
-        wanted = {a for a in members if ":" not in a}
+        for addr in {a for a in self.members if ":" not in a} - wanted:
+            lb.map_delete(fd, layout.peer_key(addr))
+            self.members.discard(addr)
+            self.peer_flags.pop(addr, None)
+        refused = 0
+        for addr in sorted(wanted6 - self.members):
+            try:
+                lb.map_update(fd6, layout.ADDR6.pack(socket.inet_pton(socket.AF_INET6, addr)), layout.PEER6_VALUE.pack(1))
+            except OSError as err:
+                if err.errno != errno.E2BIG:
+                    raise
+                refused += 1
+                continue
+            self.members.add(addr)
         flags = {a: (peer_flags or {}).get(a, 0) for a in wanted}
         slot = (layout.PEER_STATS.size + 7) & ~7
         for addr in sorted(wanted):
@@ -313,13 +364,22 @@ class BpfDatapath:
             raw = bytearray(lb.map_lookup(fd, key, slot * self.ncpus) or bytes(slot * self.ncpus))
             for cpu in range(self.ncpus):  # the flags in every CPU's copy, the counters as they are
                 struct.pack_into("<Q", raw, cpu * slot, flags[addr])
-            lb.map_update(fd, key, bytes(raw))
+            try:
+                lb.map_update(fd, key, bytes(raw))
+            except OSError as err:
+                if err.errno != errno.E2BIG:
+                    raise
+                refused += 1
+                continue
             self.members.add(addr)
             self.peer_flags[addr] = flags[addr]
-        for addr in {a for a in self.members if ":" not in a} - wanted:
-            lb.map_delete(fd, layout.peer_key(addr))
-            self.members.discard(addr)
-            self.peer_flags.pop(addr, None)
+        if refused and not self.members_refused:
+            log.error("BPF: the member maps hold at most %d nodes of each address family: %d cluster members are "
+                      "left out (%d are in); encapsulated packets from them are dropped as from non-members",
+                      layout.MEMBERS_MAX, refused, len(self.members))
+        elif self.members_refused and not refused:
+            log.info("BPF: every cluster member is in the member maps again")
+        self.members_refused = refused
 
     def set_ports(self, ports: Mapping[tuple[int, bytes], int]) -> None:
         """Make the ports map ``ports`` ((bridge ifindex, MAC) -> port ifindex), as far as it
@@ -440,6 +500,7 @@ class BpfDatapath:
             "routes": sum(1 for d in self.routes if d.version == 4),
             "routes_v6": sum(1 for d in self.routes if d.version == 6),  # IPv6 pod subnets (udp)
             "members": len(self.members),
+            "members_refused": self.members_refused,  # left out: the member maps were full
             "bridge_ports": len(self.ports),
             "bridge_ports_refused": self.ports_refused,  # learned MACs left out: the map was full
             "guarded_bridges": len(self.guarded),
@@ -479,11 +540,14 @@ def open_checked(path: Path, check: Callable[[lb.BpfObject], None]) -> lb.BpfObj
 
 def adopt_pins(
     obj: lb.BpfObject, directory: str | os.PathLike, replacing: Callable[[str, int, dict], None] | None = None,
+    stale: Collection[str] = (),
 ) -> list[str]:
     """Point the object's pinned-by-name maps at ``directory``.  Those pinned there already
     with the shape the object gives them (type, key and value sizes, entries, flags) are what
     libbpf will reuse at load: their names are returned.  A pin of another shape (an older
     agent's layout) is removed, so that libbpf makes that map afresh instead of refusing it;
+    so is one named in ``stale`` (of the same shape, but its entries laid out or meant
+    otherwise, as the caller knows: the pod fast path's ``agentd_podconns``).
     ``replacing`` is called first with its name, its map (an fd, open for the call) and that
     map's :func:`libbpf.map_info`: what the old map notes that the new one must go on noting
     (the pod fast path's ``agentd_podcfg``: conntrack's be_liberal as the operator had it)."""
@@ -493,13 +557,13 @@ def adopt_pins(
         path = Path(directory) / name
         if not mdef.pinned or not path.exists():
             continue
-        what = "holds a map of another shape (an older agent's layout) and cannot be removed"
+        what = "holds a map of another shape or layout (an older agent's) and cannot be removed"
         try:
             fd = lb.obj_get(str(path))
             try:
                 info = lb.map_info(fd)
                 if (info["type"], info["key_size"], info["value_size"], info["max_entries"],
-                        info["flags"]) == mdef.shape():  # fmt: skip
+                        info["flags"]) == mdef.shape() and name not in stale:  # fmt: skip
                     adopted.append(name)
                     continue
                 if replacing is not None:

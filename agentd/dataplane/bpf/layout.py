@@ -56,14 +56,17 @@ CFG_POD_GATE = 64  # decapsulated packets not redirected go on to the pod fast p
 EXPECTED = {
     ROUTES: (lb.MAP_TYPE_LPM_TRIE, ROUTE_KEY.size, ROUTE_VALUE.size, lb.BPF_F_NO_PREALLOC),
     ROUTES6: (lb.MAP_TYPE_LPM_TRIE, ROUTE6_KEY.size, ROUTE_VALUE.size, lb.BPF_F_NO_PREALLOC),
-    PEERS6: (lb.MAP_TYPE_HASH, ADDR6.size, PEER6_VALUE.size, 0),
+    PEERS6: (lb.MAP_TYPE_HASH, ADDR6.size, PEER6_VALUE.size, lb.BPF_F_NO_PREALLOC),
     CONFIG6: (lb.MAP_TYPE_ARRAY, CONFIG_KEY.size, ADDR6.size, 0),
-    PEERS: (lb.MAP_TYPE_PERCPU_HASH, PEER_KEY.size, PEER_STATS.size, 0),
+    PEERS: (lb.MAP_TYPE_PERCPU_HASH, PEER_KEY.size, PEER_STATS.size, lb.BPF_F_NO_PREALLOC),
     DROPS: (lb.MAP_TYPE_PERCPU_ARRAY, DROP_KEY.size, DROP_STATS.size, 0),
     PORTS: (lb.MAP_TYPE_HASH, PORT_KEY.size, PORT_VALUE.size, 0),
     CONFIG: (lb.MAP_TYPE_ARRAY, CONFIG_KEY.size, CONFIG_VALUE.size, 0),
 }
 PROGRAMS = (EGRESS, INGRESS)
+# Members each member map holds at most (datapath.c MEMBERS_MAX): every node of the largest
+# cluster the docs plan for, 65,536 (an IPv6 /48 of /64 node subnets, docs/networking.md).
+MEMBERS_MAX = 65536
 
 
 def check(maps: dict, programs: dict) -> None:
@@ -78,6 +81,10 @@ def check(maps: dict, programs: dict) -> None:
                              f"{(mtype, key, value, flags)} in layout.py")
     if maps[DROPS].max_entries != len(DROP_REASONS):
         raise ValueError(f"the object file has {maps[DROPS].max_entries} drop reasons, layout.py {len(DROP_REASONS)}")
+    for name in (PEERS, PEERS6):
+        if maps[name].max_entries != MEMBERS_MAX:
+            raise ValueError(f"map {name} holds {maps[name].max_entries} members in the object file, "
+                             f"{MEMBERS_MAX} in layout.py")
     check_programs(programs, PROGRAMS)
     for name, mdef in maps.items():
         if name in EXPECTED and not mdef.pinned:

@@ -30,7 +30,8 @@
  *     normal path); between nodes both ends are in the cluster's pod network;
  *   - conntrack has a confirmed entry for it -- confirmed means the normal path, policy
  *     included, accepted the connection's first packet -- in TCP state ESTABLISHED, with no
- *     NAT on it (a Service's translated flow stays on the normal path, which translates).
+ *     NAT on it (a Service's translated flow stays on the normal path, which translates) and
+ *     no conntrack helper (nft ct helper set: the helper must read every packet's payload).
  * Anything else is left to the stack (TC_ACT_UNSPEC).  The entry's timeout is renewed as
  * conntrack would renew it, so a busy carried connection does not expire.
  *
@@ -63,6 +64,7 @@
 #define IPS_EXPECTED (1UL << 0)
 #define IPS_SRC_NAT (1UL << 4)
 #define IPS_DST_NAT (1UL << 5)
+#define IPS_HELPER (1UL << 13) /* a conntrack helper assigned by the ruleset (nft ct helper set) */
 #define AF_INET_ 2
 #define AF_INET6_ 10
 #define IPV6_FLOWINFO_MASK 0x0fffffff /* traffic class and flow label */
@@ -761,7 +763,10 @@ static __always_inline __u32 tracked(struct __sk_buff *skb, struct bpf_sock_tupl
 		return POD_NO_CONNTRACK;
 	status = ct->status;
 	state = ct->proto.tcp.state;
-	if (status & (IPS_SRC_NAT | IPS_DST_NAT)) {
+	/* A helper (FTP, SIP, ...) reads the connection's payload -- a PASV reply, say, becomes
+	 * the expectation that makes its data connection RELATED -- and may rewrite it: every
+	 * packet must pass it.  Counted with the translated ones: the normal path's. */
+	if (status & (IPS_SRC_NAT | IPS_DST_NAT | IPS_HELPER)) {
 		bpf_ct_release(ct);
 		return POD_NAT;
 	}

@@ -20,7 +20,7 @@ enum pod_verdict {
 	POD_CARRIED = 0,         /* redirected: into the receiving pod, or out toward its node */
 	POD_NO_CONNTRACK = 1,    /* no confirmed conntrack entry: the normal path */
 	POD_NOT_ESTABLISHED = 2, /* the connection is not (or no longer) ESTABLISHED */
-	POD_NAT = 3,             /* translated (a Service): the normal path translates */
+	POD_NAT = 3,             /* translated (a Service), or a helper reads it: the normal path */
 	POD_NO_ROUTE = 4,        /* to another node, but no FIB answer with a resolved neighbour */
 	POD_VERDICTS = 5,
 };
@@ -88,6 +88,12 @@ enum podconn_state {
 	PODCONN_RESET_LO = 4, /* the lower end sent RST: ended by the agent (podrsts) unless that end */
 	PODCONN_RESET_HI = 5, /* ... sends again without RST (back to OPEN: its TCP ignored it) */
 };
+
+/* The layout of struct podconn_value and the meaning of its fields, enum podconn_state and
+ * enum podconn_fin included: a change to any of them, the map's size the same or not, takes
+ * a new number here (and in podpath.py), so that an upgraded agent replaces the pinned map
+ * instead of reading an older agent's entries its own way (their connections end, GONE). */
+#define PODCONN_LAYOUT 1
 
 struct podconn_value {
 	__u64 packets[2];
@@ -159,6 +165,8 @@ struct pod_config {
 	__be32 cluster_net;   /* the cluster's pod network: only pods' traffic between nodes is carried */
 	__be32 cluster_mask;
 	__u32 wire_ifindex;   /* the underlay device agentd_pod_wire is on (read at a SYN to another node's pod) */
+	__u32 conns_layout;   /* not read by the programs: the agent's note of PODCONN_LAYOUT, the
+			       * layout the pinned podconns has (a pin of another is not adopted) */
 };
 
 /* IPv6 has maps of its own beside these (so that theirs keep their shapes, and an upgraded

@@ -66,8 +66,9 @@ MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, FLOWS6, ENDS, CONNS, R
 PROGRAM, WIRE_PROGRAM = tc.POD_FAST_PATH, tc.POD_WIRE
 POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
 STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
-# struct pod_config: flags, established_ms, liberal_before, cluster_net, cluster_mask, wire_ifindex
-CONFIG_VALUE = struct.Struct("<III4s4sI")
+# struct pod_config: flags, established_ms, liberal_before, cluster_net, cluster_mask, wire_ifindex,
+# conns_layout
+CONFIG_VALUE = struct.Struct("<III4s4sII")
 CONFIG6_VALUE = struct.Struct("<16s16s")  # struct pod_config6: cluster_net, cluster_mask
 # What every layout struct pod_config has had first (12 bytes before 19135cf, 24 since):
 # flags (CFG_ON the one flag they all mean alike), established_ms, liberal_before.
@@ -85,6 +86,13 @@ FLOW6_END = struct.Struct("<36s4x40s")  # struct podflow6_end: key, value (the r
 # and of the last packet, state, the client's side, FIN bits
 CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and podpath.h's fin_ack_hi, client_seq: not read here
 CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
+# podpath.h PODCONN_LAYOUT: the layout (and meaning) of struct podconn_value that this agent's
+# programs use, noted in agentd_podcfg (conns_layout); a pinned agentd_podconns whose note
+# differs (an older agent's: none) is replaced at open, its connections ended (GONE).
+CONNS_LAYOUT = 1
+# What every layout of struct podconn_value has had first: packets sent by each end, bytes
+# sent by each end, CLOCK_TAI ns of the SYN and of the last packet, state, the client's side.
+CONN_PREFIX = struct.Struct("<QQQQQQIB")
 CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5  # enum podconn_state
 REC_START, REC_FIN, REC_RST, REC_REUSED = 1, 2, 3, 4  # enum podconn_kind
 REC_GONE = 5  # not the programs': the agent's sweep found conntrack no longer holds it
@@ -208,6 +216,11 @@ class PodFastPath:
         # (flags, liberal_before) an agentd_podcfg of another layout (an older agent's) held
         # when open replaced it: the be_liberal value it noted goes on being the one noted.
         self.replaced_config: tuple[int, int] | None = None
+        # An agentd_podconns of another layout open replaced (its fd and map_info), read once
+        # the new programs are on, and its connections' ends (REC_GONE records, CONN_RECORD)
+        # for the recorder: handed over with the first records it reads (recorded_batch).
+        self.replaced_conns: tuple[int, dict] | None = None
+        self.replaced_ends: list[bytes] = []
         self.ncpus = 0
         self.pins = tc.Pins(self.dir)  # read at open: how our programs on the hooks are known
         self.unidentified: set[str] = set()  # programs on our hooks we could not take over, and why
@@ -229,7 +242,8 @@ class PodFastPath:
             self.pins = tc.Pins.read(self.dir)  # the previous agent's programs, before ours replace the pins
             tc.sweep(self.pins)  # links of veths that went while no agent ran
             self.ncpus = lb.possible_cpus()
-            self.adopted = bool(adopt_pins(obj, self.dir, self._replacing))
+            stale = () if pinned_conns_layout(self.dir) == CONNS_LAYOUT else (CONNS,)
+            self.adopted = bool(adopt_pins(obj, self.dir, self._replacing, stale))
             try:
                 obj.load()
             except lb.BpfError as err:  # a kfunc, nf_conn's fields, or the verifier
@@ -257,6 +271,7 @@ class PodFastPath:
                 self._attach_wire()
             else:
                 self.wire = "no cluster network or underlay device given"
+            self._end_replaced_conns()
         except (OSError, tc.TcError, BpfUnavailable) as err:  # lb.BpfError is an OSError
             if isinstance(err, lb.BpfError):
                 reason = explain(err)
@@ -290,10 +305,17 @@ class PodFastPath:
         self.wire = None
 
     def _replacing(self, name: str, fd: int, info: dict) -> None:
-        """A pin of another shape :func:`adopt_pins` is about to remove: an older agent's
+        """A pin of another shape or layout :func:`adopt_pins` is about to remove: an older agent's
         ``agentd_podcfg`` is the only record of ``nf_conntrack_tcp_be_liberal`` as the operator
         had it (the agent set it to 1), read here before it goes; :meth:`_configure` notes
-        it in the new map, which a leave puts back."""
+        it in the new map, which a leave puts back.  An older agent's ``agentd_podconns`` holds
+        the connections its programs record, whose conntrack events are masked: kept open
+        (a duplicate of ``fd``) until the new programs are on, then read
+        (:meth:`_end_replaced_conns`)."""
+        if name == CONNS and info["key_size"] == FLOW_KEY.size and info["value_size"] >= CONN_PREFIX.size:
+            if self.replaced_conns is None:
+                self.replaced_conns = (os.dup(fd), info)
+            return
         if name != CONFIG or info["value_size"] < CONFIG_NOTE.size:
             return
         try:
@@ -306,11 +328,43 @@ class PodFastPath:
             flags, _ms, before = CONFIG_NOTE.unpack_from(raw)
             self.replaced_config = (flags, before)
 
+    def _end_replaced_conns(self) -> None:
+        """The connections an older agent's ``agentd_podconns`` (replaced at open) holds once
+        the old programs are off the hooks (what they recorded until then included), as ends
+        the recorder takes with its first read (:attr:`replaced_ends`): REC_GONE, with what
+        they counted -- the new programs do not know them, and conntrack tells nobody of their
+        end (their events were masked at the SYN).  An unanswered SYN, whose start was never
+        recorded, has no end."""
+        if self.replaced_conns is None:
+            return
+        fd, info = self.replaced_conns
+        self.replaced_conns = None
+        ends = []
+        try:
+            for key in lb.map_keys(fd, FLOW_KEY.size):
+                raw = lb.map_lookup(fd, key, info["value_size"])
+                if raw is None:
+                    continue
+                p_lo, p_hi, b_lo, b_hi, first, last, state, client = CONN_PREFIX.unpack_from(raw)
+                if state == CONN_SYN:
+                    continue
+                value = CONN_VALUE.pack(p_lo, p_hi, b_lo, b_hi, first, last, state, client, 0)
+                ends.append(CONN_RECORD.pack(key, REC_GONE, value))
+        except lb.BpfError as err:
+            log.warning("could not read the recorded connections of %s of an older layout (%s): their ends are not "
+                        "recorded", self.dir / CONNS, explain(err))
+        finally:
+            os.close(fd)
+        if ends:
+            log.info("flows: %d connections the pod programs recorded in %s of an older layout end here (gone)",
+                     len(ends), self.dir / CONNS)
+        self.replaced_ends.extend(ends)
+
     def _configure(self, route: bool | None = None) -> None:
         """Liberal TCP windows in this namespace (noting what was there), and the programs' config."""
         key = U32.pack(0)
         raw = lb.map_lookup(self.maps[CONFIG], key, CONFIG_VALUE.size)
-        flags, _ms, before, _net, _mask, _wire = CONFIG_VALUE.unpack(raw) if raw else (0, 0, 0, b"", b"", 0)
+        flags, _ms, before, _net, _mask, _wire, _layout = CONFIG_VALUE.unpack(raw) if raw else (0, 0, 0, b"", b"", 0, 0)
         if not flags & CFG_ON and self.replaced_config is not None and self.replaced_config[0] & CFG_ON:
             # Made afresh (the pin had an older layout): that pin's note stands.  Only CFG_ON
             # is taken of its flags; the others meant other things in other layouts.
@@ -332,7 +386,8 @@ class PodFastPath:
         lb.map_update(self.maps[CONFIG], key, CONFIG_VALUE.pack(
             config_flags(flags, route=route, counting=self.counting,
                          recording=(self.recording, self.recording_remote) if self.recording_told else None),
-            established_ms, before, net.network_address.packed, net.netmask.packed, self.wire_ifindex or 0))
+            established_ms, before, net.network_address.packed, net.netmask.packed, self.wire_ifindex or 0,
+            CONNS_LAYOUT))
 
     def set_counting(self, on: bool) -> None:
         """Count what the programs carry per connection (``agentd_podflows``, IPv6's in
@@ -365,6 +420,7 @@ class PodFastPath:
         connection of a tuple with a stale entry there (its conntrack events not masked: two
         ends).  (A program that read the flags just before they changed may still make one in
         that moment.)"""
+        self.replaced_ends.clear()
         fd = self.maps.get(CONNS)
         if fd is None:
             return
@@ -393,7 +449,10 @@ class PodFastPath:
     def recorded(self) -> list[bytes]:
         """Starts and ends of recorded connections since the last call, oldest first, as the
         ring holds them (struct podconn_record, CONN_RECORD: read when a record is made)."""
-        return self.recs.drain() if self.recs is not None else []
+        if self.recs is None:
+            return []
+        replaced, self.replaced_ends = self.replaced_ends, []
+        return replaced + self.recs.drain()
 
     def recorded_batch(self) -> tuple[bytes, int, int, set[bytes]]:
         """:meth:`recorded` in one object: the records side by side, how many, how many were
@@ -401,7 +460,12 @@ class PodFastPath:
         (agentd.dataplane.bpf.libbpf.RingBuffer.drain_fixed)."""
         if self.recs is None:
             return b"", 0, 0, set()
-        return self.recs.drain_fixed(CONN_RECORD.size)
+        blob, count, others, addresses = self.recs.drain_fixed(CONN_RECORD.size)
+        if self.replaced_ends:  # first: they ended before anything the new programs wrote
+            replaced, self.replaced_ends = self.replaced_ends, []
+            addresses |= {raw[i : i + 4] for raw in replaced for i in (0, 4)}
+            blob, count = b"".join(replaced) + blob, count + len(replaced)
+        return blob, count, others, addresses
 
     def reset_hints(self) -> list[tuple[bytes, int]]:
         """Connections a RST passed since the last call (podrsts: struct podconn_hint), oldest
@@ -490,6 +554,9 @@ class PodFastPath:
 
     def close(self) -> None:
         """Let go of the file descriptors; the program stays on the veths."""
+        if self.replaced_conns is not None:  # an open that failed before reading it
+            os.close(self.replaced_conns[0])
+            self.replaced_conns = None
         if self.ends is not None:
             self.ends.close()
             self.ends = None
@@ -584,6 +651,26 @@ class PodFastPath:
         }
 
 
+def pinned_conns_layout(directory: Path) -> int:
+    """The layout of struct podconn_value the pinned ``agentd_podcfg`` in ``directory`` notes
+    (:data:`CONNS_LAYOUT`, as the agent that pinned it ran): 0 for none -- no such pin, one of
+    an agent from before the note (a smaller value), or one that cannot be read."""
+    try:
+        fd = lb.obj_get(str(directory / CONFIG))
+    except lb.BpfError:
+        return 0
+    try:
+        size = lb.map_info(fd)["value_size"]
+        if size < CONFIG_VALUE.size:
+            return 0
+        raw = lb.map_lookup(fd, U32.pack(0), size)
+        return CONFIG_VALUE.unpack_from(raw)[6] if raw else 0
+    except lb.BpfError:
+        return 0
+    finally:
+        os.close(fd)
+
+
 def remove_pinned_fast_path(bpf_dir: str | os.PathLike, *, liberal: bool = False) -> list[str]:
     """Detach the pod fast path from the veths its pinned map names and remove its pins.
     Works without the agent that made them; idempotent.  Returns what was removed.
@@ -633,7 +720,7 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike, *, liberal: bool = False
                 failed = (f"could not read {cfg}, which holds net.netfilter.nf_conntrack_tcp_be_liberal "
                           f"as it was before ({getattr(err, 'strerror', None) or err}); kept")
     if values is not None:
-        flags, _ms, before, _net, _mask, wire = values
+        flags, _ms, before, _net, _mask, wire, _layout = values
         if wire and _detach(wire, WIRE_PROGRAM, pins):
             removed.append("the pod fast path from the underlay device")
         if not flags & CFG_ON:

@@ -49,7 +49,7 @@ class PinnedFastPath:
             (self.dir / name).write_text("")
         self.liberal = tmp_path / "nf_conntrack_tcp_be_liberal"
         self.liberal.write_text(f"{now}\n")
-        config = podpath.CONFIG_VALUE.pack(podpath.CFG_ON, 0, found, bytes(4), bytes(4), 0)
+        config = podpath.CONFIG_VALUE.pack(podpath.CFG_ON, 0, found, bytes(4), bytes(4), 0, podpath.CONNS_LAYOUT)
 
         def obj_get(path):
             if not os.path.isfile(path) or os.path.basename(path) != podpath.CONFIG:
