@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from agentd import cli
 
@@ -193,3 +198,45 @@ def test_every_agentd_command_in_the_docs_parses():
     assert not rejected, "\n".join(rejected)
     # Every exclusion still stands for something the docs show (and nothing else is left out).
     assert {why for _, _, why in excluded} == set(NOT_COMMANDS), excluded
+
+
+# ------------------------------------------------------------------ the upgrade's one-liner
+
+
+def _status_with_workers(active_pid: int | None, beside_bpf_pid: int | None) -> dict:
+    """A /status whose backends part is what the agent makes (Tunnels.status() of the
+    backends' status()): udp in user space (a worker, ``active_pid``) or in BPF, and, with
+    ``beside_bpf_pid``, the worker beside BPF for peers that receive ipip in user space."""
+    from types import SimpleNamespace
+
+    from agentd.dataplane.backends import _Worker
+    from agentd.dataplane.bpf_backend import InBpf
+
+    def worker(kind: str, pid: int) -> dict:  # a worker re-attached after a restart: its pid from its stats
+        return _Worker.status(SimpleNamespace(datapath="userspace", device=f"agentd.{kind}", client=object(),
+                                              error=None, process=None, last_stats={"pid": pid}))
+
+    in_bpf = InBpf.status(SimpleNamespace(datapath="bpf", t=SimpleNamespace(
+        bpf=SimpleNamespace(dp=None), underlay=SimpleNamespace(ifname="eth0"))))
+    return {"node": {"name": "n1"}, "backends": {
+        "own": "udp", "active": {"udp": worker("udp", active_pid) if active_pid else in_bpf}, "failed": {},
+        "userspace_peers_worker": {"ipip": worker("ipip", beside_bpf_pid)} if beside_bpf_pid else {},
+        "userspace_peers_worker_failed": {}}}
+
+
+@pytest.mark.parametrize("active_pid, beside_bpf_pid", [(4141, None), (None, 4242), (None, None)])
+def test_the_upgrade_one_liner_prints_every_worker_pid(active_pid, beside_bpf_pid):
+    """operations.md's upgrade: the command that prints the user-space workers' pids to kill, run
+    as the page shows it on a /status.  It read backends.active alone: on a BPF node with peers
+    that receive in user space it printed {'udp': None}, and the worker beside BPF
+    (backends.userspace_peers_worker) kept running the old code."""
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    upgrade = ops[ops.index("**Upgrade**"):]
+    (line,) = [line for _, line in _code_lines(upgrade)[:2] if line.startswith("agentd status --json | ")]
+    reader = shlex.split(line.split(" | ", 1)[1])
+    assert reader[:2] == ["python3", "-c"] and len(reader) == 3, reader
+    status = _status_with_workers(active_pid, beside_bpf_pid)
+    proc = subprocess.run([sys.executable, "-c", reader[2]], input=json.dumps(status), capture_output=True, check=False,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert [int(pid) for pid in re.findall(r"\b\d+\b", proc.stdout)] == [p for p in (active_pid, beside_bpf_pid) if p]
