@@ -240,3 +240,17 @@ def test_the_upgrade_one_liner_prints_every_worker_pid(active_pid, beside_bpf_pi
                           text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert [int(pid) for pid in re.findall(r"\b\d+\b", proc.stdout)] == [p for p in (active_pid, beside_bpf_pid) if p]
+
+
+def test_what_runs_where_names_every_pin_of_the_pod_fast_path():
+    """operations.md's "What runs where" lists the pod fast path's pins: every map podpath.c
+    pins by name and both programs.  agentd_podrsts (the ring of connections a RST passed) was
+    left out."""
+    source = (ROOT / "agentd" / "dataplane" / "bpf" / "podpath.c").read_text()
+    maps = re.findall(r"__uint\(pinning, LIBBPF_PIN_BY_NAME\);\n\} (\w+) SEC\(\"\.maps\"\);", source)
+    programs = re.findall(r"^SEC\(\"tc\"\)\nint (\w+)\(", source, re.MULTILINE)
+    assert len(maps) >= 13 and programs == ["agentd_pod_fast", "agentd_pod_wire"], (maps, programs)
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    (row,) = [line for line in _section(ops, "## What runs where").splitlines() if line.startswith("| pod fast path")]
+    pins = row.rsplit("|", 2)[1]
+    assert [name for name in maps + programs if f"`{name}`" not in pins] == []
