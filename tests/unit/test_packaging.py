@@ -217,6 +217,49 @@ def test_the_unit_checks_the_file_before_it_signals_a_reload(tmp_path, capsys):
     assert code == 1 and "[bgp] hold_time" in err
 
 
+def documented_drop_in(has: str) -> str:
+    """docs/operations.md's drop-in (a `# systemctl edit agentd` block) that matches the regular
+    expression ``has``, exactly as the page shows it (as tests/system/test_systemd_container.py
+    reads the others)."""
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    blocks = re.findall(r"    # systemctl edit agentd\n((?:    [^\n]*\n)+)", doc)
+    blocks = ["".join(line[4:] + "\n" for line in block.splitlines()) for block in blocks]
+    (block,) = [b for b in blocks if re.search(has, b, re.MULTILINE)]
+    return block
+
+
+def applied(unit: str, drop_in: str, key: str) -> list[str]:
+    """The values of list setting ``key`` once ``drop_in`` is applied to ``unit`` as systemd
+    does (systemd.service(5)): the drop-in's lines are added, an empty one empties the list."""
+    values: list[str] = []
+    for text in (unit, drop_in):
+        for m in re.finditer(rf"^{key}=(.*)$", text, re.MULTILINE):
+            values = values + [m[1].strip()] if m[1].strip() else []
+    return values
+
+
+def test_the_documented_drop_in_for_agentd_elsewhere_moves_every_command_that_runs_it():
+    """docs/operations.md's drop-in for an agentd that lives elsewhere (a virtualenv without the
+    symlink), applied to the unit: no command runs /usr/local/bin/agentd any more, and the
+    reload checks the file the agent runs with, with the agent's agentd.  The page said to
+    override ExecStart= alone: ExecReload='s check-config then ran the unit's
+    /usr/local/bin/agentd, missing there (`systemd-analyze verify`: "Command
+    /usr/local/bin/agentd is not executable"), and every `systemctl reload` failed, no SIGHUP
+    sent; a drop-in with another --config had the reload check the wrong file."""
+    unit = (ROOT / "systemd" / "agentd.service").read_text()
+    drop_in = documented_drop_in(r"^ExecStart=\S")
+    (exec_start,) = applied(unit, drop_in, "ExecStart")
+    agentd, _, args = exec_start.partition(" ")
+    config = args.split("--config ", 1)[1].split()[0]
+    assert agentd != "/usr/local/bin/agentd", exec_start  # the drop-in is for agentd elsewhere
+    commands = [exec_start, *applied(unit, drop_in, "ExecReload")]
+    assert not [c for c in commands if "/usr/local/bin/agentd" in c], commands
+    # The unit's reload, run by the drop-in's agentd on the drop-in's file.
+    expected = [line.replace("/usr/local/bin/agentd", agentd).replace(str(DEFAULT_CONFIG_PATH), config)
+                for line in unit_values("ExecReload")]
+    assert commands[1:] == expected, drop_in
+
+
 def test_the_unit_lets_bpf_maps_be_made_on_kernels_that_charge_them_to_memlock():
     """Before Linux 5.11 BPF maps count against RLIMIT_MEMLOCK (64 KiB under systemd < 253),
     and the unit allows neither CAP_SYS_RESOURCE nor setrlimit() to raise it."""
