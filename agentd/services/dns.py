@@ -102,14 +102,16 @@ LOCAL_REFRESH = 5.0  # seconds
 # FORWARD_TIMEOUT, refused, closed unanswered) fewer than MAX_FAILS times in a row is healthy
 # and keeps its place (a split-horizon resolv.conf, corporate then public, must not turn to the
 # public one for a timeout); one that failed MAX_FAILS times in a row is down (CoreDNS forward's
-# max_fails, 2) and skipped for RETRY_INITIAL seconds, then back in its place; failing then, it
-# is down again for twice as long, up to RETRY_MAX; answering makes it healthy.  A burst of
+# max_fails, 2) and skipped for RETRY_INITIAL seconds; then one query (a probe: CoreDNS forward
+# probes a down upstream out of band, we with a query) asks it in its place, first if it was
+# first, while every other query asks it after the healthy ones; the probe failing, it is down
+# again for twice as long, up to RETRY_MAX; answering (the probe or any query) makes it
+# healthy, in its place for every query (split horizon: a recovered first one is first).  A burst of
 # failures downs it once: not counted are a failure of a query sent before the upstream last
 # changed state (went down, answered) and one while it is down (every upstream down: asked
 # anyway), so 50 concurrent timeouts down it for RETRY_INITIAL, not RETRY_MAX.  A dead first
-# upstream costs the queries of its first MAX_FAILS timeouts their timeout, then, each time its
-# backoff is over, those sent before it fails again: not every query (nor holds a forwarding
-# slot that long each).  When every upstream is down they are all asked all the same: there
+# upstream costs the queries of its first MAX_FAILS timeouts their timeout, then one query per
+# backoff (the probe): not every query (nor holds a forwarding slot that long each).  When every upstream is down they are all asked all the same: there
 # is no other to ask.
 MAX_FAILS = 2
 RETRY_INITIAL = 1.0  # seconds
@@ -506,20 +508,24 @@ def _is_branch(table: Names, qname: str) -> bool:
 class Upstream:
     """One upstream server and how it fared: ``fails`` counted in a row (0: healthy; below
     :data:`MAX_FAILS` still healthy), and once down (``fails`` >= :data:`MAX_FAILS`) when it
-    may be asked again (``retry_at``).  ``state``: bumped at each change of state (down, or
-    answering after a failure); a failure of a query sent before the last one is not counted."""
+    may be asked again (``retry_at``) and until when the query asking it then (the probe) is
+    awaited (``probe_until``; 0: no probe out).  ``state``: bumped at each change of state
+    (down, or answering after a failure); a failure of a query sent before the last one is
+    not counted."""
 
     host: str
     port: int
     fails: int = 0
     retry_at: float = 0.0
     state: int = 0
+    probe_until: float = 0.0
 
 
 class Upstreams:
-    """The upstreams in the order to ask them: as configured, but for those down until their
-    backoff is over (every one down: all of them, as configured).  ``clock``: seconds,
-    monotonic (the event loop's)."""
+    """The upstreams in the order to ask them: as configured, but for those down: skipped until
+    their backoff is over, then asked in their place by one query (the probe) and after the
+    healthy ones by every other query until the probe fails or it answers (every one skipped:
+    all of them, as configured).  ``clock``: seconds, monotonic (the event loop's)."""
 
     def __init__(self, pairs: Iterable[tuple[str, int]], clock: Callable[[], float]) -> None:
         self.all = [Upstream(host, port) for host, port in pairs]
@@ -529,10 +535,25 @@ class Upstreams:
         return len(self.all)
 
     def order(self) -> list[Upstream]:
+        """The order for one query.  A down upstream whose backoff is over and which no probe is
+        out for gets this query as its probe (in its place: a first one first), awaited until
+        2 * FORWARD_TIMEOUT from now (UDP, then TCP); a probe that never reports (cancelled)
+        is given up then, and the next query probes."""
         if not self.all:
             return []
         now = self.clock()
-        return [u for u in self.all if u.fails < MAX_FAILS or now >= u.retry_at] or list(self.all)  # all down: asked anyway
+        order, behind = [], []
+        for u in self.all:
+            if u.fails < MAX_FAILS:
+                order.append(u)
+            elif now < u.retry_at:
+                continue  # its backoff runs: skipped
+            elif now < u.probe_until:
+                behind.append(u)  # a probe is out: after the healthy ones
+            else:
+                u.probe_until = now + 2 * FORWARD_TIMEOUT
+                order.append(u)
+        return order + behind or list(self.all)  # all down: asked anyway
 
     def failed(self, upstream: Upstream, err: object, state: int | None = None) -> None:
         """A query to ``upstream`` failed; ``state``: the upstream's when the query was sent
@@ -546,6 +567,7 @@ class Upstreams:
         if upstream.fails >= MAX_FAILS:
             backoff = min(RETRY_MAX, RETRY_INITIAL * 2 ** min(upstream.fails - MAX_FAILS, 16))
             upstream.retry_at = now + backoff
+            upstream.probe_until = 0.0
             upstream.state += 1
             if upstream.fails == MAX_FAILS:
                 log.warning("upstream DNS server %s:%d failed %d times in a row (%s): not asked for %.0f s",
@@ -555,7 +577,9 @@ class Upstreams:
         """Each upstream as ``GET /services`` shows it, in the configured order: ``address``
         (host:port, an IPv6 host bracketed), ``state`` -- "healthy" (fewer than MAX_FAILS
         failures in a row), "down" (skipped until ``down_until``) or "retrying" (down, its
-        backoff over: asked again in its place, one more failure downs it for twice as long) --,
+        backoff over: the next query asks it in its place, as a probe, the others after the
+        healthy ones while the probe is out; the probe answering makes it healthy, failing
+        downs it for twice as long) --,
         ``fails`` (in a row), and while down ``down_until`` (UTC, RFC 3339, from ``wall``: the
         wall clock now, in seconds since the epoch) and ``retry_in`` (seconds)."""
         now = self.clock()
@@ -577,6 +601,7 @@ class Upstreams:
             log.info("upstream DNS server %s:%d answers again", upstream.host, upstream.port)
         if upstream.fails:
             upstream.fails = 0
+            upstream.probe_until = 0.0
             upstream.state += 1
 
 

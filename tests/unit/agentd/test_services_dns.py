@@ -1158,6 +1158,128 @@ async def test_a_burst_of_concurrent_timeouts_downs_an_upstream_once_for_the_ini
     assert first.fails == sdns.MAX_FAILS and server.upstreams.order()[0] is first
 
 
+def test_a_down_first_upstream_past_its_backoff_is_asked_first_by_one_query_at_a_time():
+    """Its backoff over, a down first upstream is asked first by one query (a probe); every
+    other query while that probe is outstanding asks it after the healthy ones (not a 2 s wait
+    each); the probe failing downs it for twice as long, as before; the probe answering makes it
+    healthy, first again (split horizon: a recovered first upstream comes back first)."""
+    now = [100.0]
+    ups = sdns.Upstreams([("10.0.0.1", 53), ("8.8.8.8", 53)], lambda: now[0])
+    dead, good = ups.all
+    for _ in range(sdns.MAX_FAILS):
+        ups.failed(dead, "timeout")
+    assert ups.order() == [good]  # down: skipped for RETRY_INITIAL
+    now[0] += sdns.RETRY_INITIAL
+    assert [u["state"] for u in ups.status(0.0)] == ["retrying", "healthy"]
+    state = dead.state
+    assert ups.order() == [dead, good]  # the probe
+    assert ups.order() == [good, dead]  # every other query while it is outstanding
+    assert ups.order() == [good, dead]
+    assert [u["state"] for u in ups.status(0.0)] == ["retrying", "healthy"]
+    now[0] += sdns.FORWARD_TIMEOUT
+    ups.failed(dead, "timeout", state)  # the probe fails: down again, for twice as long
+    assert dead.fails == sdns.MAX_FAILS + 1 and dead.retry_at == now[0] + 2 * sdns.RETRY_INITIAL
+    assert ups.order() == [good] and ups.status(0.0)[0]["state"] == "down"
+    now[0] += 2 * sdns.RETRY_INITIAL
+    state = dead.state
+    assert ups.order() == [dead, good]  # the next probe
+    assert ups.order() == [good, dead]
+    ups.answered(dead)  # it answers: healthy, first again for every query
+    assert dead.fails == 0
+    assert ups.order() == [dead, good] and ups.order() == [dead, good]
+    assert [u["state"] for u in ups.status(0.0)] == ["healthy", "healthy"]
+    ups.failed(dead, "timeout", state)  # a failure of a query sent before it answered: not counted
+    assert dead.fails == 0
+
+
+async def test_while_the_probe_waits_on_a_down_first_upstream_other_queries_go_to_the_healthy_one(monkeypatch):
+    """Through the server: the probe query waits on the dead first upstream, a query meanwhile
+    is answered by the second without asking the first; the probe times out and the second
+    answers it; the first is down again for twice as long."""
+    import asyncio
+
+    import dns.asyncquery
+
+    now = [100.0]
+    release = asyncio.Event()
+    asked: list[tuple[str, str]] = []
+
+    async def udp(query, host, **kw):
+        asked.append((query.question[0].name.to_text(), host))
+        if host == "192.0.2.1":
+            await release.wait()
+            raise dns.exception.Timeout
+        return dns.message.make_response(query)
+
+    monkeypatch.setattr(dns.asyncquery, "udp", udp)
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [("192.0.2.1", 53), ("192.0.2.2", 53)], clock=lambda: now[0])
+    first = server.upstreams.all[0]
+    first.fails, first.retry_at = sdns.MAX_FAILS, now[0]  # down, its backoff just over
+    probe = asyncio.ensure_future(server.answer(dns.message.make_query("probe.example.com", "A").to_wire()))
+    await asyncio.sleep(0)
+    other = asyncio.ensure_future(server.answer(dns.message.make_query("other.example.com", "A").to_wire()))
+    for _ in range(5):  # turns of the loop, no time: answered at once, not waiting on the first
+        await asyncio.sleep(0)
+    done = other.done()
+    release.set()
+    assert done and dns.message.from_wire(await other).rcode() == dns.rcode.NOERROR
+    assert asked[:2] == [("probe.example.com.", "192.0.2.1"), ("other.example.com.", "192.0.2.2")]
+    assert dns.message.from_wire(await probe).rcode() == dns.rcode.NOERROR
+    assert asked[2:] == [("probe.example.com.", "192.0.2.2")], asked
+    assert first.fails == sdns.MAX_FAILS + 1 and first.retry_at == now[0] + 2 * sdns.RETRY_INITIAL
+
+
+def test_a_probe_that_never_reports_is_given_up_after_its_deadline():
+    """A probe query that neither fails nor answers (cancelled with the server's stop): after
+    twice FORWARD_TIMEOUT (UDP, then TCP) the next query probes."""
+    now = [0.0]
+    ups = sdns.Upstreams([("10.0.0.1", 53), ("8.8.8.8", 53)], lambda: now[0])
+    dead, good = ups.all
+    for _ in range(sdns.MAX_FAILS):
+        ups.failed(dead, "timeout")
+    now[0] += sdns.RETRY_INITIAL
+    assert ups.order() == [dead, good]
+    now[0] += 2 * sdns.FORWARD_TIMEOUT - 0.1
+    assert ups.order() == [good, dead]
+    now[0] += 0.1
+    assert ups.order() == [dead, good]
+
+
+def test_a_dead_first_upstream_delays_one_query_per_backoff_cycle_not_every_query_past_its_backoff():
+    """resolv.conf [dead, good], 200 queries/s for 120 s, clock passed in: each query asks
+    order()[0] first; one sent to the dead one fails FORWARD_TIMEOUT later.  Before it is down
+    (MAX_FAILS failures) every query waits on it; after, one query per backoff cycle (1, 2, 4,
+    8, 16, 30, 30 s, each + the probe's timeout: 7 in 120 s), never two at once -- not every
+    query of a 2 s window each cycle (2800 queries, 400 at once, before)."""
+    import heapq
+
+    now = [0.0]
+    ups = sdns.Upstreams([("10.0.0.1", 53), ("10.0.0.2", 53)], lambda: now[0])
+    dead = ups.all[0]
+    pending: list[tuple[float, float, int]] = []  # (fails at, sent at, the upstream's state when sent)
+    waited_at: list[float] = []
+    down_at = None
+    peak = 0
+    for i in range(120 * 200):
+        t = i / 200
+        while pending and pending[0][0] <= t:
+            now[0], _, state = heapq.heappop(pending)
+            ups.failed(dead, "timeout", state)
+            if down_at is None and dead.fails >= sdns.MAX_FAILS:
+                down_at = now[0]
+        now[0] = t
+        if ups.order()[0] is dead:
+            waited_at.append(t)
+            heapq.heappush(pending, (t + sdns.FORWARD_TIMEOUT, t, dead.state))
+        if down_at is not None:
+            peak = max(peak, sum(1 for _, sent, _ in pending if sent > down_at))
+    assert down_at is not None
+    later = [t for t in waited_at if t > down_at]
+    assert len(waited_at) - len(later) <= sdns.FORWARD_TIMEOUT * 200 + sdns.MAX_FAILS  # before it is known down
+    assert len(later) == 7 and peak == 1, later
+    assert all(b - a >= sdns.RETRY_INITIAL + sdns.FORWARD_TIMEOUT for a, b in zip(later, later[1:], strict=False)), later
+
+
 async def test_a_tcp_client_that_never_reads_its_answers_is_closed_after_the_idle_timeout(monkeypatch):
     """A client that sends queries and never reads their answers fills the socket's buffers:
     waiting for them to drain is bounded by the idle timeout like a read, and the connection
