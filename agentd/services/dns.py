@@ -581,13 +581,16 @@ class Upstreams:
         healthy ones while the probe is out; the probe answering makes it healthy, failing
         downs it for twice as long) --,
         ``fails`` (in a row), and while down ``down_until`` (UTC, RFC 3339, from ``wall``: the
-        wall clock now, in seconds since the epoch) and ``retry_in`` (seconds)."""
+        wall clock now, in seconds since the epoch) and ``retry_in`` (seconds).  When every
+        upstream is down and none is past its backoff, :meth:`order` asks them all anyway: each
+        is then "down, asked" (none is skipped; every query waits on their timeouts)."""
         now = self.clock()
+        skipped = [u.fails >= MAX_FAILS and now < u.retry_at for u in self.all]
+        everyone = all(skipped)  # nothing else to ask: order() gives them all
         out = []
-        for u in self.all:
+        for u, down in zip(self.all, skipped, strict=True):
             host = f"[{u.host}]" if ":" in u.host else u.host
-            down = u.fails >= MAX_FAILS and now < u.retry_at
-            state = "healthy" if u.fails < MAX_FAILS else "down" if down else "retrying"
+            state = "healthy" if u.fails < MAX_FAILS else ("down, asked" if everyone else "down") if down else "retrying"
             until = None
             if down:
                 at = datetime.datetime.fromtimestamp(wall + (u.retry_at - now), datetime.UTC)

@@ -1437,6 +1437,21 @@ def test_each_upstreams_health_shows_in_get_services():
     ]
 
 
+def test_every_upstream_down_shows_as_asked_not_skipped():
+    """Every upstream down, none past its backoff: order() asks them all all the same, so the
+    view must not say they are skipped ("down"): each is "down, asked" (review s54 r10 #3)."""
+    now = [1000.0]
+    ups = sdns.Upstreams([("10.0.0.1", 53), ("10.0.0.2", 53)], clock=lambda: now[0])
+    for u in ups.all:
+        for _ in range(sdns.MAX_FAILS):
+            ups.failed(u, "timeout")
+    assert [u.host for u in ups.order()] == ["10.0.0.1", "10.0.0.2"]  # asked all the same
+    assert [u["state"] for u in ups.status(0.0)] == ["down, asked", "down, asked"]
+    ups.answered(ups.all[1])  # one healthy again: the other is skipped, "down"
+    assert [u["state"] for u in ups.status(0.0)] == ["down", "healthy"]
+    assert [u.host for u in ups.order()] == ["10.0.0.2"]
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_dns_query_counters_are_exported_at_zero_before_a_server_ran_when_dns_is_configured(enabled):
     """agentd_dns_queries_total{outcome} exists from the start (every outcome at 0) when [dns]
