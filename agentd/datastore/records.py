@@ -41,6 +41,15 @@ class RecordError(ValueError):
     """A record in etcd (or given to the datastore) is malformed; the message is one line."""
 
 
+class NonCanonicalSubnetKey(RecordError):
+    """A subnet key naming ``subnet`` in another spelling than ``subnet_key`` gives (someone
+    else's ``etcdctl put``, a migration script): a bad record, but the subnet stays taken."""
+
+    def __init__(self, message: str, subnet: IPv4Network | IPv6Network) -> None:
+        super().__init__(message)
+        self.subnet = subnet
+
+
 class DatastoreError(RuntimeError):
     """Base class of the datastore's operational errors."""
 
@@ -505,7 +514,9 @@ def subnet_key(prefix: str, subnet: IPv4Network | IPv6Network) -> bytes:
 
 
 def parse_subnet_key(prefix: str, key: bytes | str) -> IPv4Network | IPv6Network:
-    """The subnet named by a ``<prefix>/subnets/<ip>-<len>`` key; RecordError if it is not one."""
+    """The subnet named by a ``<prefix>/subnets/<ip>-<len>`` key; RecordError if it is not one,
+    NonCanonicalSubnetKey if it names a subnet but is not that subnet's ``subnet_key`` (every
+    compare and delete uses ``subnet_key``: one subnet, one key)."""
     text = key.decode(errors="replace") if isinstance(key, bytes) else key
     head = subnets_prefix(prefix).decode()
     if not text.startswith(head):
@@ -514,9 +525,15 @@ def parse_subnet_key(prefix: str, key: bytes | str) -> IPv4Network | IPv6Network
     if not sep or not length.isdigit():
         raise RecordError(f"subnet key {_q(text)} is not of the form <ip>-<len>")
     try:
-        return ip_network(f"{ip}/{int(length)}")
+        subnet = ip_network(f"{ip}/{int(length)}")
     except ValueError as e:
         raise RecordError(f"subnet key {_q(text)} does not name a subnet ({_why(e, f'{ip}/{length}')})") from None
+    canonical = subnet_key(prefix, subnet).decode()
+    if text != canonical:
+        raise NonCanonicalSubnetKey(
+            f"subnet key {_q(text)} spells {subnet} other than agentd's {canonical!r}: the subnet stays "
+            "taken, by no node, until this key is deleted", subnet)
+    return subnet
 
 
 def parse_node_key(prefix: str, key: bytes | str) -> str:

@@ -18,6 +18,7 @@ from aetcd.utils import prefix_range_end
 
 from agentd.datastore.etcd import EtcdClient, is_lease_not_found
 from agentd.datastore.records import (
+    NonCanonicalSubnetKey,
     RecordError,
     SubnetLease,
     node_key,
@@ -51,7 +52,8 @@ class Claim(enum.Enum):
 
 @dataclass(frozen=True)
 class Entry:
-    """One subnet key as read from etcd; ``record`` is None if the value is malformed."""
+    """One subnet key as read from etcd; ``record`` is None if the value is malformed (or the key
+    is not the subnet's ``subnet_key``: records.NonCanonicalSubnetKey)."""
 
     mod_revision: int
     lease: int
@@ -88,6 +90,13 @@ async def read_subnets(client: EtcdClient, prefix: str, node: str, report_bad: R
     for value, kv in subnets:
         try:
             subnet = parse_subnet_key(prefix, kv.key)
+        except NonCanonicalSubnetKey as e:
+            # Not skipped (its subnet would look free while this key holds it), and never ours
+            # or anyone's (every compare and delete is on subnet_key): the subnet is taken, by
+            # an unreadable record, unless its own key is there too (that one holds it).
+            report_bad(kv.key, kv.mod_revision, e)
+            entries.setdefault(e.subnet, Entry(kv.mod_revision, kv.lease, None, kv.create_revision))
+            continue
         except RecordError as e:
             report_bad(kv.key, kv.mod_revision, e)
             continue

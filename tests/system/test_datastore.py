@@ -203,6 +203,40 @@ async def test_subnet_remembered_by_node_record_and_previous_taken_by_other(etcd
     assert (await ds.get_subnet_lease(theirs.subnet)).node == "gamma"
 
 
+@pytest.mark.parametrize(("spelled", "version"), [("10.244.0.0-024", 4), ("FD00:10:244:0:0:0:0:0-64", 6)])
+async def test_our_earlier_subnet_key_in_another_spelling_neither_loops_nor_is_shared(
+        etcd_server, stores, caplog, spelled, version):
+    """A node's earlier lease put back (etcdctl, a migration script) under a key agentd does
+    not write: every compare is on the key agentd writes, and the node's start retried its
+    claim at once for ever.  Reported once, in one line; the subnet stays taken by no node."""
+    tiny = ClusterConfig(IPv4Network("10.244.0.0/23"), 24, "vxlan", "always", ip_family="dual",
+                         cidr_v6=IPv6Network("fd00:10:244::/63"), subnet_len_v6=64)
+    odd = f"/agentd/subnets/{spelled}".encode()
+    earlier, other = list(tiny.pool(version)[0].subnets(new_prefix=tiny.pool(version)[1]))
+    async with raw(etcd_server) as client:
+        await client.put(odd, json.dumps({"node": "lambda", "public_ip": "192.0.2.10", "backend_type": "vxlan",
+                                          "backend_data": {}}).encode())
+
+    async def take(node: str):
+        return await stores().acquire_subnet(node, IPv4Address("192.0.2.10"), "vxlan", {}, cluster=tiny,
+                                             previous=earlier, timeout=10, version=version)
+
+    ds = stores()
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        lease = await ds.acquire_subnet("lambda", IPv4Address("192.0.2.10"), "vxlan", {}, cluster=tiny,
+                                        previous=earlier, timeout=10, version=version)
+    assert lease.subnet == other
+    bad = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and spelled in r.getMessage()]
+    assert len(bad) == 1 and "until this key is deleted" in bad[0], bad
+    with pytest.raises(SubnetExhausted):  # nor does another node get it
+        await take("mu")
+    assert await ds.release("lambda", timeout=10) == [other]
+    async with raw(etcd_server) as client:
+        assert list(await keys(client, b"/agentd/subnets/")) == [odd]
+        await client.delete(odd)  # deleted, the subnet is free again
+    assert (await take("mu")).subnet == earlier
+
+
 # -- liveness ----------------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from agentd.datastore.records import (
     Backoff,
     ClusterConfig,
     NodeRecord,
+    SubnetExhausted,
     SubnetLease,
     config_key,
     node_key,
@@ -731,6 +732,93 @@ async def test_a_wider_claim_keeps_its_subnet_against_a_narrower_lease_made_afte
     assert sn.earlier_overlaps(view, wide, "b") == []
     view = await sn.read_subnets(etcd, PREFIX, "a", lambda *a: None)  # type: ignore[arg-type]
     assert sn.earlier_overlaps(view, narrow, "a") == [wide]
+
+
+# --- a subnet key not spelled as agentd spells it (someone's etcdctl put, a migration script) ---
+
+DUAL = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always", ip_family="dual",
+                     cidr_v6=IPv6Network("fd00:10:244::/63"), subnet_len_v6=64)  # two IPv6 /64s
+X6 = IPv6Network("fd00:10:244::/64")
+OTHER6 = IPv6Network("fd00:10:244:1::/64")
+
+
+class TooManyTransactions(Exception):
+    pass
+
+
+def at_most_transactions(etcd: FakeEtcd, limit: int) -> None:
+    """Any transaction past ``limit`` raises (FakeEtcd's clock is frozen: a loop is ended by this)."""
+    transaction = etcd.transaction
+
+    async def counted(*args, **kwargs):
+        if etcd.calls.count("transaction") >= limit:
+            raise TooManyTransactions(f"more than {limit} transactions")
+        return await transaction(*args, **kwargs)
+
+    etcd.transaction = counted  # type: ignore[method-assign]
+
+
+def lease6_of(name: str, subnet: IPv6Network = X6) -> SubnetLease:
+    return SubnetLease(subnet=subnet, node=name, public_ip="192.0.2.1", backend_type="vxlan")
+
+
+@pytest.mark.parametrize("spelled", [b"fd00:10:244:0:0:0:0:0-64", b"FD00:10:244::-64", b"fd00:10:244::0-64",
+                                     b"fd00:10:244::-064"])
+async def test_our_earlier_lease_under_a_subnet_key_not_spelled_as_ours_neither_loops_nor_is_shared(spelled, caplog):
+    """Node A's earlier IPv6 lease restored under another spelling of its key: every compare
+    is on the key agentd writes, which did not exist -- the claim failed, was retried at
+    once, for ever (the agent never finished starting, flooding etcd); the release reported
+    the key deleted and left it.  The key is a bad record, reported once in one line; its
+    subnet stays taken (by no node: A takes the other one, B gets none), the release leaves it."""
+    etcd = FakeEtcd()
+    etcd.leases.add(0x50)
+    odd = b"/agentd/subnets/" + spelled
+    etcd._put(odd, lease6_of("A").to_json(), 0x50)
+    at_most_transactions(etcd, 10)
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    leases = SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1))
+
+    with caplog.at_level("WARNING", logger="agentd.datastore"):
+        lease = await leases.acquire_subnet("A", "192.0.2.1", "vxlan", {}, cluster=DUAL, previous=X6, version=6,
+                                            timeout=1)
+    assert lease.subnet == OTHER6
+    assert _subnet_keys(etcd) == sorted([odd, subnet_key(PREFIX, OTHER6)])
+    bad = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(bad) == 1 and "\n" not in bad[0], bad
+    assert spelled.decode() in bad[0] and subnet_key(PREFIX, X6).decode() in bad[0] and "until this key is deleted" in bad[0]
+
+    other = LeaseKeeper(connection(etcd), PREFIX, 30)
+    with pytest.raises(SubnetExhausted):  # X6 is not free for B either
+        await SubnetLeases(other.connection, other, PREFIX, random.Random(2)).acquire_subnet(
+            "B", "192.0.2.2", "vxlan", {}, cluster=DUAL, previous=X6, version=6, timeout=1)
+
+    assert await leases.release("A", timeout=1) == [OTHER6]
+    assert _subnet_keys(etcd) == [odd]
+    await other.stop()
+
+
+@pytest.mark.parametrize("spelled", [b"fd00:10:244::0-64", b"FD00:10:244::-64"])  # sorted after ours; before it
+async def test_a_subnet_key_beside_ours_in_another_spelling_leaves_the_subnet_ours(spelled):
+    """Both keys name one subnet: ours (the key every compare and delete is on) holds it,
+    whichever etcd lists last; the other spelling neither hides it nor is released with it."""
+    etcd = FakeEtcd()
+    etcd.leases.update({0x50, 0x51})
+    odd = b"/agentd/subnets/" + spelled
+    etcd._put(subnet_key(PREFIX, X6), lease6_of("A").to_json(), 0x50)
+    etcd._put(odd, lease6_of("B").to_json(), 0x51)
+    at_most_transactions(etcd, 10)
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    leases = SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1))
+
+    lease = await leases.acquire_subnet("A", "192.0.2.1", "vxlan", {}, cluster=DUAL, version=6, timeout=1)
+    assert lease.subnet == X6 and etcd.kvs[subnet_key(PREFIX, X6)].lease == keeper.lease_id
+    other = LeaseKeeper(connection(etcd), PREFIX, 30)
+    got = await SubnetLeases(other.connection, other, PREFIX, random.Random(2)).acquire_subnet(
+        "B", "192.0.2.2", "vxlan", {}, cluster=DUAL, previous=X6, version=6, timeout=1)
+    assert got.subnet == OTHER6
+    assert await leases.release("A", timeout=1) == [X6]
+    assert _subnet_keys(etcd) == sorted([odd, subnet_key(PREFIX, OTHER6)])
+    await other.stop()
 
 
 async def test_a_reboot_longer_than_the_lease_ttl_takes_the_same_subnet_back(tmp_path):

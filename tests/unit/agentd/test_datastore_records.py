@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
 
 import pytest
 from hypothesis import given
@@ -16,6 +16,7 @@ from agentd.datastore.records import (
     ClusterConfig,
     NodeEvent,
     NodeRecord,
+    NonCanonicalSubnetKey,
     RecordError,
     SubnetLease,
     check_node_name,
@@ -277,6 +278,23 @@ def test_bad_subnet_keys(key):
     with pytest.raises(RecordError) as excinfo:
         parse_subnet_key("/agentd", key)
     one_line_error(excinfo)
+
+
+@pytest.mark.parametrize(
+    ("key", "subnet"),
+    [(b"/agentd/subnets/FD00:10:244:3:0:0:0:0-64", "fd00:10:244:3::/64"),
+     (b"/agentd/subnets/fd00:10:244:03::-64", "fd00:10:244:3::/64"),
+     (b"/agentd/subnets/fd00:10:244:3::-064", "fd00:10:244:3::/64"),
+     (b"/agentd/subnets/10.244.3.0-024", "10.244.3.0/24")],
+)
+def test_a_subnet_key_in_another_spelling_is_a_bad_record_that_names_its_subnet(key, subnet):
+    """Every compare and delete is on subnet_key(): a key spelled otherwise is not the
+    subnet's key.  Refused (in one line), with the subnet it keeps taken."""
+    with pytest.raises(NonCanonicalSubnetKey) as excinfo:
+        parse_subnet_key("/agentd", key)
+    assert isinstance(excinfo.value, RecordError) and excinfo.value.subnet == ip_network(subnet)
+    message = one_line_error(excinfo)
+    assert key.decode() in message and subnet_key("/agentd", ip_network(subnet)).decode() in message
 
 
 def test_node_names():
