@@ -917,6 +917,40 @@ def test_bug6_ipv6_gateway_route_becomes_one_no_replace_can_put_in_its_place(old
         assert m.p.failures == {} and [e.gateway for e in m.own_entries()] == [pton(AF6, "2001:db8:ff::2")]
 
 
+@pytest.mark.parametrize("old_replace", [True, False], ids=["linux-4.1-4.18", "later"])
+def test_a_route_added_beside_ours_meeting_another_daemons_next_hop_is_a_conflict(old_replace):
+    # Another daemon's blackhole sits beside our IPv6 gateway route at its key (on 4.1-4.18
+    # what `ip -6 route replace blackhole` leaves).  Our desired route becomes a blackhole: the
+    # add beside ours meets EEXIST (rt6_duplicate_nexthop).  It was filed as a failure at
+    # every resync, the errors counter bumped each time; it is a conflict naming the owner,
+    # and our gateway route stays (it carries the traffic).
+    gateway = Route("2001:db8::/64", gateway="2001:db8:ff::2", dev="eth0")
+    blackhole = Route("2001:db8::/64", kind="blackhole")
+    theirs = entry_of_route(blackhole, table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BIRD)
+    with scenario(own=[gateway]) as m:
+        m.kernel.old_replace = old_replace
+        key = key_of(gateway, nl.RT_TABLE_MAIN)
+        m.kernel.set_leaf(key, [*m.kernel.leaf(key), theirs])
+        leaf = m.kernel.leaf(key)
+        m.set_desired([blackhole])
+        for full in (False, True, True):
+            n = len(m.kernel.requests)
+            result = m.run(m.p.reconcile(full=full))
+            assert [(op, err) for op, _target, err in m.kernel.requests[n:]] == [("beside", errno.EEXIST)]
+            assert result.failed == () and [dst for dst, _reason in result.conflicts] == [blackhole.dst]
+            assert "proto bird" in result.conflicts[0][1]
+            assert m.p.failures == {} and list(m.p.conflicts) == [blackhole.dst]
+            assert m.kernel.leaf(key) == leaf
+        assert m.p.counters.errors == 0
+        n = len(m.kernel.requests)
+        m.run(m.p.reconcile())  # nothing changed: nothing sent
+        assert m.kernel.requests[n:] == []
+        m.kernel.others_delete(theirs)  # it goes: the next full resync puts ours in its place
+        m.run(m.p.reconcile(full=True))
+        assert [(e.protocol, e.type) for e in m.kernel.leaf(key)] == [(OURS, nl.RTN_BLACKHOLE)]
+        assert m.p.conflicts == {} and m.p.failures == {}
+
+
 def test_two_own_routes_at_one_ipv6_key_do_not_break_the_harness():
     # Someone (with our protocol, as others_add_rule draws) "replaces" our IPv6 gateway route
     # by a device route: Linux 4.1-4.18 add it beside, so one key holds a route with a gateway
