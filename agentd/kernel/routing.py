@@ -284,6 +284,7 @@ class RouteProgrammer:
         conflicts: list[tuple[str, str]] = []
         exists: list[Route] = []
         vanished: list[Route] = []
+        beside_exists: list[tuple[Route, int, str | None]] = []
         for code, targets in ((ADD, adds), (BESIDE, [want for want, _old in besides]), (REPLACE, replaces),
                               (DELETE, deletes)):
             results = await self._execute(code, targets, outcome)
@@ -293,6 +294,9 @@ class RouteProgrammer:
                 # removed.  Where the add failed they stay, and carry the traffic.
                 refused = {id(target) for target, _err, _message in results}
                 olds = [old for want, gone in besides if id(want) not in refused for old in gone]
+                # EEXIST: a route with its next hop is at the key; whose, the table read below says.
+                beside_exists = [(target, err, message) for target, err, message in results if err == errno.EEXIST]
+                results = [r for r in results if r[1] != errno.EEXIST]
                 results = [*results, *await self._execute(DELETE, olds, Outcome())]
             for target, err, message in results:
                 if code == ADD and err == errno.EEXIST:
@@ -301,16 +305,21 @@ class RouteProgrammer:
                     vanished.append(target)  # gone since we looked: add it instead
                 else:
                     failed.append((dst_of(target), nl.describe_error(err, message)))
-        if exists or vanished:
+        if exists or vanished or beside_exists:
             own: list[Route] = []
-            if exists:
-                messages = await self.netlink.dump_table({route.family for route in exists})
+            if exists or beside_exists:
+                messages = await self.netlink.dump_table({route.family for route in exists}
+                                                         | {route.family for route, _err, _msg in beside_exists})
                 found = classify_existing(exists, messages, table=self.table, protocol=self.protocol,
                                           route_of=self.netlink.route_of)
                 self.state.kernel.update(found.adopted)
                 own = found.own
                 conflicts += found.conflicts
                 failed += found.unexplained
+                if beside_exists:
+                    f, c = self._classify_beside(beside_exists, messages)
+                    failed += f
+                    conflicts += c
             for code, targets in ((REPLACE, own), (ADD, vanished)):
                 for target, err, message in await self._execute(code, targets, outcome):
                     failed.append((target.dst, nl.describe_error(err, message)))
@@ -321,6 +330,21 @@ class RouteProgrammer:
         self.counters.routes_replaced += len(outcome.replaced)
         self.counters.routes_removed += len(outcome.removed)
         return tuple(outcome.added), tuple(outcome.replaced), tuple(outcome.removed), tuple(failed), tuple(conflicts)
+
+    def _classify_beside(self, results: list[tuple[Route, int, str | None]],
+                         messages: list[nl.RouteMessage]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """Routes added beside our gateway route(s) at their key that met EEXIST: a route with
+        their next hop is there (rt6_duplicate_nexthop: no gateway, the same device), not the
+        gateway routes they go beside.  Another daemon's is a conflict, named, as for an add;
+        our own one (not known to us yet; a full resync files it) stays a failure, and so
+        does an EEXIST no route in the table explains.  Returns (failed, conflicts)."""
+        found = classify_existing([route for route, _err, _msg in results],
+                                  [msg for msg in messages if msg.gateway is None],
+                                  table=self.table, protocol=self.protocol, route_of=self.netlink.route_of)
+        conflicting = {dst for dst, _reason in found.conflicts}
+        failed = [(route.dst, nl.describe_error(err, message)) for route, err, message in results
+                  if route.dst not in conflicting]
+        return failed, list(found.conflicts)
 
     async def _execute(self, code: str, targets: list, outcome: Outcome):
         """Send ``targets`` and record each success in the state (failures are returned)."""

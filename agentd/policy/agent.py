@@ -41,6 +41,7 @@ from agentd.cni import endpoints
 from agentd.nft.expr import SUPPRESSED, DropLog
 from agentd.nft.libnftables import Nft, NftError
 from agentd.nft.programmer import NftProgrammer
+from agentd.nft.ruleset import Ruleset
 
 from . import compiler, conntrack, podmacs
 from .engine import PolicyEngine
@@ -144,6 +145,11 @@ class PolicyAgent:
         self.applied_at: float | None = None
         self.history: deque[tuple[int, float]] = deque(maxlen=HISTORY)
         self.dropped: dict[tuple[PodKey, str], int] = {}  # packets, by (local pod, "ingress"/"egress")
+        # Which counter each of those is read from: a pod deleted and made again under its name
+        # gets a new counter, from zero (the views keep the old one's count by this identity).
+        self.dropped_made: dict[tuple[PodKey, str], int] = {}
+        self._counter_made: dict[tuple[str, str], int] = {}  # (family, name) -> the sync that created it
+        self._counters_made = 0
         self.spoofed = 0
         self.log_suppressed = 0  # drops the log rules' limit kept from the flow records
         self.error: str | None = None
@@ -561,6 +567,7 @@ class PolicyAgent:
             try:
                 if isolating and self.on_isolation is not None:
                     await self.on_isolation(True)
+                self._note_new_counters(desired)
                 result = await self.programmer.sync(desired, None if self._full_compare else keys)
                 self._full_compare = False
                 if not isolating and self.on_isolation is not None:
@@ -738,12 +745,28 @@ class PolicyAgent:
                 continue
             self.take_counters(counts)
 
+    def _note_new_counters(self, desired: Ruleset) -> None:
+        """A new identity for each named counter the sync about to run creates (in ``desired``,
+        not in the tables now): before it runs, so no read of the new counter carries the old
+        identity.  A counter that stays keeps its identity; a gone one is forgotten."""
+        assert self.programmer is not None
+        have = self.programmer.current.objects if self.programmer.current is not None else {}
+        made: dict[tuple[str, str], int] = {}
+        for counter in desired.counters():
+            if counter.key in have:  # (one there since before this run: 0, as take_counters reads it)
+                made[(counter.family, counter.name)] = self._counter_made.get((counter.family, counter.name), 0)
+            else:
+                self._counters_made += 1
+                made[(counter.family, counter.name)] = self._counters_made
+        self._counter_made = made
+
     def take_counters(self, counts: dict[tuple[str, str], int]) -> None:
         """The nft counters read (by (family, name)): drops per local pod and direction,
         spoofed packets, drops kept from the log.  A pod chain's counter is mapped to its pod
         by the engine (the name the pod's chain got), not by reading the name: a long one is
         a hash."""
         dropped: dict[tuple[PodKey, str], int] = {}
+        made: dict[tuple[PodKey, str], int] = {}
         suppressed = 0
         for (family, name), packets in counts.items():
             if name == SUPPRESSED:
@@ -752,10 +775,13 @@ class PolicyAgent:
                 origin = self.engine.chain_origin(name)
                 if origin is not None:  # else a pod gone since the read
                     direction, key = origin
-                    dropped[(key, "ingress" if direction == "in" else "egress")] = packets
+                    at = (key, "ingress" if direction == "in" else "egress")
+                    dropped[at] = packets
+                    made[at] = self._counter_made.get((family, name), 0)
             elif family == compiler.BRIDGE and name == compiler.SPOOFED:
                 self.spoofed = packets
         self.dropped = dropped
+        self.dropped_made = made
         self.log_suppressed = suppressed
 
     # ------------------------------------------------------------------ state read by the views

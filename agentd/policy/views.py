@@ -33,6 +33,7 @@ class PolicyState(Protocol):
     last_sync: dict[str, Any] | None
     error: str | None
     dropped: dict[tuple[str, str], int]
+    dropped_made: dict[tuple[PodKey, str], int]  # which counter each count of ``dropped`` is from
     spoofed: int
     sync_errors: int
     fast_path: Any
@@ -59,7 +60,7 @@ class PolicyViews:
         # agentd_policy_dropped_packets_total per (namespace, direction): what the pods' counters
         # (PolicyState.dropped) read at the last scrape, and what counters gone since (a pod
         # deleted, a counter made again from zero) had counted: the sum never goes down.
-        self._drops_seen: dict[tuple[PodKey, str], int] = {}
+        self._drops_seen: dict[tuple[PodKey, str], tuple[int, int]] = {}  # (its counter's identity, packets)
         self._drops_gone: dict[tuple[str, str], int] = {}
 
     def status(self) -> dict[str, Any]:
@@ -147,14 +148,18 @@ class PolicyViews:
         whose rate() would count the whole sum again.  What a gone (or reset) pod counter had
         counted at the last scrape is kept; drops since that scrape are lost with it.  Per pod
         they stay in GET /policy and the flow records."""
-        now = dict(self.agent.dropped)
-        for (key, direction), before in self._drops_seen.items():
-            if now.get((key, direction), 0) < before:  # gone, or made again from zero
+        made = self.agent.dropped_made
+        now = {at: (made.get(at, 0), packets) for at, packets in self.agent.dropped.items()}
+        for (key, direction), (counter, before) in self._drops_seen.items():
+            # Gone, or made again (a pod deleted and made again under its name: a new counter,
+            # which may have counted past the old one's count by now), or reset (from zero).
+            counter_now, packets = now.get((key, direction), (None, 0))
+            if counter_now != counter or packets < before:
                 at = (key[0], direction)
                 self._drops_gone[at] = self._drops_gone.get(at, 0) + before
         self._drops_seen = now
         totals = dict(self._drops_gone)
-        for ((ns, _), direction), packets in now.items():
+        for ((ns, _), direction), (_counter, packets) in now.items():
             totals[(ns, direction)] = totals.get((ns, direction), 0) + packets
         return totals
 

@@ -762,3 +762,32 @@ async def test_our_ipv6_gateway_route_becomes_a_device_route_or_a_blackhole_and_
         again = await programmer.reconcile(full=True)
         assert (again.added, again.replaced, again.removed, again.failed) == ((), (), (), ())
     assert [line for line in await lab.table_all() if "2001:db8:59::" in line] == theirs
+
+
+async def test_a_blackhole_beside_our_ipv6_gateway_route_is_a_conflict_when_ours_becomes_one(lab, start):
+    # Another daemon's blackhole sits beside our IPv6 gateway route at its key (dst, metric).
+    # Our desired route becomes a blackhole: added beside ours, it meets EEXIST (the kernel's
+    # rt6_duplicate_nexthop: the same device, lo, and no gateway).  That was filed as a failure
+    # at every resync; it is a conflict naming the owner, and our gateway route stays.
+    dst = "2001:db8:5a::/64"
+    via = f"{dst} via {GW6} dev v0 metric 1024 pref medium"
+    programmer = await start(resync_interval=3600)
+    programmer.set_desired([Route(dst, gateway=GW6, dev="v0")])
+    assert (await programmer.reconcile()).added == (dst,)
+    await lab.ip("-6", "route", "append", "blackhole", dst, "proto", "bird")
+    theirs = [line for line in await lab.table_all() if "2001:db8:5a::" in line]
+    assert len(theirs) == 1 and "blackhole" in theirs[0], theirs
+    programmer.set_desired([Route(dst, kind="blackhole")])
+    for full in (False, True):
+        result = await programmer.reconcile(full=full)
+        assert result.failed == () and [d for d, _reason in result.conflicts] == [dst], result
+        assert "proto bird" in result.conflicts[0][1]
+        assert programmer.failures == {} and list(programmer.conflicts) == [dst]
+        assert await lab.own("-6") == [via]
+        assert [line for line in await lab.table_all() if "2001:db8:5a::" in line] == theirs
+    assert programmer.counters.errors == 0
+    # Theirs goes: the next full resync puts our blackhole in its place, and ours goes.
+    await lab.ip("-6", "route", "del", "blackhole", dst, "proto", "bird")
+    result = await programmer.reconcile(full=True)
+    assert result.ok, result
+    assert await lab.own("-6") == [f"blackhole {dst} dev lo metric 1024 pref medium"]

@@ -253,6 +253,54 @@ def test_policy_drops_are_counted_per_namespace_and_never_go_down():
     assert agent.views.view("x/b")["pods"][0]["dropped"] == {"ingress": 6, "egress": 0}  # per pod: /policy
 
 
+def test_policy_drops_of_a_pod_made_again_under_its_name_are_kept():
+    """A StatefulSet pod deleted and made again (same namespace and name) between two scrapes
+    gets a new counter, from zero; by the next scrape it may have counted past the old one's
+    count, which looked like the same counter going up: the old pod's drops were lost.  The
+    counter's identity (the sync that created it) tells them apart."""
+    from types import SimpleNamespace
+
+    from agentd.nft.ruleset import applied
+    from agentd.policy import compiler as pcompiler
+
+    agent = policy_agent()
+    eng = agent.engine
+    agent.programmer = SimpleNamespace(current=None)  # the tables hold nothing yet
+    chain = (pcompiler.INET, pcompiler.pod_chain("in", "x", "a"))
+    web0 = Pod("x", "a", NODE, (IPv4Address("10.244.1.2"),), {"app": "a"}, ())
+    port = LocalPort("veth0", "02:00:00:00:00:01", "cni0")
+
+    def sync() -> None:  # what the sync loop does around NftProgrammer.sync
+        desired = eng.build()
+        agent._note_new_counters(desired)
+        agent.programmer.current = applied(desired)
+
+    def drops() -> int:
+        got = metric_values(agent.views)
+        return got[("agentd_policy_dropped_packets_total", ("x", "ingress"))]
+
+    def made_again() -> None:
+        eng.remove_pod(web0.key)
+        sync()  # its chain and counter go
+        eng.upsert_pod(web0, port)
+        sync()  # and come again, the counter from zero
+
+    sync()
+    agent.take_counters({chain: 100})
+    assert drops() == 100
+    made_again()
+    agent.take_counters({chain: 150})  # the new pod's counter: 150 since it was made
+    assert drops() == 250
+    agent.take_counters({chain: 170})
+    assert drops() == 270
+    sync()  # nothing changed: the same counter
+    agent.take_counters({chain: 180})
+    assert drops() == 280
+    made_again()
+    agent.take_counters({chain: 40})
+    assert drops() == 320
+
+
 # ------------------------------------------------------------------ the publisher's files side
 # (Publishing to etcd is exercised by tests/system/test_netpol.py on a real etcd.)
 
