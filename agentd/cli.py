@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv6Address
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -342,12 +343,21 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         overrides = _overrides(args.set, parser)
         if getattr(args, "log_level", None):
             overrides["log.level"] = args.log_level
-        host = LocalHost()
+        host: HostFacts = LocalHost()
         # --reload (the unit's ExecReload=): what the running agent's SIGHUP would refuse.  Its
-        # reload takes [node] name and address as they were at its start (RunningHost), so a
-        # default route gone at this moment fails only a start: a warning here, not a problem.
-        problems = check_config(path, overrides=overrides, require_file=named, host=host,
-                                need_address=not args.reload)
+        # reload takes [node] name, address and address_v6 as they were at its start
+        # (RunningHost): the running agent's, asked on its local API (this host's now where none
+        # answers), so a default route gone or moved at this moment fails only a start: a
+        # warning here, not a problem.  Nor does a reload apply [api] token_group.
+        checked = host
+        if args.reload:
+            checked, why = running_node(path, overrides, named)
+            if checked is None:
+                checked = host
+                print(f"warning: {why}: [node] name and address checked as this host has them now, "
+                      "not as the running agent's reload takes them", file=sys.stderr)
+        problems = check_config(path, overrides=overrides, require_file=named, host=checked,
+                                need_address=not args.reload, check_group=not args.reload)
         for p in problems:
             print(p, file=sys.stderr)
         if problems:
@@ -356,7 +366,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             for p in check_config(path, overrides=overrides, require_file=named, host=host):
                 print(f"warning: a start would fail: {p} (a reload keeps the running [node] values)",
                       file=sys.stderr)
-        cfg = load_config(path, overrides=overrides, host=host, need_address=not args.reload)
+        cfg = load_config(path, overrides=overrides, host=checked, need_address=not args.reload)
         for line in config_warnings(cfg):
             print(f"warning: {line}", file=sys.stderr)
         if args.show:
@@ -459,6 +469,72 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 LEAVE_WAIT = 60  # seconds `agentd leave` waits, by default, for the running agent's whole leave
 LEAVE_POLL = 0.2  # seconds between two looks at its progress
+
+
+RELOAD_ASK_WAIT = 2.0  # seconds `check-config --reload` waits for the running agent's /status
+
+
+class AgentNode:
+    """:class:`HostFacts` answered from the running agent's ``GET /status`` "node": the [node]
+    name, address and address_v6 its reload takes (:class:`RunningHost`: its start's)."""
+
+    def __init__(self, name: str, address: IPv4Address | None, address_v6: IPv6Address | None) -> None:
+        self.name, self.address, self.address_v6 = name, address, address_v6
+
+    def hostname(self) -> str:
+        return self.name
+
+    def default_address(self) -> IPv4Address | None:
+        return self.address
+
+    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None:
+        return self.address_v6
+
+
+def running_node(path: str, overrides: dict[str, str], named: bool, *,
+                 wait: float = RELOAD_ASK_WAIT) -> tuple[AgentNode | None, str]:
+    """The running agent's [node] values, asked at the file's [api] listen (as ``agentd leave``
+    finds it; ``GET /status`` needs no token), within ``wait`` seconds; else None and why, in
+    a few words: nothing answers, the answer is no agentd status, or the file cannot be read
+    for its [api] listen (its problems are the check's to say)."""
+    import urllib.error
+
+    from agentd.config.values import BadValue, parse_node_name
+
+    try:
+        listen = load_config(path, overrides=overrides, require_file=named, check_files=False).api.listen
+    except ConfigError:
+        return None, "the running agent was not asked (no [api] listen read from a file with problems)"
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(listen.host, listen.host)  # as `agentd ui`
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{listen.port}/status"
+    try:
+        status = fetch_json(url, timeout=wait, wait=wait)
+    except urllib.error.HTTPError as err:
+        err.close()
+        return None, f"{url} answered HTTP {err.code}, not an agentd status"
+    except (OSError, ValueError, RecursionError, http.client.HTTPException) as err:
+        # (refused, no answer in time, cut short, no JSON, too long)
+        reason = getattr(err, "reason", None) or err
+        return None, f"no running agent answered at {url} ({server_text(_reason(reason), 200) or type(err).__name__})"
+    node = status.get("node") if isinstance(status, dict) else None
+    got = [node.get(key) if isinstance(node, dict) else 0 for key in ("name", "address", "address_v6")]
+    try:
+        if not all(isinstance(value, str) or (i and value is None) for i, value in enumerate(got)):
+            raise TypeError
+        name = parse_node_name(got[0])
+        # "address": IPv4, or an IPv6-only node's IPv6 address (it has no IPv4 one, nor its
+        # status None); "address_v6" is not in `agentd speaker`'s.
+        v4 = got[1] if got[1] not in (None, "None") else None
+        if v4 is not None and ":" in v4:
+            IPv6Address(v4)
+            v4 = None
+        address = None if v4 is None else IPv4Address(v4)
+        address_v6 = None if got[2] is None else IPv6Address(got[2])
+    except (ValueError, TypeError, BadValue):
+        name = None
+    if name is None:
+        return None, f"{url} did not answer with an agentd status (no [node] name and addresses)"
+    return AgentNode(name, address, address_v6), ""
 
 
 def seconds_arg(text: str) -> float:

@@ -1109,9 +1109,10 @@ def _listen_family_warnings(cfg: Config, at: HostPort, *, nodes: bool = True) ->
 def check_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
                  overrides: Mapping[str, str] | None = None, require_file: bool = False,
                  host: HostFacts | None = None, check_files: bool = True,
-                 need_address: bool = True) -> list[ConfigError]:
+                 need_address: bool = True, check_group: bool = True) -> list[ConfigError]:
     """Every problem load_config would find, in file, env, override order, and an [api]
     token_group this host has no group of (which ``agentd run`` refuses at start); [] when valid.
-    ``need_address`` as load_config's (``agentd check-config --reload``)."""
-    return _collect(path, env, overrides, require_file, host, check_files, check_group=True,
+    ``need_address`` as load_config's, ``check_group`` False leaves token_group unchecked
+    (``agentd check-config --reload``: a reload never applies token_group)."""
+    return _collect(path, env, overrides, require_file, host, check_files, check_group=check_group,
                     need_address=need_address)[1]

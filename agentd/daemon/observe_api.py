@@ -379,7 +379,11 @@ class _Handlers:
                         if record.get("node") != name:  # a node answers for itself alone: left out, said once
                             errors.setdefault(name, _not_its_own(name, record.get("node")))
                             continue
-                        newest.add(float(record["time"]), line)
+                        when = float(record["time"])
+                        if not math.isfinite(when):  # json.loads takes NaN, Infinity: no order with the rest
+                            errors.setdefault(name, f"{name} answered a record whose time is not a time")
+                            continue
+                        newest.add(when, line)
                     elif "lost" in record:  # a record too long to read (cluster._skipped): said, with whose
                         lost.append(_lost_at(name, line)[0])
             except (OSError, ValueError, TypeError) as err:

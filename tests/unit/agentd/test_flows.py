@@ -3766,3 +3766,33 @@ async def test_a_gathered_last_n_says_a_record_too_long_to_read_was_lost(monkeyp
     assert errors == {}
     assert [json.loads(r) for r in records] == [
         {"seq": 7, "node": "node2", "lost": 1, "why": "a record of more than 100 bytes, not read"}, json.loads(small)]
+
+
+async def test_a_record_time_that_is_no_time_from_one_node_is_that_nodes_error_alone():
+    """Review r10 #2: json.loads takes NaN and Infinity.  One node's record with "time": NaN at
+    the top of the cluster's last-N heap made every newer record compare not newer: the last N
+    held that record and the OLDEST records of every other node (`agentd flows -A`, the browser's
+    first rows); Infinity took a slot for ever.  Such a record is left out, said as that node's
+    error; its other records and the other nodes' newest stay."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    class Registry:
+        def nodes(self):
+            return {"node2": "192.0.2.2", "node3": "192.0.2.3"}
+
+        async def lines(self, node, path, **_):
+            if node == "node2":
+                for time_ in ("NaN", "Infinity", "-Infinity", "108.5"):
+                    yield b'{"seq":1,"time":%s,"node":"node2"}\n' % time_.encode()
+                return
+            for i in range(10):
+                yield json.dumps({"seq": i, "time": 100.0 + i, "node": "node3"}).encode() + b"\n"
+
+    agent = SimpleNamespace(cluster_view=Registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    records, errors = await handlers._gather_last(["node2", "node3"], FlowFilter(), 3, None)
+    assert [(json.loads(r)["node"], json.loads(r)["time"]) for r in records] == [
+        ("node3", 108.0), ("node2", 108.5), ("node3", 109.0)]
+    assert errors == {"node2": "node2 answered a record whose time is not a time"}
