@@ -379,7 +379,10 @@ class _Handlers:
                         if record.get("node") != name:  # a node answers for itself alone: left out, said once
                             errors.setdefault(name, _not_its_own(name, record.get("node")))
                             continue
-                        when = float(record["time"])
+                        try:
+                            when = float(record["time"])
+                        except OverflowError:  # an integer of 400 digits (json.loads reads it exactly)
+                            when = math.inf
                         if not math.isfinite(when):  # json.loads takes NaN, Infinity: no order with the rest
                             errors.setdefault(name, f"{name} answered a record whose time is not a time")
                             continue

@@ -3772,8 +3772,9 @@ async def test_a_record_time_that_is_no_time_from_one_node_is_that_nodes_error_a
     """Review r10 #2: json.loads takes NaN and Infinity.  One node's record with "time": NaN at
     the top of the cluster's last-N heap made every newer record compare not newer: the last N
     held that record and the OLDEST records of every other node (`agentd flows -A`, the browser's
-    first rows); Infinity took a slot for ever.  Such a record is left out, said as that node's
-    error; its other records and the other nodes' newest stay."""
+    first rows); Infinity took a slot for ever; an integer too large for a float (review r13 #1)
+    raised OverflowError out of the whole gathering.  Such a record is left out, said as that
+    node's error; its other records and the other nodes' newest stay."""
     from types import SimpleNamespace
 
     from agentd.daemon import observe_api
@@ -3784,7 +3785,7 @@ async def test_a_record_time_that_is_no_time_from_one_node_is_that_nodes_error_a
 
         async def lines(self, node, path, **_):
             if node == "node2":
-                for time_ in ("NaN", "Infinity", "-Infinity", "108.5"):
+                for time_ in ("NaN", "Infinity", "-Infinity", "1" + "0" * 400, "108.5"):
                     yield b'{"seq":1,"time":%s,"node":"node2"}\n' % time_.encode()
                 return
             for i in range(10):
