@@ -1,0 +1,181 @@
+"""The Services agent's inputs: pod records indexed by namespace and label, so a full rebuild
+of the table costs the pods, not Services x pods (and gives the event loop back while it
+runs); pod events marking the Services they feed, before and after the change."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentd.datastore.store import Datastore
+from agentd.resources.store import ResourceEvent
+from agentd.services import agent as services_agent
+from agentd.services import model
+from agentd.services.agent import ServiceAgent
+
+
+class Programmer:
+    async def sync(self, rs, keys):
+        return SimpleNamespace(commands=1, full=keys is None)
+
+
+def _agent() -> ServiceAgent:
+    agent = ServiceAgent("n1", Datastore(["http://127.0.0.1:2379"], "/agentd"))
+    agent.programmer = Programmer()
+    return agent
+
+
+def service(ns: str, name: str, vip: str, selector: dict[str, Any] | None, target: int | str = 8080,
+            protocol: str = "TCP") -> dict[str, Any]:
+    spec: dict[str, Any] = {"type": "ClusterIP", "clusterIP": vip, "clusterIPs": [vip], "ipFamilies": ["IPv4"],
+                            "ports": [{"name": "", "protocol": protocol, "port": 80, "targetPort": target}],
+                            "sessionAffinity": "None", "internalTrafficPolicy": "Cluster"}  # fmt: skip
+    if selector is not None:
+        spec["selector"] = selector
+    return {"metadata": {"namespace": ns, "name": name, "creationTimestamp": "2024-01-01T00:00:00Z"}, "spec": spec}
+
+
+def pod(ns: str, name: str, ip: str, labels: Any, node: str | None = "n1", ports: tuple[tuple[str, int, str], ...] = ()) -> dict[str, Any]:
+    return {"metadata": {"namespace": ns, "name": name, "labels": labels},
+            "spec": {"nodeName": node, "containers": [{"ports": [{"name": n, "containerPort": p, "protocol": proto}
+                                                                 for n, p, proto in ports]}]},
+            "status": {"podIP": ip, "podIPs": [{"ip": ip}]}}  # fmt: skip
+
+
+def _old_build(agent: ServiceAgent, key: tuple[str, str]) -> list[model.ServicePort]:
+    """The build before the index: every pod record of the Service's namespace."""
+    svc = agent.objects["Service"].get(key)
+    if svc is None:
+        return []
+    pods = [p for (ns, _), p in agent.objects["Pod"].items() if ns == key[0]] if svc["spec"].get("selector") else []
+    return model.build([svc], list(agent._slices.get(key, {}).values()), pods)
+
+
+def _old_fed(agent: ServiceAgent, ns: str, name: str) -> set[tuple[str, str]]:
+    """The Services a pod record (as it is now) feeds, found as before the index: every Service."""
+    p = agent.objects["Pod"].get((ns, name))
+    if p is None:
+        return set()
+    labels = p["metadata"].get("labels") or {}
+    return {k for k, svc in agent.objects["Service"].items()
+            if k[0] == ns and svc["spec"].get("selector") and model.matches(svc["spec"]["selector"], labels)}  # fmt: skip
+
+
+NAMESPACES = ("a", "b")
+KEYS, VALUES = ("app", "tier"), ("web", "db", "x")
+labels_st = st.one_of(
+    st.dictionaries(st.sampled_from(KEYS), st.sampled_from(VALUES), max_size=2),
+    st.none(),
+    st.just({"app": 1}),  # not a string: indexed nowhere, matched by nothing -- as before
+)
+selector_st = st.one_of(st.none(), st.dictionaries(st.sampled_from(KEYS), st.sampled_from(VALUES), min_size=1, max_size=2))
+pod_op = st.tuples(st.just("pod"), st.sampled_from(NAMESPACES), st.sampled_from(("p1", "p2", "p3", "p4", "p5")),
+                   labels_st, st.sampled_from(("10.244.1.1", "10.244.1.2", "10.244.1.3")),
+                   st.sampled_from(("n1", "n2", None)),
+                   st.sampled_from(((), (("http", 8081, "TCP"),), (("http", 8082, "UDP"),))))  # fmt: skip
+svc_op = st.tuples(st.just("svc"), st.sampled_from(NAMESPACES), st.sampled_from(("s1", "s2", "s3")),
+                   selector_st, st.sampled_from((8080, "http")), st.sampled_from(("TCP", "UDP")))  # fmt: skip
+
+
+drop_op = st.tuples(st.sampled_from(("Pod", "Service")), st.sampled_from(NAMESPACES),
+                   st.sampled_from(("p1", "p2", "p3", "s1", "s2")))  # fmt: skip
+
+
+@settings(max_examples=300)
+@given(st.lists(st.one_of(pod_op, svc_op, drop_op, st.just(("snapshot",))), max_size=40))
+def test_the_indexed_build_and_marks_are_those_of_a_walk_over_every_pod(ops):
+    """Random pod and Service records put, relabelled, deleted, snapshots between: every Service's ports are those built from every pod of its
+    namespace (same endpoints, same order of duplicate addresses), and a pod event marks the
+    Services whose selector picks it before or after, as the walk over every Service did."""
+    agent = _agent()
+    agent._on_resource(ResourceEvent("snapshot", 1, objects={}))
+    revision = 1
+    for op in ops:
+        revision += 1
+        agent._dirty = set()
+        if op[0] == "snapshot":
+            objects = {(kind, ns, name): obj for kind in ("Service", "Pod") for (ns, name), obj in agent.objects[kind].items()}
+            agent._on_resource(ResourceEvent("snapshot", revision, objects=objects))
+            continue
+        if op[0] in ("Pod", "Service"):  # deleted
+            kind, ns, name, obj = *op, None
+        elif op[0] == "pod":
+            _, ns, name, labels, ip, node, ports = op
+            kind, obj = "Pod", pod(ns, name, ip, labels, node, ports)
+        else:
+            _, ns, name, selector, target, protocol = op
+            kind, obj = "Service", service(ns, name, f"10.96.0.{1 + ('s1', 's2', 's3').index(name)}", selector, target, protocol)
+        expected = _old_fed(agent, ns, name) if kind == "Pod" else set()
+        ev = ResourceEvent("put", revision, key=(kind, ns, name), obj=obj) if obj is not None else \
+            ResourceEvent("delete", revision, key=(kind, ns, name))  # fmt: skip
+        agent._on_resource(ev)
+        if kind == "Pod":
+            expected |= _old_fed(agent, ns, name)
+            assert agent._dirty == expected
+        for key in agent.objects["Service"]:
+            assert agent._build(key) == _old_build(agent, key)
+
+
+def _cluster(services: int, pods: int, namespaces: int = 50) -> dict:
+    """The review's probe (agentd/services probe_build.py): each Service selects app=a<i>,
+    pod j carries app=a<j % services>, spread over ``namespaces``."""
+    objs = {}
+    for i in range(services):
+        ns = f"ns{i % namespaces}"
+        objs[("Service", ns, f"s{i}")] = service(ns, f"s{i}", f"10.96.{i // 250}.{i % 250 + 1}", {"app": f"a{i}"})
+    for j in range(pods):
+        ns = f"ns{j % namespaces}"
+        objs[("Pod", ns, f"p{j}")] = pod(ns, f"p{j}", f"10.244.{j // 250}.{j % 250 + 1}", {"app": f"a{j % services}"})
+    return objs
+
+
+async def test_a_full_rebuild_matches_each_pod_about_once_not_once_per_service(monkeypatch):
+    """2,000 selector Services and 5,000 pods in 50 namespaces: a full rebuild matched every
+    pod of a Service's namespace against its selector (200,000 matches, seconds of a blocked
+    event loop at 4,000 x 8,000); now only the pods carrying one of its labels."""
+    calls = 0
+    real = model.matches
+
+    def counted(selector, labels):
+        nonlocal calls
+        calls += 1
+        return real(selector, labels)
+
+    monkeypatch.setattr(model, "matches", counted)
+    agent = _agent()
+    agent._on_resource(ResourceEvent("snapshot", 7, objects=_cluster(2000, 5000)))
+    assert await agent._sync_pass()
+    assert sum(len(sp.endpoints) for sp in agent.compiled_ports) == 5000
+    assert calls <= 2 * 5000
+
+
+async def test_a_full_rebuild_gives_the_event_loop_back_and_shows_no_half_built_table():
+    """A full rebuild of 250 Services lets other tasks (BGP, BFD, the API) run after every
+    COMPILE_STEP Services; meanwhile the agent still shows the table it had."""
+    agent = _agent()
+    objs = {("Service", "ns", f"s{i}"): service("ns", f"s{i}", f"10.96.{i // 250}.{i % 250 + 1}", None) for i in range(250)}
+    agent._on_resource(ResourceEvent("snapshot", 3, objects=objs))
+    assert await agent._sync_pass()
+    before = agent._table
+    agent._dirty = None  # a full rebuild (as after a snapshot or a failed pass)
+    seen: list[Any] = []
+
+    async def tick() -> None:
+        while True:
+            seen.append(agent._table)
+            await asyncio.sleep(0)
+
+    ticker = asyncio.get_running_loop().create_task(tick())
+    await asyncio.sleep(0)
+    seen.clear()
+    try:
+        assert await agent._sync_pass()
+    finally:
+        ticker.cancel()
+    assert len(seen) >= 250 // services_agent.COMPILE_STEP
+    assert all(t is before for t in seen)
+    assert agent._table is not before and agent.port_count == 250
