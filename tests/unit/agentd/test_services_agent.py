@@ -5,6 +5,7 @@ runs); pod events marking the Services they feed, before and after the change.""
 from __future__ import annotations
 
 import asyncio
+import random
 from types import SimpleNamespace
 from typing import Any
 
@@ -66,58 +67,90 @@ def _old_fed(agent: ServiceAgent, ns: str, name: str) -> set[tuple[str, str]]:
 
 
 NAMESPACES = ("a", "b")
-KEYS, VALUES = ("app", "tier"), ("web", "db", "x")
-labels_st = st.one_of(
-    st.dictionaries(st.sampled_from(KEYS), st.sampled_from(VALUES), max_size=2),
-    st.none(),
-    st.just({"app": 1}),  # not a string: indexed nowhere, matched by nothing -- as before
-)
-selector_st = st.one_of(st.none(), st.dictionaries(st.sampled_from(KEYS), st.sampled_from(VALUES), min_size=1, max_size=2))
-pod_op = st.tuples(st.just("pod"), st.sampled_from(NAMESPACES), st.sampled_from(("p1", "p2", "p3", "p4", "p5")),
-                   labels_st, st.sampled_from(("10.244.1.1", "10.244.1.2", "10.244.1.3")),
-                   st.sampled_from(("n1", "n2", None)),
-                   st.sampled_from(((), (("http", 8081, "TCP"),), (("http", 8082, "UDP"),))))  # fmt: skip
-svc_op = st.tuples(st.just("svc"), st.sampled_from(NAMESPACES), st.sampled_from(("s1", "s2", "s3")),
-                   selector_st, st.sampled_from((8080, "http")), st.sampled_from(("TCP", "UDP")))  # fmt: skip
+KEYS, VALUES = ("app", "tier"), ("web", "db")
+# Labels that are not strings (a record no selector should match as such): indexed nowhere,
+# candidates of every selector, matched as before.
+ODD_LABELS = ({"app": 1}, {"app": "web", "tier": 1})
 
 
-drop_op = st.tuples(st.sampled_from(("Pod", "Service")), st.sampled_from(NAMESPACES),
-                   st.sampled_from(("p1", "p2", "p3", "s1", "s2")))  # fmt: skip
+def _labels(rnd: random.Random) -> Any:
+    roll = rnd.random()
+    if roll < 0.1:
+        return rnd.choice((None, *ODD_LABELS))
+    return {k: rnd.choice(VALUES) for k in KEYS if k == "app" and roll < 0.7 or rnd.random() < 0.5}
 
 
-@settings(max_examples=300)
-@given(st.lists(st.one_of(pod_op, svc_op, drop_op, st.just(("snapshot",))), max_size=40))
-def test_the_indexed_build_and_marks_are_those_of_a_walk_over_every_pod(ops):
-    """Random pod and Service records put, relabelled, deleted, snapshots between: every Service's ports are those built from every pod of its
-    namespace (same endpoints, same order of duplicate addresses), and a pod event marks the
-    Services whose selector picks it before or after, as the walk over every Service did."""
+def _op(rnd: random.Random) -> tuple[Any, ...]:
+    """A random record change: a pod put (labels, address -- three only, so shared --, node,
+    a named port of either protocol), a Service put (selector or none, numbered or named
+    targetPort, protocol), a deletion, or a snapshot (of the records, some gone)."""
+    roll, ns = rnd.random(), rnd.choice(NAMESPACES)
+    if roll < 0.5:
+        name = rnd.choice(("p1", "p2", "p3", "p4", "p5", "p6"))
+        ports = rnd.choice(((), (("http", 8081, "TCP"),), (("http", 8082, "UDP"),)))
+        return ("put", "Pod", ns, name, pod(ns, name, f"10.244.1.{rnd.randint(1, 3)}", _labels(rnd),
+                                            rnd.choice(("n1", "n2", None)), ports))  # fmt: skip
+    if roll < 0.7:
+        name = rnd.choice(("s1", "s2", "s3"))
+        selector = {k: rnd.choice(VALUES) for k in rnd.sample(KEYS, rnd.randint(1, 2))} if rnd.random() < 0.85 else None
+        return ("put", "Service", ns, name, service(ns, name, f"10.96.0.{name[1]}", selector,
+                                                    rnd.choice((8080, 8080, "http")), rnd.choice(("TCP", "UDP"))))  # fmt: skip
+    if roll < 0.95:
+        kind = "Pod" if rnd.random() < 0.7 else "Service"
+        return ("delete", kind, ns, rnd.choice(("p1", "p2", "p3")) if kind == "Pod" else rnd.choice(("s1", "s2")), None)
+    return ("snapshot",)
+
+
+@settings(max_examples=100)
+@given(st.integers(0, 2**32))
+def test_the_indexed_build_and_marks_are_those_of_a_walk_over_every_pod(seed):
+    """200 random record changes (pods put, relabelled, deleted, sharing addresses; Services
+    put and deleted; snapshots between): every Service's ports are those built from every pod
+    of its namespace (the same endpoints, a shared address kept the same way), and a pod
+    event marks the Services whose selector picks it before or after, as the walk over every
+    Service did."""
+    rnd = random.Random(seed)
     agent = _agent()
     agent._on_resource(ResourceEvent("snapshot", 1, objects={}))
-    revision = 1
-    for op in ops:
-        revision += 1
+    endpoints = 0
+    for revision in range(2, 202):
+        op = _op(rnd)
         agent._dirty = set()
         if op[0] == "snapshot":
-            objects = {(kind, ns, name): obj for kind in ("Service", "Pod") for (ns, name), obj in agent.objects[kind].items()}
+            objects = {(kind, ns, name): obj for kind in ("Service", "Pod") for (ns, name), obj in agent.objects[kind].items()
+                       if rnd.random() < 0.7}  # some gone meanwhile  # fmt: skip
             agent._on_resource(ResourceEvent("snapshot", revision, objects=objects))
             continue
-        if op[0] in ("Pod", "Service"):  # deleted
-            kind, ns, name, obj = *op, None
-        elif op[0] == "pod":
-            _, ns, name, labels, ip, node, ports = op
-            kind, obj = "Pod", pod(ns, name, ip, labels, node, ports)
-        else:
-            _, ns, name, selector, target, protocol = op
-            kind, obj = "Service", service(ns, name, f"10.96.0.{1 + ('s1', 's2', 's3').index(name)}", selector, target, protocol)
+        what, kind, ns, name, obj = op
         expected = _old_fed(agent, ns, name) if kind == "Pod" else set()
-        ev = ResourceEvent("put", revision, key=(kind, ns, name), obj=obj) if obj is not None else \
-            ResourceEvent("delete", revision, key=(kind, ns, name))  # fmt: skip
-        agent._on_resource(ev)
+        agent._on_resource(ResourceEvent(what, revision, key=(kind, ns, name), obj=obj))
         if kind == "Pod":
             expected |= _old_fed(agent, ns, name)
             assert agent._dirty == expected
         for key in agent.objects["Service"]:
-            assert agent._build(key) == _old_build(agent, key)
+            built = agent._build(key)
+            assert built == _old_build(agent, key)
+            endpoints += sum(len(sp.endpoints) for sp in built)
+    assert endpoints > 0
+
+
+def test_the_candidates_keep_the_order_records_were_put_in():
+    """An unindexed pod (a label that is not a string) is a candidate of every selector, in
+    the order of the records (a shared address's copies are merged in that order)."""
+    index = model.PodIndex()
+    plain1, odd, plain2 = (pod("a", "p1", "10.244.1.1", {"app": "web"}),
+                           pod("a", "p2", "10.244.1.1", {"app": "web", "tier": 1}),
+                           pod("a", "p3", "10.244.1.1", {"app": "web"}))  # fmt: skip
+    for p in (plain1, odd, plain2):
+        index.put("a", p["metadata"]["name"], p)
+    index.put("a", "p4", pod("a", "p4", "10.244.1.4", {"app": "db"}))
+    assert index.candidates("a", {"app": "web"}) == [plain1, odd, plain2]
+    assert index.candidates("a", {"app": "web", "tier": "x"}) == [odd]
+    assert index.candidates("b", {"app": "web"}) == []
+    index.drop("a", "p1")
+    index.put("a", "p1", plain1)  # put again: last
+    assert index.candidates("a", {"app": "web"}) == [odd, plain2, plain1]
+    assert index.namespace("a") == [odd, plain2, index.namespace("a")[2], plain1]
 
 
 def _cluster(services: int, pods: int, namespaces: int = 50) -> dict:
