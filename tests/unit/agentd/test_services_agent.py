@@ -212,3 +212,30 @@ async def test_a_full_rebuild_gives_the_event_loop_back_and_shows_no_half_built_
     assert len(seen) >= 250 // services_agent.COMPILE_STEP
     assert all(t is before for t in seen)
     assert agent._table is not before and agent.port_count == 250
+
+
+async def test_a_pod_relabelled_or_deleted_leaves_the_services_that_selected_it():
+    """A pod event marks the Services its record fed before the change as well as after: a
+    pod relabelled away from a selector, or deleted, stops being an endpoint at the next
+    (incremental) pass, not at the next full rebuild."""
+    agent = _agent()
+    objs = {("Service", "shop", "web"): service("shop", "web", "10.96.0.10", {"app": "web"}),
+            ("Pod", "shop", "web-1"): pod("shop", "web-1", "10.244.1.1", {"app": "web"}),
+            ("Pod", "shop", "web-2"): pod("shop", "web-2", "10.244.1.2", {"app": "web"})}  # fmt: skip
+    agent._on_resource(ResourceEvent("snapshot", 5, objects=objs))
+    assert await agent._sync_pass()
+
+    def endpoints() -> list[str]:
+        (sp,) = agent.compiled_ports
+        return [e.pod for e in sp.endpoints]
+
+    assert endpoints() == ["shop/web-1", "shop/web-2"]
+    agent._on_resource(ResourceEvent("put", 6, key=("Pod", "shop", "web-1"),
+                                     obj=pod("shop", "web-1", "10.244.1.1", {"app": "other"})))  # fmt: skip
+    assert await agent._sync_pass()
+    assert agent.last_sync is not None and not agent.last_sync["full"]
+    assert endpoints() == ["shop/web-2"]
+    agent._on_resource(ResourceEvent("delete", 7, key=("Pod", "shop", "web-2")))
+    assert await agent._sync_pass()
+    assert endpoints() == []
+    assert agent.applied_revision == 7
