@@ -621,7 +621,9 @@ def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort]
     before the policy turned Local while the agent was down).  A Local node port's flows from
     ``short_circuit`` (this node's pod subnets), which the node translates to every usable
     endpoint, keep any of them; one from the node's own address, which may too, is chosen
-    anew."""
+    anew.  "Any of them" is :meth:`model.ServicePort.short_circuit_endpoints`, the data
+    path's choice: with this node's endpoints all terminating and others ready, this node's
+    terminating ones too."""
     had = {(sp.key, sp.cluster_ip, sp.node_port) for sp in before if sp.usable()}
     out = []
     for sp in after:
@@ -635,7 +637,8 @@ def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort]
             out.append(conntrack.Unusable(None, sp.port, sp.node_port, sp.family,
                                           frozenset((e.ip, e.port) for e in sp.node_port_endpoints(node)),
                                           short_circuit=short_circuit if local else (),
-                                          everywhere=frozenset((e.ip, e.port) for e in sp.usable()) if local else frozenset()))
+                                          everywhere=frozenset((e.ip, e.port) for e in sp.short_circuit_endpoints(node))
+                                          if local else frozenset()))  # fmt: skip
     return out
 
 
