@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from agentd.datastore.store import Datastore
@@ -397,7 +397,9 @@ class ServiceAgent:
         # say nothing of the holder's flows), and one a Service gains or loses by a conflict
         # changing is compiled anew without an update of its own.
         built = {key: list(self._table.compiled(key)) for key in self._table.take_recompiled() | dirty}
-        for key, after in sorted(built.items()):
+        for n, (key, after) in enumerate(sorted(built.items())):
+            if full and n and n % COMPILE_STEP == 0:
+                await asyncio.sleep(0)  # as the compiling: a full rebuild's every port is judged
             gone += stale_udp(self._applied.get(key, []), after, self.node, short_circuit=tuple(self.pod_subnets.values()))
             gone += unusable_udp(self._applied.get(key, []), after, self.node, first=self._fresh,
                                  short_circuit=tuple(self.pod_subnets.values()))
@@ -417,7 +419,7 @@ class ServiceAgent:
                 self.error += f" (a reject in a prerouting chain needs Linux {REJECT_IN_PREROUTING} or later)"
             log.error("programming services failed: %s", self.error)
             return False
-        self._rename(dirty, full)
+        await self._rename(dirty, full)
         for key, after in built.items():
             if after:
                 self._applied[key] = after
@@ -508,30 +510,42 @@ class ServiceAgent:
         """Per Service, the cluster IP ports and node ports another (older) Service holds: not translated to it."""
         return self._table.conflicts if self._table is not None else {}
 
-    def _rename(self, dirty: set[tuple[str, str]], full: bool) -> None:
-        """The DNS names of the ``dirty`` Services (all of them: ``full``), changed in place:
-        a Service's names are its own (its host name is unique to it), so one change costs
-        that Service, not a pass over 10,000."""
+    async def _rename(self, dirty: set[tuple[str, str]], full: bool) -> None:
+        """The DNS names of the ``dirty`` Services, changed in place: a Service's names are its
+        own (its host name is unique to it), so one change costs that Service, not a pass over
+        10,000.  ``full``: all of them, named afresh aside (DNS answers from the names before
+        until they are whole), COMPILE_STEP Services at a time, the event loop given back
+        between them as in the compiling."""
+        if not full:
+            self._rename_into(self.names, self._named, dirty)
+            return
+        names, named = dns.Names(self.names.domain), {}
+        order = list(dirty)
+        for start in range(0, len(order), COMPILE_STEP):
+            if start:
+                await asyncio.sleep(0)
+            self._rename_into(names, named, order[start : start + COMPILE_STEP])
+        self.names, self._named = names, named
+
+    def _rename_into(self, names: dns.Names, named: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]],
+                     keys: Iterable[tuple[str, str]]) -> None:
         assert self._table is not None
-        if full:
-            self.names = dns.Names(self.names.domain)
-            self._named = {}
-        for key in dirty:
-            old_hosts, old_srv = self._named.pop(key, ((), ()))
-            self.names.add_hosts(old_hosts, -1)
+        for key in keys:
+            old_hosts, old_srv = named.pop(key, ((), ()))
+            names.add_hosts(old_hosts, -1)
             for name in old_hosts:
-                self.names.a.pop(name, None)
-                self.names.aaaa.pop(name, None)
+                names.a.pop(name, None)
+                names.aaaa.pop(name, None)
             for name in old_srv:
-                self.names.srv.pop(name, None)
+                names.srv.pop(name, None)
             ports = self._table.services.get(key, ((),))[0]
             if ports:
-                part = dns.names(ports, self.names.domain)
-                self.names.a.update(part.a)
-                self.names.aaaa.update(part.aaaa)
-                self.names.srv.update(part.srv)
-                self.names.add_hosts(part.a)
-                self._named[key] = (tuple(part.a), tuple(part.srv))
+                part = dns.names(ports, names.domain)
+                names.a.update(part.a)
+                names.aaaa.update(part.aaaa)
+                names.srv.update(part.srv)
+                names.add_hosts(part.a)
+                named[key] = (tuple(part.a), tuple(part.srv))
 
     async def _counters_loop(self) -> None:
         assert self.programmer is not None

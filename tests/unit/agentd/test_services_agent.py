@@ -187,19 +187,22 @@ async def test_a_full_rebuild_matches_each_pod_about_once_not_once_per_service(m
 
 
 async def test_a_full_rebuild_gives_the_event_loop_back_and_shows_no_half_built_table():
-    """A full rebuild of 250 Services lets other tasks (BGP, BFD, the API) run after every
-    COMPILE_STEP Services; meanwhile the agent still shows the table it had."""
+    """A full rebuild of 250 Services lets other tasks (BGP, BFD, the API, DNS) run after
+    every COMPILE_STEP Services it compiles, judges for UDP flows and names; meanwhile the
+    agent shows a whole table and whole DNS names, the ones before until the new ones are."""
     agent = _agent()
     objs = {("Service", "ns", f"s{i}"): service("ns", f"s{i}", f"10.96.{i // 250}.{i % 250 + 1}", None) for i in range(250)}
     agent._on_resource(ResourceEvent("snapshot", 3, objects=objs))
     assert await agent._sync_pass()
-    before = agent._table
+    table, names = agent._table, agent.names
+    whole = (agent.port_count, len(names.a))
+    assert whole[0] == 250 and whole[1] >= 250
     agent._dirty = None  # a full rebuild (as after a snapshot or a failed pass)
     seen: list[Any] = []
 
     async def tick() -> None:
         while True:
-            seen.append(agent._table)
+            seen.append((agent._table, agent.names, agent.port_count, len(agent.names.a)))
             await asyncio.sleep(0)
 
     ticker = asyncio.get_running_loop().create_task(tick())
@@ -209,9 +212,13 @@ async def test_a_full_rebuild_gives_the_event_loop_back_and_shows_no_half_built_
         assert await agent._sync_pass()
     finally:
         ticker.cancel()
-    assert len(seen) >= 250 // services_agent.COMPILE_STEP
-    assert all(t is before for t in seen)
-    assert agent._table is not before and agent.port_count == 250
+    steps = 250 // services_agent.COMPILE_STEP
+    assert len(seen) >= 3 * steps  # compiling, judging the UDP flows, naming
+    assert all((c, a) == whole for _, _, c, a in seen)
+    assert sum(t is table for t, *_ in seen) >= steps  # the table before, while the new one is compiled
+    assert all(n is names for _, n, *_ in seen)  # the names before, while the new ones are made
+    assert agent._table is not table and agent.names is not names
+    assert (agent.port_count, len(agent.names.a)) == whole
 
 
 async def test_a_pod_relabelled_or_deleted_leaves_the_services_that_selected_it():
