@@ -2,10 +2,12 @@
 costs, next to kube-proxy-shaped rulesets measured on this machine.
 
     python bench/services.py [--services 1000] [--endpoints 10] [--changes 10] [--seconds 5]
-                             [--quick] [--json FILE]
+                             [--selector-services 1000] [--pods 3000] [--quick] [--json FILE]
 
-Defaults: 1,000 services x 10 endpoints, 10 endpoint changes, 5 s per data-path run;
-``--quick``: 100 services, 3 changes, 2 s.  ``--services 1000,10000`` runs both sizes.
+Defaults: 1,000 services x 10 endpoints, 10 endpoint changes, 5 s per data-path run, then
+1,000 selector services over 3,000 pod records for the full rebuild;
+``--quick``: 100 services, 3 changes, 2 s, 100 selector services over 300 pods.
+``--services 1000,10000`` runs both sizes.
 
 Real: etcd, three `agentd run` agents (host-gw) with their `ip agentd-services` tables, two
 pods (a client on node1, a server on node2) with svcecho and iperf3.  The N services have no
@@ -23,6 +25,15 @@ Measured, per N:
 * one endpoint change, one node's sync: what each agent reports for the sync that applied it
   (``last_sync``: the table's delta compiled and sent to nftables in one transaction), median
   over the nodes and changes;
+* a full rebuild with selector Services: --selector-services Services with a selector each
+  (``app: a<i>``, 10 namespaces) and --pods pod records of a node that is not in the lab
+  (``app: a<j mod S>``, addresses in 10.251.0.0/16, not routed) are written beside the N
+  services; then node1's agent is restarted: the time until it reports the last revision
+  applied, its first sync (a full rebuild of the table from every record: each Service's
+  endpoints matched from the pod records) as it reports it (``last_sync``; "not seen" when
+  later syncs came before its API first answered), and the longest answer of its API (served
+  by the agent's one event loop, polled every 5 ms from the restart until the revision is
+  applied: an upper bound of how long the loop was held, the agent's own start included);
 * connection setup through the VIP vs. directly to the pod: TCP_CRR-style, 4 loops of
   connect + one request/response + close for --seconds, 6 rounds of a pair, the pair's
   order turned round each round, the client pinned to CPU 0 and the server to CPU 1; the
@@ -110,6 +121,61 @@ def endpoint_slice(name: str, addresses: list[str], port: int = 8080) -> dict[st
             "ports": [{"name": "http", "port": port}]}  # fmt: skip
 
 
+SELECTOR_NAMESPACES = 10
+
+
+def selector_service(i: int) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"sel{i}", "namespace": f"sel{i % SELECTOR_NAMESPACES}"},
+            "spec": {"selector": {"app": f"a{i}"}, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}  # fmt: skip
+
+
+def ghost_pod(j: int, services: int) -> dict[str, Any]:
+    """A pod record of a node that is not in the lab (as bench/policy.py's), selected by
+    selector Service j mod ``services``."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"namespace": f"sel{j % services % SELECTOR_NAMESPACES}", "name": f"pod-{j}",
+                         "labels": {"app": f"a{j % services}"}},
+            "spec": {"nodeName": "ghost1", "containers": [{"name": "pod", "ports": [{"name": "http", "containerPort": 8080,
+                                                                                      "protocol": "TCP"}]}]},
+            "status": {"podIP": f"10.251.{(j >> 8) & 255}.{j & 255}"}}  # fmt: skip
+
+
+async def full_rebuild(lab: Lab, res: Any, services: int, pods: int) -> dict[str, Any]:
+    """The selector Services and pod records written, then node1's agent restarted: its first
+    sync (a full rebuild) as it reports it, and the longest answer of its API meanwhile."""
+    ghosts = [ghost_pod(j, services) for j in range(pods)]
+    for k in range(0, len(ghosts), 100):  # records only agents write: put as bench/policy.py puts them
+        await res.put_records(ghosts[k : k + 100])
+    objs = [selector_service(i) for i in range(services)]
+    revision = 0
+    for k in range(0, len(objs), 100):  # after the pods: its revision covers them
+        revision = await res.apply(objs[k : k + 100])
+    await live_everywhere(lab, revision)
+    node = lab.nodes[0]
+    await node.stop_agent()
+    node.start_agent()
+    start = time.perf_counter()
+    longest, first = 0.0, None
+    while time.perf_counter() - start < 600:
+        t = time.perf_counter()
+        view = await asyncio.to_thread(node.api_or_none, "/services?view=summary")
+        if view is not None:
+            longest = max(longest, time.perf_counter() - t)
+            if view.get("syncs") == 1:
+                first = view.get("last_sync")
+            if view.get("syncs", 0) >= 1 and view.get("revision", 0) >= revision and not view.get("error"):
+                break
+        await asyncio.sleep(0.005)
+    else:
+        raise BenchError(f"node1's agent did not apply revision {revision} within 600 s of its restart")
+    applied = time.perf_counter() - start
+    await live_everywhere(lab, revision)  # the others too
+    full = first is not None and first.get("full")  # not seen: more syncs came before its API answered
+    return {"selector_services": services, "pods": pods, "full_sync_s": first["seconds"] if full else None,
+            "full_sync_services": first["services"] if full else None, "api_longest_s": longest,
+            "restart_to_applied_s": applied}  # fmt: skip
+
+
 def fake_addresses(i: int, count: int, salt: int = 0) -> list[str]:
     base = (i * count + salt * 7919) % (1 << 16)
     return [f"10.250.{((base + j) >> 8) & 255}.{(base + j) & 255}" for j in range(count)]
@@ -179,7 +245,8 @@ async def crr_rounds(echo: Echo, direct: str, vip: str, seconds: float) -> tuple
     return crr, failed
 
 
-async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: Path) -> dict[str, Any]:
+async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: Path,
+                   selector_services: int = 0, pods: int = 0) -> dict[str, Any]:
     lab = Lab(LabSpec(name="bs" + unique_tag("")[:6], nodes=3, pods=0, log_level="warning"), root=root)
     echoes: list[Echo] = []
     try:
@@ -221,6 +288,11 @@ async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: P
             raise BenchError("no node reported an incremental sync for the endpoint changes")
         print(f"[{n} services] one change: {', '.join(f'{x * 1000:.0f}' for x in lat)} ms end to end; "
               f"node syncs {', '.join(f'{x * 1000:.1f}' for x in node_sync)} ms", file=sys.stderr, flush=True)
+        rebuild = None
+        if selector_services:
+            rebuild = await full_rebuild(lab, res, selector_services, pods)
+            print(f"[{n} services] full rebuild with {selector_services} selector services, {pods} pods: {rebuild}",
+                  file=sys.stderr, flush=True)
         # The data path: one more service whose endpoint is the server pod (8080 and iperf3's 5201).
         real = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "real", "namespace": NS},
                 "spec": {"ports": [{"name": "http", "port": 80}, {"name": "iperf", "port": 5201}]}}  # fmt: skip
@@ -247,7 +319,7 @@ async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: P
             "crr_direct": statistics.median(crr["direct"]), "crr_vip": statistics.median(crr["vip"]),
             "crr_ratio": statistics.median(ratios), "crr_ratio_range": [min(ratios), max(ratios)],
             "crr_failed": failed, "gbps_direct": statistics.median(bw["direct"]), "gbps_vip": statistics.median(bw["vip"]),
-            "table_chains": chains.count("chain "), "last_sync": sizes.get("last_sync"),
+            "table_chains": chains.count("chain "), "last_sync": sizes.get("last_sync"), "full_rebuild": rebuild,
         }  # fmt: skip
     finally:
         for e in echoes:
@@ -474,7 +546,7 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="agentd-bench-svc-") as tmp:
         for n in args.services:
-            row = await run_size(n, args.endpoints, args.changes, args.seconds, Path(tmp))
+            row = await run_size(n, args.endpoints, args.changes, args.seconds, Path(tmp), args.selector_services, args.pods)
             row["iptables_anchor"] = await asyncio.to_thread(iptables_anchor, n, args.endpoints)
             print(f"[{n} services] kube-proxy-shaped iptables {row['iptables_anchor']}", file=sys.stderr, flush=True)
             row["nft_anchor"] = await asyncio.to_thread(nft_anchor, n, args.endpoints)
@@ -504,6 +576,20 @@ def report(rows: list[dict[str, Any]]) -> None:
 
     def ms(seconds: float) -> str:
         return f"{seconds * 1000:.1f}"
+
+    rebuilt = [r for r in rows if r.get("full_rebuild")]
+    if rebuilt:
+        print_table(
+            "A full rebuild (node1's agent restarted): its first sync as it reports it (every Service compiled, "
+            "selector Services' endpoints matched from the pod records, one nft transaction), and the longest "
+            "answer of its API from the restart to that sync (the event loop held: an upper bound)",
+            ["services (slices + selector)", "pod records", "full sync (ms)", "longest API answer (ms)",
+             "restart -> applied (s)"],
+            [[f"{r['services']} + {r['full_rebuild']['selector_services']}", r["full_rebuild"]["pods"],
+              ms(r["full_rebuild"]["full_sync_s"]) if r["full_rebuild"]["full_sync_s"] is not None else "not seen",
+              ms(r["full_rebuild"]["api_longest_s"]),
+              f"{r['full_rebuild']['restart_to_applied_s']:.1f}"] for r in rebuilt],
+        )  # fmt: skip
 
     print_table(
         "One endpoint change, one node's sync (median): agentd's own report vs. one sync of each anchor, "
@@ -536,9 +622,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoints", type=int, default=10, help="endpoints per service (default 10)")
     ap.add_argument("--changes", type=int, default=10, help="endpoint changes timed per size (default 10)")
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds per data-path run (default 5)")
-    args = parse_bench_args(ap, argv, name="services", quick={"services": [100], "changes": 3, "seconds": 2.0})
+    ap.add_argument("--selector-services", type=int, default=1000,
+                    help="selector services for the full rebuild (0: not measured; default 1000)")
+    ap.add_argument("--pods", type=int, default=3000, help="pod records they select from (default 3000)")
+    args = parse_bench_args(ap, argv, name="services", quick={"services": [100], "changes": 3, "seconds": 2.0,
+                                                              "selector_services": 100, "pods": 300})  # fmt: skip
     if args.endpoints < 2 or args.changes < 1 or args.seconds < 1:
         ap.error("--endpoints must be at least 2, --changes and --seconds at least 1")
+    if args.selector_services < 0 or args.pods < 0 or (args.pods and not args.selector_services):
+        ap.error("--selector-services and --pods must be at least 0, and pods need selector services")
     require_root("bench/services.py")
     rows = asyncio.run(amain(args))
     write_json(args.json, rows)

@@ -358,8 +358,9 @@ def endpoint_ready(e: dict[str, Any]) -> bool:
 
 
 def endpoint_serving(e: dict[str, Any]) -> bool:
-    cond = e.get("conditions", {})
-    return bool(cond.get("serving", cond.get("ready", True)))
+    """EndpointConditions: an unset ``serving`` means serving, whatever ``ready`` says (the
+    API's "nil should be interpreted as true"; kube-proxy: Serving == nil || *Serving)."""
+    return bool(e.get("conditions", {}).get("serving", True))
 
 
 def endpoint_terminating(e: dict[str, Any]) -> bool:

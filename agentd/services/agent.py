@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from agentd.datastore.store import Datastore
@@ -46,6 +46,9 @@ KINDS = ("Service", "EndpointSlice", "Pod")
 # DNS_RETRY_INITIAL seconds, doubling up to DNS_RETRY_MAX, until it is served.
 DNS_RETRY_INITIAL = 1.0
 DNS_RETRY_MAX = 60.0
+# A full rebuild of the table gives the event loop (BGP, BFD, the API) back after every
+# COMPILE_STEP Services: compiling one costs ~0.1 ms, so the loop waits ~10 ms at most.
+COMPILE_STEP = 100
 
 
 class ServiceAgent:
@@ -98,6 +101,11 @@ class ServiceAgent:
         self._have_snapshot = False
         self._wake = asyncio.Event()
         self._slices: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (ns, service) -> its slices
+        # Pod records by namespace and label, and the selectors of each namespace's Services:
+        # a Service is matched against the pods with one of its labels, a pod event against
+        # its namespace's selectors (a full rebuild costs the pods, not Services x pods).
+        self._pods = model.PodIndex()
+        self._selectors: dict[str, dict[str, Any]] = {}  # namespace -> Service -> its selector (those with one)
         self._dirty: set[tuple[str, str]] | None = None  # Services to recompile (None: all)
         self._table: compiler.Table | None = None
         # Each Service's ports as last programmed, kept across rebuilds of the table: the UDP
@@ -244,6 +252,8 @@ class ServiceAgent:
             self.applied_revision = min(self.applied_revision, ev.revision)
             self.objects = {k: {} for k in KINDS}
             self._slices = {}
+            self._pods = model.PodIndex()
+            self._selectors = {}
             for (kind, ns, name), obj in ev.objects.items():
                 if kind in self.objects:
                     self._put(kind, ns, name, obj)
@@ -271,6 +281,12 @@ class ServiceAgent:
             owner = (obj["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL)
             if owner:
                 self._slices.setdefault((ns, owner), {})[name] = obj
+        elif kind == "Pod":
+            self._pods.put(ns, name, obj)
+        elif kind == "Service":
+            selector = (obj.get("spec") or {}).get("selector")
+            if selector:
+                self._selectors.setdefault(ns, {})[name] = selector
 
     def _drop(self, kind: str, ns: str, name: str) -> None:
         old = self.objects[kind].pop((ns, name), None)
@@ -281,6 +297,12 @@ class ServiceAgent:
                 group.pop(name, None)
                 if not group:
                     del self._slices[(ns, owner or "")]
+        elif kind == "Pod":
+            self._pods.drop(ns, name)
+        elif kind == "Service":
+            selectors = self._selectors.get(ns)
+            if selectors is not None and selectors.pop(name, None) is not None and not selectors:
+                del self._selectors[ns]
 
     def _touch(self, kind: str, ns: str, name: str) -> None:
         """Mark the Services that object (as it is now) feeds (a failed one is tried again)."""
@@ -299,8 +321,8 @@ class ServiceAgent:
             if pod is None:
                 return
             labels = pod["metadata"].get("labels") or {}
-            fed.update(k for k, svc in self.objects["Service"].items()
-                       if k[0] == ns and svc["spec"].get("selector") and model.matches(svc["spec"]["selector"], labels))
+            fed.update((ns, service) for service, selector in self._selectors.get(ns, {}).items()
+                       if model.matches(selector, labels))
         for key in fed:
             self.failed.pop(key, None)
         if self._dirty is not None:
@@ -310,7 +332,8 @@ class ServiceAgent:
         svc = self.objects["Service"].get(key)
         if svc is None:
             return []
-        pods = [p for (ns, _), p in self.objects["Pod"].items() if ns == key[0]] if svc["spec"].get("selector") else []
+        selector = svc["spec"].get("selector")
+        pods = self._pods.candidates(key[0], selector) if selector else []
         return model.build([svc], list(self._slices.get(key, {}).values()), pods)
 
     # ------------------------------------------------------------------ syncing
@@ -352,13 +375,17 @@ class ServiceAgent:
         dirty, self._dirty = self._dirty, set()
         full = dirty is None or self._table is None
         if full:
-            self._table = compiler.Table(self.node, self.drop_log, self.families, self.pod_subnets, self.service_ranges)
+            # Built aside, in steps: until it is whole, GET /services shows the table before it.
+            table = compiler.Table(self.node, self.drop_log, self.families, self.pod_subnets, self.service_ranges)
             dirty = set(self.objects["Service"]) | set(self._applied)  # and those gone since
             keys = None
+            done = await self._compile_in_steps(table, dirty)
+            self._table = table
         else:
             keys = set()
+            done = self._compile(dirty, full, keys)
         gone: list[conntrack.Flush] = list(self._unflushed)
-        if not self._compile(dirty, full, keys):
+        if not done:
             # The table was left half-updated by a Service that could not be compiled: built
             # again at once without it (it stays out until its records change).
             self._table = None
@@ -370,7 +397,9 @@ class ServiceAgent:
         # say nothing of the holder's flows), and one a Service gains or loses by a conflict
         # changing is compiled anew without an update of its own.
         built = {key: list(self._table.compiled(key)) for key in self._table.take_recompiled() | dirty}
-        for key, after in sorted(built.items()):
+        for n, (key, after) in enumerate(sorted(built.items())):
+            if full and n and n % COMPILE_STEP == 0:
+                await asyncio.sleep(0)  # as the compiling: a full rebuild's every port is judged
             gone += stale_udp(self._applied.get(key, []), after, self.node, short_circuit=tuple(self.pod_subnets.values()))
             gone += unusable_udp(self._applied.get(key, []), after, self.node, first=self._fresh,
                                  short_circuit=tuple(self.pod_subnets.values()))
@@ -390,7 +419,7 @@ class ServiceAgent:
                 self.error += f" (a reject in a prerouting chain needs Linux {REJECT_IN_PREROUTING} or later)"
             log.error("programming services failed: %s", self.error)
             return False
-        self._rename(dirty, full)
+        await self._rename(dirty, full)
         for key, after in built.items():
             if after:
                 self._applied[key] = after
@@ -414,13 +443,29 @@ class ServiceAgent:
                           "full": result.full, "services": len(dirty)}  # fmt: skip
         return True
 
-    def _compile(self, dirty: set[tuple[str, str]], full: bool, keys: set[Any] | None) -> bool:
-        """Update the table with the ``dirty`` Services (``keys``: the changed objects, added);
-        False if one failed to compile, leaving the table half-updated.  A Service whose
-        records cannot be built or compiled (a bug, or records the model cannot take) is not
-        translated, one line says why (and :attr:`failed`, GET /services): the others are
-        programmed; a full rebuild skips it until its records change (a new put, a snapshot)."""
-        assert self._table is not None
+    async def _compile_in_steps(self, table: compiler.Table, dirty: set[tuple[str, str]]) -> bool:
+        """:meth:`_compile` of a full rebuild into ``table``, COMPILE_STEP Services at a time,
+        the event loop given back between them (a rebuild of 10,000 Services would hold it for
+        a second: BFD would declare the node down).  Records that change meanwhile mark their
+        Services for the next pass, as during the kernel's transaction."""
+        order = sorted(dirty)
+        for start in range(0, len(order), COMPILE_STEP):
+            if start:
+                await asyncio.sleep(0)
+            if not self._compile(set(order[start : start + COMPILE_STEP]), True, None, table):
+                return False
+        return True
+
+    def _compile(self, dirty: set[tuple[str, str]], full: bool, keys: set[Any] | None,
+                 table: compiler.Table | None = None) -> bool:
+        """Update the table (``table``, else the agent's) with the ``dirty`` Services (``keys``:
+        the changed objects, added); False if one failed to compile, leaving the table
+        half-updated.  A Service whose records cannot be built or compiled (a bug, or records
+        the model cannot take) is not translated, one line says why (and :attr:`failed`, GET
+        /services): the others are programmed; a full rebuild skips it until its records
+        change (a new put, a snapshot)."""
+        table = table if table is not None else self._table
+        assert table is not None
         for key in sorted(dirty):
             if full and key in self.failed:
                 continue
@@ -431,7 +476,7 @@ class ServiceAgent:
                 self._fail(key, "cannot be read", err)
                 ports = []
             try:
-                touched = self._table.update(key, ports)
+                touched = table.update(key, ports)
             except Exception as err:  # noqa: BLE001 -- as above; the table is rebuilt without it
                 self._fail(key, "cannot be compiled", err)
                 return False
@@ -465,30 +510,42 @@ class ServiceAgent:
         """Per Service, the cluster IP ports and node ports another (older) Service holds: not translated to it."""
         return self._table.conflicts if self._table is not None else {}
 
-    def _rename(self, dirty: set[tuple[str, str]], full: bool) -> None:
-        """The DNS names of the ``dirty`` Services (all of them: ``full``), changed in place:
-        a Service's names are its own (its host name is unique to it), so one change costs
-        that Service, not a pass over 10,000."""
+    async def _rename(self, dirty: set[tuple[str, str]], full: bool) -> None:
+        """The DNS names of the ``dirty`` Services, changed in place: a Service's names are its
+        own (its host name is unique to it), so one change costs that Service, not a pass over
+        10,000.  ``full``: all of them, named afresh aside (DNS answers from the names before
+        until they are whole), COMPILE_STEP Services at a time, the event loop given back
+        between them as in the compiling."""
+        if not full:
+            self._rename_into(self.names, self._named, dirty)
+            return
+        names, named = dns.Names(self.names.domain), {}
+        order = list(dirty)
+        for start in range(0, len(order), COMPILE_STEP):
+            if start:
+                await asyncio.sleep(0)
+            self._rename_into(names, named, order[start : start + COMPILE_STEP])
+        self.names, self._named = names, named
+
+    def _rename_into(self, names: dns.Names, named: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]],
+                     keys: Iterable[tuple[str, str]]) -> None:
         assert self._table is not None
-        if full:
-            self.names = dns.Names(self.names.domain)
-            self._named = {}
-        for key in dirty:
-            old_hosts, old_srv = self._named.pop(key, ((), ()))
-            self.names.add_hosts(old_hosts, -1)
+        for key in keys:
+            old_hosts, old_srv = named.pop(key, ((), ()))
+            names.add_hosts(old_hosts, -1)
             for name in old_hosts:
-                self.names.a.pop(name, None)
-                self.names.aaaa.pop(name, None)
+                names.a.pop(name, None)
+                names.aaaa.pop(name, None)
             for name in old_srv:
-                self.names.srv.pop(name, None)
+                names.srv.pop(name, None)
             ports = self._table.services.get(key, ((),))[0]
             if ports:
-                part = dns.names(ports, self.names.domain)
-                self.names.a.update(part.a)
-                self.names.aaaa.update(part.aaaa)
-                self.names.srv.update(part.srv)
-                self.names.add_hosts(part.a)
-                self._named[key] = (tuple(part.a), tuple(part.srv))
+                part = dns.names(ports, names.domain)
+                names.a.update(part.a)
+                names.aaaa.update(part.aaaa)
+                names.srv.update(part.srv)
+                names.add_hosts(part.a)
+                named[key] = (tuple(part.a), tuple(part.srv))
 
     async def _counters_loop(self) -> None:
         assert self.programmer is not None
@@ -578,7 +635,9 @@ def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort]
     before the policy turned Local while the agent was down).  A Local node port's flows from
     ``short_circuit`` (this node's pod subnets), which the node translates to every usable
     endpoint, keep any of them; one from the node's own address, which may too, is chosen
-    anew."""
+    anew.  "Any of them" is :meth:`model.ServicePort.short_circuit_endpoints`, the data
+    path's choice: with this node's endpoints all terminating and others ready, this node's
+    terminating ones too."""
     had = {(sp.key, sp.cluster_ip, sp.node_port) for sp in before if sp.usable()}
     out = []
     for sp in after:
@@ -592,7 +651,8 @@ def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort]
             out.append(conntrack.Unusable(None, sp.port, sp.node_port, sp.family,
                                           frozenset((e.ip, e.port) for e in sp.node_port_endpoints(node)),
                                           short_circuit=short_circuit if local else (),
-                                          everywhere=frozenset((e.ip, e.port) for e in sp.usable()) if local else frozenset()))
+                                          everywhere=frozenset((e.ip, e.port) for e in sp.short_circuit_endpoints(node))
+                                          if local else frozenset()))  # fmt: skip
     return out
 
 

@@ -185,6 +185,80 @@ def matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+class PodIndex:
+    """Pod records by namespace and by label (``key=value``), kept as records come and go, so
+    that a Service's selector is matched against the pods carrying one of its labels (the
+    fewest), not against every pod of its namespace: a full rebuild of the table costs the
+    pods, not Services x pods.  :meth:`candidates` gives them in the order :meth:`namespace`
+    does (the order records were last put), so :func:`build` gives the same endpoints from
+    them as from the whole namespace.  A pod whose labels are not a mapping of strings (a
+    record no selector should match, kept as it is) is a candidate of every selector."""
+
+    def __init__(self) -> None:
+        self._seq = 0
+        self._by_ns: dict[str, dict[str, tuple[int, Obj]]] = {}  # namespace -> name -> (order, record)
+        self._by_label: dict[tuple[str, str, str], dict[str, None]] = {}  # (ns, key, value) -> names, in order
+        self._odd: dict[str, dict[str, None]] = {}  # namespace -> pods whose labels cannot be indexed
+
+    @staticmethod
+    def _labels(pod: Obj) -> Mapping[str, str] | None:
+        meta = pod.get("metadata") if isinstance(pod, Mapping) else None
+        labels = (meta.get("labels") or {}) if isinstance(meta, Mapping) else None
+        if isinstance(labels, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+            return labels
+        return None
+
+    def put(self, ns: str, name: str, pod: Obj) -> None:
+        self.drop(ns, name)
+        self._seq += 1
+        self._by_ns.setdefault(ns, {})[name] = (self._seq, pod)
+        labels = self._labels(pod)
+        if labels is None:
+            self._odd.setdefault(ns, {})[name] = None
+            return
+        for k, v in labels.items():
+            self._by_label.setdefault((ns, k, v), {})[name] = None
+
+    def drop(self, ns: str, name: str) -> None:
+        pods = self._by_ns.get(ns)
+        had = pods.pop(name, None) if pods is not None else None
+        if had is None:
+            return
+        if not pods:
+            del self._by_ns[ns]
+        labels = self._labels(had[1])
+        groups = [(self._odd, ns)] if labels is None else [(self._by_label, (ns, k, v)) for k, v in labels.items()]
+        for index, key in groups:
+            group = index[key]  # type: ignore[index]
+            del group[name]
+            if not group:
+                del index[key]  # type: ignore[arg-type]
+
+    def namespace(self, ns: str) -> list[Obj]:
+        """Every pod of ``ns``."""
+        return [pod for _, pod in self._by_ns.get(ns, {}).values()]
+
+    def candidates(self, ns: str, selector: Any) -> list[Obj]:
+        """The pods of ``ns`` that may match ``selector`` (those carrying its rarest label, and
+        the unindexed ones); every pod of ``ns`` for a selector that is not a mapping of strings."""
+        if not isinstance(selector, Mapping) or not selector or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in selector.items()):
+            return self.namespace(ns)
+        pods = self._by_ns.get(ns, {})
+        names: dict[str, None] | None = None
+        for k, v in selector.items():
+            group = self._by_label.get((ns, k, v), {})
+            if names is None or len(group) < len(names):
+                names = group
+            if not names:
+                break
+        odd = self._odd.get(ns, {})
+        chosen = [pods[n] for n in (names or {})] + [pods[n] for n in odd]
+        if odd:
+            chosen.sort(key=lambda x: x[0])
+        return [pod for _, pod in chosen]
+
+
 def _from_pods(port: Obj, selector: Mapping[str, str], pods: list[Obj], version: int, service: str) -> list[Endpoint]:
     """The pods of ``selector`` as endpoints of ``port`` of Service ``service`` (of their namespace)."""
     out = []

@@ -77,6 +77,45 @@ def test_slices_give_conditions_and_terminating_fallback():
     assert [e.ip for e in dns.usable()] == ["192.0.2.2"]
 
 
+def test_an_unset_serving_condition_counts_as_serving():
+    """EndpointConditions: an unset ``serving`` is serving, whatever ``ready`` says (the API's
+    "nil should be interpreted as true"; kube-proxy: Serving == nil || *Serving): an endpoint
+    not ready and terminating, ``serving`` left out, takes new connections when none is ready."""
+    s = svc("ext", {"ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]})
+    sl = eps_slice("ext-1", "ext", [{"addresses": ["192.0.2.2"], "conditions": {"ready": False, "terminating": True}}],
+                   [{"name": "dns", "port": 5353, "protocol": "UDP"}])  # fmt: skip
+    (dns,) = model.build([s], [sl], [])
+    (e,) = dns.endpoints
+    assert (e.ready, e.serving, e.terminating) == (False, True, True)
+    assert [x.ip for x in dns.usable()] == ["192.0.2.2"]
+
+
+def test_a_named_target_port_takes_the_pods_port_of_the_service_ports_protocol_only():
+    """Kubernetes' FindPort: a pod's ``dns`` port of UDP is not the ``dns`` target of a TCP
+    service port (that port has no endpoint in the pod); the UDP service port has it."""
+    dns_pod = pod("dns", "n1", "10.244.1.9", {"app": "dns"}, [{"name": "dns", "containerPort": 53, "protocol": "UDP"}])
+    s = svc("dns", {"selector": {"app": "dns"}, "ports": [
+        {"name": "tcp", "port": 53, "protocol": "TCP", "targetPort": "dns"},
+        {"name": "udp", "port": 53, "protocol": "UDP", "targetPort": "dns"}]})  # fmt: skip
+    tcp, udp = model.build([s], [], [dns_pod])
+    assert (tcp.protocol, tcp.endpoints) == ("TCP", ())
+    assert [(e.ip, e.port) for e in udp.endpoints] == [("10.244.1.9", 53)]
+
+
+def test_an_address_listed_twice_keeps_its_serving_copy():
+    """One address twice, neither ready: the serving terminating copy is kept, not the one
+    that is not serving (nor terminating), so it still takes new connections."""
+    s = svc("ext", {"ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]})
+    for order in (1, -1):
+        copies = [{"addresses": ["192.0.2.2"], "conditions": {"ready": False, "serving": True, "terminating": True}},
+                  {"addresses": ["192.0.2.2"], "conditions": {"ready": False, "serving": False}}][::order]  # fmt: skip
+        sl = eps_slice("ext-1", "ext", copies, [{"name": "dns", "port": 5353, "protocol": "UDP"}])
+        (dns,) = model.build([s], [sl], [])
+        (e,) = dns.endpoints
+        assert (e.ready, e.serving, e.terminating) == (False, True, True)
+        assert [x.ip for x in dns.usable()] == ["192.0.2.2"]
+
+
 def _chain(rs: Ruleset, name: str) -> list[list[dict]]:
     obj = rs.objects[(compiler.FAMILY, compiler.TABLE, "chain", name)]
     assert isinstance(obj, NftChain)

@@ -14,7 +14,8 @@ from agentd.datastore.store import Datastore
 from agentd.resources import kinds, manifests
 from agentd.resources.store import ResourceEvent
 from agentd.services import agent as services_agent
-from agentd.services.agent import ServiceAgent
+from agentd.services import model
+from agentd.services.agent import ServiceAgent, unusable_udp
 from agentd.services.conntrack import (
     CtEntry,
     CtTuple,
@@ -270,3 +271,59 @@ async def test_the_agents_table_drops_the_service_ranges_unallocated_addresses(m
     _new, in_range, verdict = json.loads(chain.rules[-1])
     assert in_range["match"]["right"] == {"prefix": {"addr": "10.96.0.0", "len": 12}} and verdict == {"goto": {"target": "no-service"}}
     assert "10.96.0.20" in agent._table.elements[("ip", "cluster-ips")]
+
+
+def test_the_first_sync_flushes_the_flows_of_a_udp_port_with_no_usable_endpoint():
+    """After a start every UDP port's flows are checked, also one with no usable endpoint
+    now (its only endpoint stopped serving while the agent was down): all its flows go."""
+    gone = model.Endpoint("10.244.9.9", 53, "node2", ready=False, serving=False)
+    sp = model.ServicePort("kube-system", "dns", "", "UDP", 53, "10.96.0.10", None, None, False, False, (gone,))
+    assert sp.usable() == ()
+    assert unusable_udp([], [sp], "node1", first=True) == [Unusable("10.96.0.10", 53, None, 4, frozenset())]
+    assert unusable_udp([], [sp], "node1", first=False) == []
+    to_gone = entry("10.244.1.9", 40000, "10.96.0.10", 53, "10.244.9.9", 53)
+    assert entries_to_delete([to_gone], unusable_udp([], [sp], "node1", first=True)) == [to_gone]
+
+
+def test_the_first_sync_keeps_short_circuited_flows_to_this_nodes_terminating_endpoints():
+    """A Local node port whose endpoints on this node are all terminating (serving) while
+    another node's is ready: the short-circuit (this node's pods) takes both, this node's
+    first, so a pod's flow to the local terminating one is the data path's own choice and
+    stays after a start (as one to the other node's); one to no endpoint goes."""
+    node1 = "192.168.0.1"
+    mine = model.Endpoint("10.244.1.5", 53, "node1", ready=False, serving=True, terminating=True)
+    far = model.Endpoint("10.244.2.5", 53, "node2")
+    sp = model.ServicePort("ns", "dns", "", "UDP", 53, "10.96.0.10", 30053, None, False, True, (mine, far))
+    assert [e.ip for e in sp.short_circuit_endpoints("node1")] == ["10.244.1.5", "10.244.2.5"]
+    flushes = unusable_udp([], [sp], "node1", first=True, short_circuit=("10.244.1.0/24",))
+    from_pod_mine = entry("10.244.1.9", 40000, node1, 30053, "10.244.1.5", 53)
+    from_pod_far = entry("10.244.1.9", 40001, node1, 30053, "10.244.2.5", 53)
+    from_pod_gone = entry("10.244.1.9", 40002, node1, 30053, "10.244.3.5", 53)
+    assert entries_to_delete([from_pod_mine, from_pod_far, from_pod_gone], flushes, {node1}) == [from_pod_gone]
+
+
+async def test_an_etcd_restore_landing_during_a_pass_is_not_counted_applied_by_it(monkeypatch):
+    """etcd restored (revision 1001 -> 900) while a pass is sending revision 1001 to the
+    kernel: that pass does not count 1001 applied (the restore's snapshot left it at 900:
+    nothing above is); the next pass, a full one from the snapshot, applies 900."""
+    monkeypatch.setattr(services_agent.conntrack, "flush_udp", lambda gone: len(gone))
+    agent = ServiceAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"))
+    restore: list[ResourceEvent] = []
+
+    class Restoring(Programmer):
+        async def sync(self, rs, keys):
+            while restore:
+                agent._on_resource(restore.pop())
+            return await super().sync(rs, keys)
+
+    agent.programmer = Restoring()
+    agent._on_resource(ResourceEvent("snapshot", 1000, objects=objects("10.244.1.2"), leases={}))
+    assert await agent._sync_pass()
+    assert agent.applied_revision == 1000
+    agent._on_resource(ResourceEvent("put", 1001, key=("Namespace", "", "x"), obj={}))
+    restore.append(ResourceEvent("snapshot", 900, objects=objects("10.244.1.3"), leases={}))
+    assert await agent._sync_pass()
+    assert agent.revision == 900 and agent.applied_revision == 900 and agent._dirty is None
+    assert await agent._sync_pass()
+    assert agent.applied_revision == 900
+    assert [e.ip for sp in agent.compiled_ports for e in sp.endpoints] == ["10.244.1.3"]
