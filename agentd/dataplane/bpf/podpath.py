@@ -25,7 +25,9 @@ The program needs conntrack's TCP tracking to be liberal about windows in this n
 does not see the packets it carries: see podpath.c), so :meth:`PodFastPath.open` sets
 ``net.netfilter.nf_conntrack_tcp_be_liberal`` to 1 and notes the value it found, which
 :func:`remove_pinned_fast_path` puts back (in ``agentd_podcfg``: a pin of an older layout,
-replaced at open, has its note read first and carried into the new map).  Blocking calls: run them off the event loop.
+replaced at open, has its note read first and carried into the new map; till the open has
+done so it stays, as ``agentd_podcfg_old``, and an open that fails puts it back).
+Blocking calls: run them off the event loop.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ from .layout import check_programs, sum_percpu
 log = logging.getLogger("agentd.bpf")
 OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
+# An older agent's agentd_podcfg (another layout) while an open replaces it: renamed, not
+# removed, till the open has noted its be_liberal value in the new map (or failed: renamed back).
+CONFIG_ASIDE = "agentd_podcfg_old"  # bpffs refuses names with a dot
 IPS6, STATS6, CONFIG6 = "agentd_podips6", "agentd_podstat6", "agentd_podcfg6"
 FLOWS, FLOWS6, ENDS = "agentd_podflows", "agentd_podflow6", "agentd_podends"  # per-connection counts (flow records)
 CONNS, RECS, LOST = "agentd_podconns", "agentd_podrecs", "agentd_podlost"  # connections the programs record
@@ -242,7 +247,9 @@ class PodFastPath:
             self.pins = tc.Pins.read(self.dir)  # the previous agent's programs, before ours replace the pins
             tc.sweep(self.pins)  # links of veths that went while no agent ran
             self.ncpus = lb.possible_cpus()
+            settle_config_aside(self.dir)  # an open killed before it could
             stale = () if pinned_conns_layout(self.dir) == CONNS_LAYOUT else (CONNS,)
+            self._set_config_aside(obj.maps[CONFIG].shape())
             self.adopted = bool(adopt_pins(obj, self.dir, self._replacing, stale))
             try:
                 obj.load()
@@ -272,6 +279,8 @@ class PodFastPath:
             else:
                 self.wire = "no cluster network or underlay device given"
             self._end_replaced_conns()
+            with contextlib.suppress(OSError):  # noted in the new map (else the next open removes it)
+                (self.dir / CONFIG_ASIDE).unlink()
         except (OSError, tc.TcError, BpfUnavailable) as err:  # lb.BpfError is an OSError
             if isinstance(err, lb.BpfError):
                 reason = explain(err)
@@ -303,6 +312,26 @@ class PodFastPath:
             self._configure(route=False)
             return
         self.wire = None
+
+    def _set_config_aside(self, shape: tuple) -> None:
+        """A pinned ``agentd_podcfg`` of another shape than ``shape`` (the object's: an older
+        agent's) renamed to ``agentd_podcfg_old``, its note read (:meth:`_replacing`): libbpf
+        makes the map afresh at load, and until :meth:`_configure` has noted the operator's
+        be_liberal value in it, the old pin is the only record of it -- an open that fails
+        before (the programs rejected at load, say) puts it back (:func:`settle_config_aside`)."""
+        path = self.dir / CONFIG
+        try:
+            fd = lb.obj_get(str(path))
+        except lb.BpfError:
+            return  # none (or not a map: adopt_pins replaces it)
+        try:
+            info = lb.map_info(fd)
+            if (info["type"], info["key_size"], info["value_size"], info["max_entries"], info["flags"]) == shape:
+                return
+            self._replacing(CONFIG, fd, info)
+        finally:
+            os.close(fd)
+        os.rename(path, self.dir / CONFIG_ASIDE)
 
     def _replacing(self, name: str, fd: int, info: dict) -> None:
         """A pin of another shape or layout :func:`adopt_pins` is about to remove: an older agent's
@@ -451,8 +480,9 @@ class PodFastPath:
         ring holds them (struct podconn_record, CONN_RECORD: read when a record is made)."""
         if self.recs is None:
             return []
+        drained = self.recs.drain()  # first: see recorded_batch
         replaced, self.replaced_ends = self.replaced_ends, []
-        return replaced + self.recs.drain()
+        return drained + replaced
 
     def recorded_batch(self) -> tuple[bytes, int, int, set[bytes]]:
         """:meth:`recorded` in one object: the records side by side, how many, how many were
@@ -461,10 +491,13 @@ class PodFastPath:
         if self.recs is None:
             return b"", 0, 0, set()
         blob, count, others, addresses = self.recs.drain_fixed(CONN_RECORD.size)
-        if self.replaced_ends:  # first: they ended before anything the new programs wrote
+        if self.replaced_ends:
+            # After the ring: agentd_podrecs is adopted with what the old programs wrote and no
+            # agent read, the starts of these very connections among it (those answered while no
+            # agent ran).
             replaced, self.replaced_ends = self.replaced_ends, []
             addresses |= {raw[i : i + 4] for raw in replaced for i in (0, 4)}
-            blob, count = b"".join(replaced) + blob, count + len(replaced)
+            blob, count = blob + b"".join(replaced), count + len(replaced)
         return blob, count, others, addresses
 
     def reset_hints(self) -> list[tuple[bytes, int]]:
@@ -671,6 +704,38 @@ def pinned_conns_layout(directory: Path) -> int:
         os.close(fd)
 
 
+def _notes_liberal(path: Path) -> bool:
+    """Whether the pinned ``agentd_podcfg`` at ``path`` is of this layout and notes the value
+    found of be_liberal (CFG_ON); False where it cannot be read."""
+    try:
+        fd = lb.obj_get(str(path))
+    except lb.BpfError:
+        return False
+    try:
+        if lb.map_info(fd)["value_size"] != CONFIG_VALUE.size:
+            return False
+        raw = lb.map_lookup(fd, U32.pack(0), CONFIG_VALUE.size)
+        return bool(raw) and bool(CONFIG_VALUE.unpack(raw)[0] & CFG_ON)
+    except (lb.BpfError, OSError, struct.error):
+        return False
+    finally:
+        os.close(fd)
+
+
+def settle_config_aside(directory: Path) -> None:
+    """An ``agentd_podcfg_old`` an open set aside (:meth:`PodFastPath._set_config_aside`) and
+    did not get to remove: removed where the ``agentd_podcfg`` beside it notes be_liberal (the
+    open noted the old pin's value there, or the operator's where the old one noted none), else
+    put back in its place -- the value it notes is then the only record of the operator's."""
+    aside = directory / CONFIG_ASIDE
+    if not aside.exists():
+        return
+    if _notes_liberal(directory / CONFIG):
+        aside.unlink()
+    else:
+        os.replace(aside, directory / CONFIG)
+
+
 def remove_pinned_fast_path(bpf_dir: str | os.PathLike, *, liberal: bool = False) -> list[str]:
     """Detach the pod fast path from the veths its pinned map names and remove its pins.
     Works without the agent that made them; idempotent.  Returns what was removed.
@@ -683,6 +748,7 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike, *, liberal: bool = False
     is kept in the ``agentd_podcfg`` pin (a next open adopts it, a leave puts it back).  A
     value that cannot be written raises OSError (one line), the pin kept for the next leave."""
     d = pin_dir(bpf_dir)
+    settle_config_aside(d)  # an open that failed (or was killed) replacing an older agent's
     pins = tc.Pins.read(d)
     removed: list[str] = []
     devices: set[int] = set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import struct
 
@@ -126,3 +127,87 @@ def test_an_older_member_map_is_replaced_with_its_members(monkeypatch):
     assert struct.unpack_from("<Q", new[layout.peer_key(_v4(7))], slot)[0] == layout.PEER_F_UDP_TO_WORKER
     assert layout.sum_percpu(new[layout.peer_key(_v4(8))], layout.PEER_STATS) == (0, 0, 0, 0, 0)
     assert list(kernel.maps[4].entries) == [socket.inet_pton(socket.AF_INET6, _v6(9))]
+
+
+class _Shape:
+    pinned = True
+
+    def __init__(self, shape: tuple) -> None:
+        self._shape = shape
+
+    def shape(self) -> tuple:
+        return self._shape
+
+
+def test_an_upgrade_over_older_member_maps_has_their_members_in_the_new_ones_before_the_first_attach(
+        monkeypatch, tmp_path):
+    # BpfDatapath.open over an older agent's agentd_peers and agentd_peers6 (4,096 entries):
+    # the new programs must not go on the device with empty member maps (every member's packets
+    # dropped until the first sync).  Pins are files, their maps kept by inode; the maps the
+    # load makes are known by name.
+    dp = datapath.BpfDatapath(1, tmp_path / "bpf")
+    dp.dir.mkdir(parents=True)
+    pinned: dict[int, tuple[dict, dict[bytes, bytes]]] = {}
+    new: dict[str, dict[bytes, bytes]] = {}
+
+    def entries(fd):
+        return new.setdefault(fd, {}) if isinstance(fd, str) else pinned[os.fstat(fd).st_ino][1]
+
+    def obj_get(path):
+        if not os.path.isfile(path):
+            raise libbpf.BpfError(errno.ENOENT, f"bpf_obj_get {path}")
+        return os.open(path, os.O_RDONLY)
+
+    def update(fd, key, value, flags=0):
+        if flags == libbpf.BPF_NOEXIST and key in entries(fd):
+            raise libbpf.BpfError(errno.EEXIST, "map update")
+        entries(fd)[key] = value
+
+    def pin_old(name, key_size, value_size, old):
+        path = dp.dir / name
+        path.write_text("a pinned map")
+        pinned[os.stat(path).st_ino] = ({"type": libbpf.MAP_TYPE_HASH, "key_size": key_size, "value_size": value_size,
+                                         "max_entries": 4096, "flags": 0}, old)
+
+    slot = (layout.PEER_STATS.size + 7) & ~7
+    pin_old(layout.PEERS, 4, layout.PEER_STATS.size,
+            {layout.peer_key(_v4(i)): layout.PEER_STATS.pack(layout.PEER_F_UDP_TO_WORKER if i == 7 else 0, 5, 500, 6, 600)
+             .ljust(slot, b"\0") * 2 for i in range(1, 9)})
+    pin_old(layout.PEERS6, 16, 4, {socket.inet_pton(socket.AF_INET6, _v6(9)): layout.PEER6_VALUE.pack(1)})
+
+    class Obj:
+        def __init__(self):
+            self.maps = {name: _Shape((libbpf.MAP_TYPE_HASH, 4, 8, 65536, 0)) for name in layout.MAPS}
+
+        def pin_maps_in(self, _directory): pass
+        def load(self): pass
+        def map_fd(self, name): return name
+        def prog_fd(self, _name): return 7
+        def close(self): pass
+
+    at_attach = []
+
+    def attach(_ifindex, direction, _fd, name, _hook, _pins, last=False):
+        at_attach.append((name, {k: dict(v) for k, v in new.items()}))
+        return []
+
+    for name, value in (("resolve_hook", lambda _attach: "tcx"), ("open_checked", lambda _path, _check: Obj()),
+                        ("ensure_dir", lambda *_args: None), ("pin", lambda *_args: None),
+                        ("gateway_neighbours", lambda _ifindex: [])):
+        monkeypatch.setattr(datapath, name, value)
+    monkeypatch.setattr(datapath.tc, "sweep", lambda _pins: 0)
+    monkeypatch.setattr(datapath.tc, "attach", attach)
+    for name, value in (("possible_cpus", lambda: 2), ("obj_get", obj_get),
+                        ("map_info", lambda fd: pinned[os.fstat(fd).st_ino][0]),
+                        ("map_keys", lambda fd, _size: list(entries(fd))),
+                        ("map_lookup", lambda fd, key, _size: entries(fd).get(key)),
+                        ("map_update", update), ("prog_info", lambda _fd: {"id": 1})):
+        monkeypatch.setattr(datapath.lb, name, value)
+    dp.open(layout.Config("192.0.2.1", 4790, 4789, 0, 1450))
+    assert [name for name, _maps in at_attach] == list(layout.PROGRAMS)
+    first = at_attach[0][1]
+    assert {socket.inet_ntoa(k) for k in first.get(layout.PEERS, {})} == {_v4(i) for i in range(1, 9)}
+    assert struct.unpack_from("<Q", first[layout.PEERS][layout.peer_key(_v4(7))], slot)[0] == layout.PEER_F_UDP_TO_WORKER
+    assert struct.unpack_from("<Q", first[layout.PEERS][layout.peer_key(_v4(8))])[0] == 0
+    assert list(first.get(layout.PEERS6, {})) == [socket.inet_pton(socket.AF_INET6, _v6(9))]
+    assert not (dp.dir / layout.PEERS).exists()  # replaced: the load makes it afresh

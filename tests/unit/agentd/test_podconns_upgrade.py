@@ -201,3 +201,106 @@ def test_ends_of_a_replaced_podconns_are_dropped_when_the_programs_stop_recordin
                                                                                 "close": lambda s: None})())
     fp.set_recording(False)  # flows off: nobody records; a later recorder must not take them
     assert _ends(fp) == []
+
+
+# An agent of e53e2cb..2446ab4's podcfg as the operator's be_liberal = 0 left it noted.
+NOTED_ZERO = struct.pack("<III4s4sI", podpath.CFG_ON, 0, 0, bytes(4), bytes(4), 0)
+
+
+def test_an_upgrade_whose_programs_fail_to_load_keeps_the_operators_be_liberal_for_a_leave(monkeypatch, tmp_path):
+    class Rejected(Obj):
+        def load(self):  # the verifier, a kfunc: libbpf removes the pins it made
+            raise podpath.lb.BpfError(errno.EINVAL, "bpf_object__load")
+
+    fp = podpath.PodFastPath(tmp_path / "bpf")
+    fp.dir.mkdir(parents=True)
+    kernel = Kernel(monkeypatch, fp.dir)
+    monkeypatch.setattr(podpath, "open_checked", lambda _path, _check: Rejected())
+    kernel.pin(podpath.CONFIG, _config_info(len(NOTED_ZERO)), {bytes(4): NOTED_ZERO})
+    try:
+        fp.open()
+    except podpath.BpfUnavailable:
+        pass
+    else:
+        raise AssertionError("the open did not fail")
+    # The older agent's pin is back in place (the fast path stays off, be_liberal 1).
+    assert (fp.dir / podpath.CONFIG).exists() and not (fp.dir / podpath.CONFIG_ASIDE).exists()
+    assert podpath.BE_LIBERAL.read_text() == "1\n"
+    removed = podpath.remove_pinned_fast_path(tmp_path / "bpf", liberal=True)  # agentd leave
+    assert podpath.BE_LIBERAL.read_text() == "0\n"
+    assert "net.netfilter.nf_conntrack_tcp_be_liberal = 0 put back" in removed
+    assert not (fp.dir / podpath.CONFIG).exists()
+
+
+def test_an_older_podcfg_an_open_set_aside_and_did_not_get_to_remove_is_what_a_leave_puts_back(monkeypatch, tmp_path):
+    # An agent killed in its open between setting the old pin aside and noting its value.
+    directory = podpath.pin_dir(tmp_path / "bpf")
+    directory.mkdir(parents=True)
+    kernel = Kernel(monkeypatch, directory)
+    kernel.pin(podpath.CONFIG_ASIDE, _config_info(len(NOTED_ZERO)), {bytes(4): NOTED_ZERO})
+    podpath.remove_pinned_fast_path(tmp_path / "bpf", liberal=True)
+    assert podpath.BE_LIBERAL.read_text() == "0\n"
+    assert not (directory / podpath.CONFIG_ASIDE).exists() and not (directory / podpath.CONFIG).exists()
+
+
+def test_an_upgrade_that_opens_notes_the_older_podcfgs_value_and_removes_the_old_pin(monkeypatch, tmp_path):
+    fp, kernel, _entries = _open(monkeypatch, tmp_path, NOTED_ZERO, LIVE_SIZE)
+    assert not (fp.dir / podpath.CONFIG_ASIDE).exists()
+    flags, _ms, before = podpath.CONFIG_NOTE.unpack_from(kernel.new[podpath.CONFIG][bytes(4)])
+    assert flags & podpath.CFG_ON and before == 0
+
+
+def test_a_handed_over_connections_end_comes_after_its_start_the_old_programs_recorded(monkeypatch, tmp_path):
+    # agentd_podrecs is adopted with what the old programs wrote while no agent ran: the
+    # START of a connection still in the replaced agentd_podconns among it.
+    fp, _kernel, entries = _open(monkeypatch, tmp_path, OLDER_CONFIG, LIVE_SIZE)
+    start = podpath.CONN_RECORD.pack(OPEN, podpath.REC_START, entries[OPEN])
+
+    class Adopted:
+        def drain_fixed(self, _size):
+            return start, 1, 0, {OPEN[0:4], OPEN[4:8]}
+
+        def drain(self):
+            return [start]
+
+    fp.recs = Adopted()
+    blob, count, _others, _addresses = fp.recorded_batch()
+    records = [podpath.CONN_RECORD.unpack_from(blob, i * podpath.CONN_RECORD.size)[:2] for i in range(count)]
+    assert [kind for key, kind in records if key == OPEN] == [podpath.REC_START, podpath.REC_GONE]
+    # recorded(), the same.
+    fp, _kernel, _entries = _open(monkeypatch, tmp_path / "again", OLDER_CONFIG, LIVE_SIZE)
+    fp.recs = Adopted()
+    kinds = [podpath.CONN_RECORD.unpack(raw)[1] for raw in fp.recorded() if podpath.CONN_RECORD.unpack(raw)[0] == OPEN]
+    assert kinds == [podpath.REC_START, podpath.REC_GONE]
+
+
+def test_the_replaced_podconns_is_read_only_once_every_new_program_is_on(monkeypatch, tmp_path):
+    # Its connections' ends are read once the old programs are off every hook: the pods'
+    # veths and the underlay device (what they recorded till then included).
+    timeline = []
+    fp = podpath.PodFastPath(tmp_path / "bpf", cluster=podpath.IPv4Network("10.244.0.0/16"), wire_ifindex=2)
+    fp.dir.mkdir(parents=True)
+    kernel = Kernel(monkeypatch, fp.dir)
+    monkeypatch.setattr(podpath, "open_checked", lambda _path, _check: Obj())
+    kernel.pin(podpath.CONFIG, _config_info(len(OLDER_CONFIG)), {bytes(4): OLDER_CONFIG})
+    kernel.pin(podpath.CONNS, _info(LIVE_SIZE), {OPEN: _entry(LIVE_SIZE, podpath.CONN_OPEN, 1, 3)})
+    kernel.new[podpath.IPS] = {socket.inet_aton("10.244.1.2"): podpath.POD_VALUE.pack(11),
+                               socket.inet_aton("10.244.1.3"): podpath.POD_VALUE.pack(12)}
+    old_conns = next(entries for info, entries in kernel.pinned.values() if info["key_size"] == podpath.FLOW_KEY.size)
+    keys = podpath.lb.map_keys
+
+    def map_keys(fd, size):
+        if not isinstance(fd, str) and kernel._entries(fd) is old_conns:
+            timeline.append("old podconns read")
+        return keys(fd, size)
+
+    def attach(ifindex, direction, _fd, name, _hook, _pins, last=False):
+        timeline.append(f"{name} on {ifindex}")
+        return []
+
+    monkeypatch.setattr(podpath.lb, "map_keys", map_keys)
+    monkeypatch.setattr(podpath.tc, "attach", attach)
+    fp.open()
+    assert timeline == [f"{podpath.PROGRAM} on 11", f"{podpath.PROGRAM} on 12", f"{podpath.WIRE_PROGRAM} on 2",
+                        "old podconns read"]
+    assert [(key, kind) for key, kind, _value in _ends(fp)] == [(OPEN, podpath.REC_GONE)]
