@@ -37,12 +37,24 @@ def file_route(route: Route, kernel: dict[str, Route], strays: set[Stray], desir
     """File one of our kernel routes: the route for its dst, or a stray."""
     dst = route.dst
     have = kernel.get(dst)
-    if have is None or kernel_metric(have) == kernel_metric(route):
+    if have is None:
         kernel[dst] = route
+        return
+    want = desired.get(dst)
+    if kernel_metric(have) == kernel_metric(route):
+        if ":" not in dst or (have.gateway is None) == (route.gateway is None):
+            kernel[dst] = route
+            return
+        # One IPv6 key holds a gateway route of ours and one without (fib6 keeps both): the
+        # desired one, else the one a replace by the desired route takes (as ECMP-able as it),
+        # is its route; the other a stray, deleted by exactly its gateway or ``::``.
+        if want is not None and not same_route(want, have) and (
+                same_route(want, route) or (want.gateway is None) == (route.gateway is None)):
+            kernel[dst], route = route, have
+        strays.add(stray_of_own(route))
         return
     # Two routes of ours for one dst (different metrics): the one holding the desired
     # route's key is its route (replaced in place if it differs); the other is a stray.
-    want = desired.get(dst)
     if want is not None and kernel_metric(want) == kernel_metric(route):
         kernel[dst], route = route, have
     strays.add(stray_of_own(route))

@@ -248,19 +248,37 @@ def hop_of(route: Route) -> Stray:
     return stray_of(route)._replace(gateway=route.gateway, dev=route.dev)
 
 
+NO_GATEWAY = "::"  # a Stray's gateway for an IPv6 route of ours without one: deleted as that
+
+
 def stray_of_own(route: Route) -> Stray:
-    """The Stray that deletes just this route of ours when it is not the route for its dst
-    (a second metric): an IPv6 gateway route by its next hop, as another daemon's next hop may
-    be appended to it; any other by its key."""
-    return hop_of(route) if route.gateway is not None and ":" in route.dst else stray_of(route)
+    """The Stray that deletes just this route of ours: an IPv6 gateway route by its next hop,
+    as another daemon's next hop may be appended to it; an IPv6 route without a gateway by
+    gateway ``::`` (and its device), as one key may hold it and a gateway route of ours
+    (ip6_route_del takes the first route of ours at the key unless the delete names a gateway,
+    and compares that with the route's, ``::`` for one without); an IPv4 route by its key."""
+    if ":" not in route.dst:
+        return stray_of(route)
+    if route.gateway is not None:
+        return hop_of(route)
+    return stray_of(route)._replace(gateway=NO_GATEWAY, dev=route.dev)
+
+
+def real_gateway(stray: Stray) -> str | None:
+    """A Stray's next hop's gateway (None for a route of ours deleted as having none)."""
+    gateway = stray.gateway
+    return None if gateway == NO_GATEWAY else gateway
 
 
 def takes(gone: Route, current: Route) -> bool:
     """Did our route ``gone`` going (deleted by us, or reported deleted) take ``current``, our
     route filed under the same (dst, metric)?  IPv4 holds one route per key; IPv6 one per next
-    hop, and a delete naming a gateway takes just that one."""
-    if gone.gateway is None or ":" not in gone.dst:
+    hop, and one key may hold a gateway route and one without: our delete names the gateway
+    (``::`` for none) and takes just that one."""
+    if ":" not in gone.dst:
         return True
+    if gone.gateway is None:
+        return current.gateway is None
     return current.gateway == gone.gateway and (gone.dev is None or current.dev is None or gone.dev == current.dev)
 
 

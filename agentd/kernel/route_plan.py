@@ -29,6 +29,7 @@ from agentd.kernel.route_model import (
     canonical_dst,
     hop_of,
     kernel_metric,
+    real_gateway,
     same_route,
     stray_of,
     stray_of_own,
@@ -61,9 +62,12 @@ def needs_beside(want: Route, old_gateway: str | None) -> bool:
     and its siblings.)  On every kernel such a route is added beside ours with NLM_F_CREATE
     alone (rt6_duplicate_nexthop: a gateway route is never its duplicate), and our old
     route is then deleted by its gateway and device: no gap, and no other daemon's route at
-    the key touched.  The other way (an ECMP-able route where ours is not) a replace takes
-    ours on every kernel (the fallback to the first route at the key)."""
-    return want.gateway is None and old_gateway is not None and ":" in want.dst
+    the key touched.  The other way (an ECMP-able route where ours is not) a replace would
+    take the first gateway route at the key, another daemon's one beside ours if it is there,
+    else the first route at the key, whoever's: it is added beside ours too (appended; or it
+    meets a route with its next hop, EEXIST), and ours deleted by gateway ``::`` and device
+    (route_model.stray_of_own)."""
+    return (want.gateway is None) != (old_gateway is None) and ":" in want.dst
 
 
 class Work(NamedTuple):
@@ -275,7 +279,7 @@ class RouteState:
             key = (want.dst, kernel_metric(want))
             if key not in keyed or key in taken:
                 kept.append(want)
-            elif any(needs_beside(want, stray.gateway) for stray in keyed[key]):
+            elif any(needs_beside(want, real_gateway(stray)) for stray in keyed[key]):
                 taken.add(key)
                 besides.append((want, list(keyed[key])))
             else:
@@ -283,7 +287,9 @@ class RouteState:
                 replaces.append(want)
         for want in replaces:
             key = (want.dst, kernel_metric(want))
-            if key in keyed and any(stray.gateway is not None for stray in keyed[key]):
+            # Only a gateway route's replace takes the multipath route (one without takes our
+            # route without one at the key, beside which our next hops stay).
+            if key in keyed and want.gateway is not None and any(real_gateway(s) for s in keyed[key]):
                 taken.add(key)
         if taken:
             adds[:] = kept
@@ -350,6 +356,7 @@ class RouteState:
                 elif strays:
                     strays.discard(stray_of(target))
                     strays.discard(hop_of(target))
+                    strays.discard(stray_of_own(target))
             else:
                 dst = target.text
                 strays.discard(target)
@@ -360,7 +367,7 @@ class RouteState:
         hop deleted by its gateway is then another daemon's: remembered, and not deleted again
         at every full resync."""
         for target in targets:
-            if type(target) is Stray and target.gateway is not None:
+            if type(target) is Stray and real_gateway(target) is not None:
                 if len(self.foreign_hops) > 4096:
                     self.foreign_hops.clear()
                 self.foreign_hops.add(target)
@@ -383,6 +390,14 @@ class RouteState:
             return
         if type(found) is Route:
             dst = found.dst
+            have = self.kernel.get(dst)
+            if (have is not None and ":" in dst and (have.gateway is None) != (found.gateway is None)
+                    and kernel_metric(have) == kernel_metric(found)):
+                # One IPv6 key holds a gateway route and one without: added beside ours (Linux
+                # 4.1-4.18's replace), or put in its place?  A re-read of the kernel says.
+                self.full_pending = True
+                self.dirty.add(dst)
+                return
             file_route(found, self.kernel, self.strays, self.desired)
             self.dirty.add(dst)
             want = self.desired.get(dst)
@@ -416,6 +431,7 @@ class RouteState:
         else:
             self.strays.discard(stray_of(found))
             self.strays.discard(hop_of(found))
+            self.strays.discard(stray_of_own(found))
         if self.foreign_hops:
             self.foreign_hops.discard(hop_of(found))
         self.dirty.add(dst)

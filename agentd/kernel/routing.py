@@ -333,18 +333,23 @@ class RouteProgrammer:
 
     def _classify_beside(self, results: list[tuple[Route, int, str | None]],
                          messages: list[nl.RouteMessage]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-        """Routes added beside our gateway route(s) at their key that met EEXIST: a route with
-        their next hop is there (rt6_duplicate_nexthop: no gateway, the same device), not the
-        gateway routes they go beside.  Another daemon's is a conflict, named, as for an add;
-        our own one (not known to us yet; a full resync files it) stays a failure, and so
-        does an EEXIST no route in the table explains.  Returns (failed, conflicts)."""
-        found = classify_existing([route for route, _err, _msg in results],
-                                  [msg for msg in messages if msg.gateway is None],
-                                  table=self.table, protocol=self.protocol, route_of=self.netlink.route_of)
-        conflicting = {dst for dst, _reason in found.conflicts}
+        """Routes added beside our route(s) at their key that met EEXIST: a route with their
+        next hop is there (rt6_duplicate_nexthop: the same gateway, or none, and the same
+        device), not the routes of ours they go beside (gateway routes if they have none, and
+        the other way).  Another daemon's is a conflict, named, as for an add; our own one
+        (not known to us yet; a full resync files it) stays a failure, and so does an EEXIST
+        no route in the table explains.  Returns (failed, conflicts)."""
+        conflicts: list[tuple[str, str]] = []
+        for gateway in (False, True):
+            routes = [route for route, _err, _msg in results if (route.gateway is not None) == gateway]
+            if routes:
+                found = classify_existing(routes, [msg for msg in messages if (msg.gateway is not None) == gateway],
+                                          table=self.table, protocol=self.protocol, route_of=self.netlink.route_of)
+                conflicts += found.conflicts
+        conflicting = {dst for dst, _reason in conflicts}
         failed = [(route.dst, nl.describe_error(err, message)) for route, err, message in results
                   if route.dst not in conflicting]
-        return failed, list(found.conflicts)
+        return failed, conflicts
 
     async def _execute(self, code: str, targets: list, outcome: Outcome):
         """Send ``targets`` and record each success in the state (failures are returned)."""

@@ -791,3 +791,43 @@ async def test_a_blackhole_beside_our_ipv6_gateway_route_is_a_conflict_when_ours
     result = await programmer.reconcile(full=True)
     assert result.ok, result
     assert await lab.own("-6") == [f"blackhole {dst} dev lo metric 1024 pref medium"]
+
+
+async def test_two_own_routes_at_one_ipv6_key_and_another_daemons_gateway_route_beside_ours(lab, start):
+    # One IPv6 key (dst, metric) holds our gateway route and a route of ours without a
+    # gateway (what `ip -6 route replace DST dev v0 proto 143` leaves on Linux 4.1-4.18;
+    # `append` here).  A delete of ours by key took the first route of ours at the key, the
+    # gateway route, and the other stayed; a replace by a gateway route took the first
+    # gateway route at the key, another daemon's beside ours.  Now each of ours is deleted by
+    # exactly its gateway (:: for none), and a gateway route goes in beside ours.
+    dst = "2001:db8:5b::/64"
+    via = f"{dst} via {GW6} dev v0 metric 1024 pref medium"
+    gateway = Route(dst, gateway=GW6, dev="v0")
+    programmer = await start(resync_interval=3600)
+    programmer.set_desired([gateway])
+    assert (await programmer.reconcile()).added == (dst,)
+    await lab.ip("-6", "route", "append", dst, "dev", "v0", "proto", str(RTPROT_AGENTD))
+    assert len(await lab.own("-6")) == 2
+    result = await programmer.reconcile(full=True)  # ours nobody wants goes, the desired one stays
+    assert result.ok and result.removed == (dst,), result
+    assert await lab.own("-6") == [via]
+    await lab.ip("-6", "route", "append", dst, "dev", "v0", "proto", str(RTPROT_AGENTD))
+    await programmer.stop(remove_routes=True)
+    assert await lab.own("-6") == []
+    # Our device route, and another daemon's gateway route with our next hop beside it.
+    programmer = await start(resync_interval=3600)
+    programmer.set_desired([Route(dst, dev="v0")])
+    assert (await programmer.reconcile()).added == (dst,)
+    await lab.ip("-6", "route", "append", dst, "via", GW6, "dev", "v0", "proto", "bird")
+    theirs = [line for line in await lab.table_all() if "2001:db8:5b::" in line and "bird" in line]
+    assert len(theirs) == 1, theirs
+    programmer.set_desired([gateway])
+    for full in (False, True):
+        result = await programmer.reconcile(full=full)
+        assert result.failed == () and [d for d, _reason in result.conflicts] == [dst], result
+        assert "proto bird" in result.conflicts[0][1]
+        assert [line for line in await lab.table_all() if "2001:db8:5b::" in line and "bird" in line] == theirs
+        assert await lab.own("-6") == [f"{dst} dev v0 metric 1024 pref medium"]
+    await lab.ip("-6", "route", "del", dst, "via", GW6, "dev", "v0", "proto", "bird")
+    assert (await programmer.reconcile(full=True)).ok
+    assert await lab.own("-6") == [via]

@@ -15,7 +15,9 @@ delete names table, dst, tos and protocol, an absent or zero priority matches an
 lowest-priority match goes, none -> ESRCH; a gateway route without a device gets eth0.
 IPv6 keeps a list of routes per key (the fib6 leaf, in insertion order; no two gateway
 routes in it here: nobody appends): NLM_F_CREATE without NLM_F_EXCL adds beside them (EEXIST
-for a duplicate next hop: same gateway and device), a delete takes the first match, and
+for a duplicate next hop: same gateway and device), a delete takes the first match (one
+naming a gateway matches only that gateway, ``::`` a route without one: ip6_route_del
+compares it with fib_nh_gw6), and
 NLM_F_REPLACE takes the first route as ECMP-able as the new one (rt6_qualify_for_ecmp: a
 gateway route), else for a gateway route the first route; for one that is not ECMP-able,
 Linux 4.1-4.18 add it beside (NLM_F_CREATE) or fail ENOENT, later kernels take the first
@@ -42,7 +44,8 @@ d) no gap: a desired destination that has a route of ours when a sync (or a star
 The full model found four bugs, and three more around bug 4 (4b-4d: two routes of ours for
 one destination; 4b and 4c turned up in the model once bug 4's xfail was lifted); all are
 fixed and their minimal scenarios at the end are regression tests; the random run later found
-bug 5 (a conflict kept after our own-protocol route took the key back).
+bug 5 (a conflict kept after our own-protocol route took the key back), and four more
+(7a-7d) around one IPv6 key holding a gateway route and a route without one.
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ class FakeKernel:
                 op = "replace"
                 err = self._replace(entry, flags & nl.NLM_F_CREATE)[0]
             elif flags & nl.NLM_F_CREATE and not flags & nl.NLM_F_EXCL:
-                assert entry.family == AF6 and not ecmp_entry(entry), "only IPv6 non-gateway routes go beside"
+                assert entry.family == AF6, "only IPv6 routes go beside"
                 op = "beside"
                 err = self._add(entry, beside=True)
             else:
@@ -276,7 +279,7 @@ class FakeKernel:
              and (not msg.protocol or e.protocol == msg.protocol)
              and (not msg.type or e.type == msg.type)
              and (msg.scope == nl.RT_SCOPE_NOWHERE or e.scope == msg.scope)
-             and (msg.gateway is None or e.gateway == msg.gateway)
+             and (msg.gateway is None or (e.gateway or ZERO[e.family]) == msg.gateway)
              and (not msg.oif or e.oif == msg.oif)),
             key=lambda e: e.priority)
         if not candidates:
@@ -562,9 +565,15 @@ class RouteModel(RuleBasedStateMachine):
 
     def blocked(self, want: Route) -> bool:
         """Another protocol's route holds the key of this desired route in our table (and no
-        route of ours is there beside it)."""
+        route of ours is there beside it), or, IPv6, another protocol's route with its next
+        hop (rt6_duplicate_nexthop: gateway and device) is there, beside which it cannot go
+        (our old routes at the key stay, and carry the traffic)."""
         leaf = self.kernel.leaf(key_of(want, self.table))
-        return any(e.protocol != OURS for e in leaf) and not any(e.protocol == OURS for e in leaf)
+        if any(e.protocol != OURS for e in leaf) and not any(e.protocol == OURS for e in leaf):
+            return True
+        hop = entry_of_route(want, table=self.table, protocol=OURS)
+        return hop.family == AF6 and any(e.protocol != OURS and (e.gateway, e.oif) == (hop.gateway, hop.oif)
+                                         for e in leaf)
 
     def own_at(self, want: Route) -> list[Entry]:
         return [e for e in self.kernel.leaf(key_of(want, self.table)) if self.ours(e)]
@@ -725,7 +734,8 @@ class RouteModel(RuleBasedStateMachine):
             assert dst not in self.p.conflicts, f"{dst} installed but reported as a conflict" + state
         own = self.own_entries()
         if self.complete:
-            expected = {key_of(w, self.table) for w in self.desired.values() if not self.blocked(w)}
+            # At a key another daemon's route blocks, our old routes may stay (see blocked()).
+            expected = {key_of(w, self.table) for w in self.desired.values()}
             extra = [e.describe() for e in own if e.key not in expected]
             assert not extra, f"own routes nobody wants: {extra}" + state
         else:
@@ -749,7 +759,7 @@ class RouteModel(RuleBasedStateMachine):
         self.run(self.p.reconcile(full=True))
         conflicting = {key_of(w, self.table) for w in self.desired.values() if self.blocked(w)}
         for op, target, err in self.kernel.requests[n:]:
-            assert op == "add" and target.key in conflicting and err == errno.EEXIST, \
+            assert op in ("add", "beside") and target.key in conflicting and err == errno.EEXIST, \
                 f"full resync of an unchanged set sent {op} {target} (errno {err})"
         assert self.kernel.entries() == routes
 
@@ -963,6 +973,56 @@ def test_two_own_routes_at_one_ipv6_key_do_not_break_the_harness():
         assert [e.gateway is None for e in m.kernel.leaf(key_of(gateway, nl.RT_TABLE_MAIN))] == [False, True]
         m.sync(False)  # a)-d), with both routes in the dumps and views
         assert "via 2001:db8:ff::2" in m.dump_state()
+
+
+def _gateway_and_device_route_of_ours(m: RouteModel, dst: str) -> Route:
+    """Our IPv6 gateway route, and beside it at its key a device route of our protocol (what
+    someone's ``ip -6 route replace DST dev eth0 proto 143`` leaves on Linux 4.1-4.18)."""
+    gateway = Route(dst, gateway="2001:db8:ff::2", dev="eth0")
+    m.kernel.old_replace = True
+    m.upsert(gateway)
+    m.sync(False)
+    m.others_add(entry_of_route(Route(dst, dev="eth0"), table=nl.RT_TABLE_MAIN, protocol=OURS), True)
+    assert [e.gateway is None for e in m.kernel.leaf(key_of(gateway, nl.RT_TABLE_MAIN))] == [False, True]
+    return gateway
+
+
+def test_bug7a_two_own_routes_at_one_ipv6_key_nobody_wants_both_go():
+    # Filed under one dst, the device route took the gateway route's place in the state; its
+    # delete, by key, took the first route of ours at the key: the gateway route.  The device
+    # route stayed, at every resync (found by test_route_programmer_model_random).
+    with scenario() as m:
+        _gateway_and_device_route_of_ours(m, "::/0")
+        m.set_desired([])
+        m.kernel.overrun()
+        m.sync(False)  # a) own routes nobody wants: the device route
+
+
+def test_bug7b_a_replace_never_takes_another_daemons_gateway_route_beside_ours():
+    # Another daemon replaced our gateway route (same next hop); our device route beside it
+    # became our route for the dst, and the desired gateway route "replaced" it: an IPv6
+    # replace by a gateway route takes the first gateway route at the key, theirs.
+    with scenario() as m:
+        gateway = _gateway_and_device_route_of_ours(m, "2001:db8::/64")
+        theirs = entry_of_route(gateway, table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BOOT)._replace(mtu=1300)
+        m.others_add(theirs, True)
+        m.sync(True)  # b) a sync changed routes that are not ours
+        assert list(m.p.conflicts) == [gateway.dst] and theirs in m.kernel.entries()
+
+
+def test_bug7c_stop_removing_routes_removes_both_own_routes_at_one_ipv6_key():
+    with scenario() as m:
+        _gateway_and_device_route_of_ours(m, "2001:db8::/64")
+        m.restart(True, None)  # stop(remove_routes=True) left own routes
+
+
+def test_bug7d_own_route_added_beside_ours_at_its_ipv6_key_goes():
+    # The monitor's report of the device route made it our route for the dst; the desired
+    # gateway route then "replaced" it, in fact itself: the device route stayed beside it.
+    with scenario() as m:
+        gateway = _gateway_and_device_route_of_ours(m, "2001:db8::/64")
+        m.sync(False)  # a) desired route is not in the kernel (two of ours at its key)
+        assert [e.gateway for e in m.own_entries()] == [pton(AF6, gateway.gateway)]
 
 
 # --- after lost monitor events ------------------------------------------------------------------

@@ -345,10 +345,13 @@ def test_an_ipv6_gateway_route_becoming_one_that_is_not_ecmp_able_is_added_besid
         state.installed([want], report, beside=True)
         state.deleted([have], [])
         assert report == [V6] and state.kernel == {V6: want}
-        # Back to a gateway route: a replace takes ours on every kernel (the fallback to the
-        # first route at the key for an ECMP-able new one).
+        # Back to a gateway route: added beside ours too (a replace would take the first
+        # gateway route at the key, another daemon's if one is there), and ours deleted by
+        # gateway :: (none) and its device.
         state.set_desired([have])
-        assert (full_plan(state).replaces, full_plan(state).besides) == ([have], [])
+        plan = full_plan(state)
+        assert (plan.replaces, plan.besides) == ([], [(have, [want])])
+        assert deletes_sent(netlink, [want]) == [("::", 2 if want.dev else 0, RTPROT_AGENTD, 1024)]
     # IPv4 has one route per key: replaced whatever its kind.
     state = adopted(A)
     state.set_desired([Route(A.dst, kind="blackhole")])
