@@ -201,7 +201,10 @@ class PolicyEngine:
             labels = self.ns_labels(pod.namespace)
             for sel, members in self._members.items():
                 self._recheck(sel, members, pod, labels, changed=changed)
-            if changed or old.labels != pod.labels:  # type: ignore[union-attr]
+            # Egress named ports toward every pod or ipBlocks resolve on any pod's addresses and
+            # ports: its labels alone change none of them (a selector of such a rule whose
+            # members they change marks the policy dirty in _recheck).
+            if changed:
                 self._dirty_policies |= self._all_pods_refs
         if old != pod or old_local != local:
             self.pods_version += 1

@@ -847,6 +847,30 @@ def test_an_address_changing_owner_by_endpoint_file_time_alone_moves_its_named_p
     assert not forwarded(rs, Packet("10.0.0.9", "10.0.0.5", "tcp", 81))
 
 
+def test_a_pod_relabelled_where_no_selector_looks_compiles_nothing_again():
+    """Egress named ports toward every peer or an ipBlock resolve on any pod's addresses and
+    ports, not its labels: a remote pod taking a label no selector reads leaves every policy
+    as built (each such policy's named sets were filled again, scanning every pod: review r9
+    item 2).  A label that changes a selector's members still does."""
+    eng = PolicyEngine(NODE)
+    eng.upsert_pod(_pod("x", "cli", "10.0.0.1", {"app": "cli"}, NODE), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    eng.upsert_pod(_pod("y", "web", "10.0.1.1", {"app": "web"}, ports=[("http", 80, "TCP")]))
+    eng.upsert_policy(Policy.parse(kinds.validate(np("all", "x", {"podSelector": {}, "policyTypes": ["Egress"],
+                                                                  "egress": [{"ports": [{"port": "http"}]}]}))))  # fmt: skip
+    eng.upsert_policy(Policy.parse(kinds.validate(np("mixed", "x", {"podSelector": {}, "policyTypes": ["Egress"], "egress": [
+        {"to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}, {"namespaceSelector": {}, "podSelector": {"matchLabels": {"role": "db"}}}],
+         "ports": [{"port": "http"}]}]}))))  # fmt: skip
+    eng.build()
+    assert eng._all_pods_refs == {("x", "all"), ("x", "mixed")}
+    eng.upsert_pod(_pod("y", "web", "10.0.1.1", {"app": "web", "unread": "yes"}, ports=[("http", 80, "TCP")]))
+    assert eng._dirty_policies == set()
+    eng.upsert_pod(_pod("y", "web", "10.0.1.1", {"app": "web", "role": "db"}, ports=[("http", 80, "TCP")]))
+    assert eng._dirty_policies == {("x", "mixed")}
+    rs = eng.build()
+    assert _named_sets(rs)["np-out/x/mixed/0/named"] == {("10.0.1.1", "tcp", 80)}
+    assert forwarded(rs, Packet("10.0.0.1", "10.0.1.1", "tcp", 80))
+
+
 def test_a_selected_local_pod_renumbering_its_named_port_is_reached_on_the_new_number():
     """Same labels, so the same policies select it: the policy's ingress named ports
     (resolved on the selected pods) are compiled again all the same."""
