@@ -1040,6 +1040,62 @@ def test_rules_with_one_selector_share_its_set(monkeypatch):
     assert forwarded(rs, Packet("10.200.0.1", "10.0.0.1", "tcp", 7))
 
 
+def test_policies_sharing_a_selector_work_its_addresses_out_once_across_builds(monkeypatch):
+    """50 policies selecting local pods, each reading namespaceSelector {} over 3,000 pods
+    (and egress named ports toward it): its addresses and named ports are worked out once a
+    build, not once a policy (a pod coming re-filled all 50 from scratch, 1.5 s at 5,000
+    pods: review r9 item 1), and not again in a build where nothing of it changed."""
+    eng = PolicyEngine(NODE)
+    eng.upsert_pod(_pod("x", "srv", "10.0.0.1", {}, NODE), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    _crowd(eng, 3000)
+    for i in range(50):
+        eng.upsert_policy(Policy.parse(kinds.validate(np(f"p{i}", "x", {"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [{"namespaceSelector": {}}], "ports": [{"port": 1 + i}]}],
+            "egress": [{"to": [{"namespaceSelector": {}}], "ports": [{"port": "http"}]}]}))))  # fmt: skip
+    by_selector = _count_calls(monkeypatch, PolicyEngine, "selector_addresses")
+    named = _count_calls(monkeypatch, PolicyEngine, "named_members")
+    rs = eng.build()
+    assert len(by_selector) == 1 and len(named) == 1
+    assert forwarded(rs, Packet("10.1.11.183", "10.0.0.1", "tcp", 50))
+    eng.upsert_pod(_pod("y", "new", "10.200.0.1", {}, ports=[("http", 8080, "TCP")]))
+    rs = eng.build()
+    assert len(by_selector) == 2 and len(named) == 2
+    assert forwarded(rs, Packet("10.200.0.1", "10.0.0.1", "tcp", 7))
+    assert forwarded(rs, Packet("10.0.0.1", "10.200.0.1", "tcp", 8080))
+    assert _sets(rs, "np-out/x/p49/")["np-out/x/p49/0/named"] == {("10.200.0.1", "tcp", 8080)}
+    # The local pod's record changes (its selecting policies compiled again), no peer's set does.
+    eng.upsert_pod(_pod("x", "srv", "10.0.0.1", {"v": "2"}, NODE), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    assert len(eng._dirty_policies) == 50
+    assert eng.build().objects == rs.objects
+    assert len(by_selector) == 2 and len(named) == 2  # (srv's labels: no member or address changed)
+
+
+def test_a_peer_changing_while_no_policy_reads_it_is_seen_when_one_does_again():
+    """The members and named ports worked out for a policy are forgotten with it when it
+    selects no local pod: a peer renumbering its port meanwhile is reached on the new number
+    once it selects one again."""
+    eng = PolicyEngine(NODE)
+    port = LocalPort("veth0", "02:00:00:00:00:01", "cni0")
+    eng.upsert_pod(_pod("x", "cli", "10.0.0.1", {"app": "cli"}, NODE), port)
+    eng.upsert_pod(_pod("x", "web", "10.0.1.1", {"app": "web"}, ports=[("http", 80, "TCP")]))
+    eng.upsert_policy(Policy.parse(kinds.validate(np("p", "x", {"podSelector": {"matchLabels": {"app": "cli"}},
+        "policyTypes": ["Egress"], "egress": [
+            {"to": [{"podSelector": {"matchLabels": {"app": "web"}}}], "ports": [{"port": "http"}]},
+            {"to": [{"ipBlock": {"cidr": "10.0.2.0/24"}}], "ports": [{"port": "http"}]}]}))))  # fmt: skip
+    eng.upsert_pod(_pod("x", "far", "10.0.2.1", {}, ports=[("http", 80, "TCP")]))
+    assert forwarded(eng.build(), Packet("10.0.0.1", "10.0.1.1", "tcp", 80))
+    eng.upsert_pod(_pod("x", "cli", "10.0.0.1", {"app": "other"}, NODE), port)  # no local pod selected
+    eng.build()
+    eng.upsert_pod(_pod("x", "web", "10.0.1.1", {"app": "web"}, ports=[("http", 8080, "TCP")]))
+    eng.upsert_pod(_pod("x", "far", "10.0.2.1", {}, ports=[("http", 8081, "TCP")]))
+    eng.upsert_pod(_pod("x", "cli", "10.0.0.1", {"app": "cli"}, NODE), port)
+    rs = eng.build()
+    assert forwarded(rs, Packet("10.0.0.1", "10.0.1.1", "tcp", 8080))
+    assert not forwarded(rs, Packet("10.0.0.1", "10.0.1.1", "tcp", 80))
+    assert forwarded(rs, Packet("10.0.0.1", "10.0.2.1", "tcp", 8081))
+    assert not forwarded(rs, Packet("10.0.0.1", "10.0.2.1", "tcp", 80))
+
+
 def _sets(rs: Ruleset, prefix: str) -> dict[str, frozenset[Any]]:
     return {s.name: s.elements for s in rs.sets() if s.name.startswith(prefix)}
 
