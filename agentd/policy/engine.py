@@ -516,6 +516,30 @@ class PolicyEngine:
             named = self.named_members(policy, compiler.NamedSource(direction, names, peers))  # type: ignore[arg-type]
         return compiler.RuleMembers(ips, named)
 
+    def rule_count(self, policy: Policy, direction: str, rule: Rule) -> int:
+        """How many addresses and named ports :meth:`rule_members` would give (for views: what
+        an answer leaves out of its lists), from the sets kept for the compiled policies where
+        there are some (a rule's peers' addresses a union of its selectors', not sorted)."""
+        count = 0
+        selectors = [peer.selector for peer in rule.peers or () if peer.selector is not None]
+        if selectors:
+            kept = [self._sel_sets.get(sel) for sel in selectors]
+            if all(sets is not None for sets in kept):
+                by_version: dict[int, set[str]] = defaultdict(set)
+                for sets in kept:
+                    for version, addresses in sets.items():  # type: ignore[union-attr]
+                        by_version[version] |= addresses
+                count += sum(len(addresses) for addresses in by_version.values())
+            else:
+                count += len({ip for k in self.members(policy, rule) for ip in self.addresses(self.pods[k])})
+        names = tuple(sorted({(p.port, p.protocol) for p in rule.ports or () if isinstance(p.port, str)}))
+        if names:
+            peers = (frozenset(rule.peers) if rule.peers is not None else None) if direction == "out" else None
+            source = compiler.NamedSource(direction, names, peers)  # type: ignore[arg-type]
+            named = self._peers_named.get(source) if direction == "out" else None
+            count += sum(map(len, named.values())) if named is not None else len(self.named_members(policy, source))
+        return count
+
     def selector_addresses(self, selector: PeerSelector) -> dict[int, frozenset[str]]:
         """The addresses (this node's tables hold) of the pods kept selector ``selector``
         matches, as text, by IP version (each of ``families``)."""
