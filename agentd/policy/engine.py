@@ -114,6 +114,20 @@ class PolicyEngine:
         self._members: dict[PeerSelector, set[PodKey]] = {}
         self._sel_refs: dict[PeerSelector, set[PolicyKey]] = defaultdict(set)
         self._all_pods_refs: set[PolicyKey] = set()  # egress named ports over ipBlocks / every peer
+        # Each kept selector's members' addresses (those the tables hold) as text, by IP
+        # version: worked out when a build first needs them, shared by every policy reading the
+        # selector, and kept until its members or a member's addresses change (_sel_changed).
+        self._sel_sets: dict[PeerSelector, dict[int, frozenset[str]]] = {}
+        # Each pod's addresses the tables hold as text, a tuple per family (of ``families``),
+        # with the record and lost addresses they were made of (good while those are the same).
+        self._texts: dict[PodKey, tuple[Pod, frozenset[Address] | None, tuple[tuple[str, ...], ...]]] = {}
+        # Egress named port sources resolved (on the peers: the same for every policy naming
+        # them), by IP version: kept until a selector among their peers changes, or, for those
+        # resolved on every pod or ipBlocks, any pod's addresses or ports (_all_pods_changed),
+        # or a policy naming them is unlaid; indexed by their peers' selectors.
+        self._peers_named: dict[compiler.NamedSource, dict[int, frozenset[tuple[str, str, int]]]] = {}
+        self._named_by_sel: dict[PeerSelector, set[compiler.NamedSource]] = {}
+        self._named_all_pods: set[compiler.NamedSource] = set()
         self._selected: dict[PolicyKey, set[PodKey]] = defaultdict(set)  # local pods each policy selects
         self._pod_policies: dict[PodKey, set[PolicyKey]] = defaultdict(set)
 
@@ -201,8 +215,11 @@ class PolicyEngine:
             labels = self.ns_labels(pod.namespace)
             for sel, members in self._members.items():
                 self._recheck(sel, members, pod, labels, changed=changed)
-            if changed or old.labels != pod.labels:  # type: ignore[union-attr]
-                self._dirty_policies |= self._all_pods_refs
+            # Egress named ports toward every pod or ipBlocks resolve on any pod's addresses and
+            # ports: its labels alone change none of them (a selector of such a rule whose
+            # members they change marks the policy dirty in _recheck).
+            if changed:
+                self._all_pods_changed()
         if old != pod or old_local != local:
             self.pods_version += 1
             self._reselect(key)
@@ -235,11 +252,12 @@ class PolicyEngine:
         self._unindex(pod)
         _discard(self._ns_pods, pod.namespace, key)
         self._claim(key, pod.ips if key in self.local else (), ())
+        self._texts.pop(key, None)
         for sel, members in self._members.items():
             if key in members:
                 members.discard(key)
-                self._dirty_policies |= self._sel_refs[sel]
-        self._dirty_policies |= self._all_pods_refs
+                self._sel_changed(sel)
+        self._all_pods_changed()
         if self.local.pop(key, None) is not None or key in self._pod_policies:
             self._reselect(key)
 
@@ -273,8 +291,8 @@ class PolicyEngine:
             # Its addresses as the tables see them changed: as if its record had.
             for sel, members in self._members.items():
                 if k in members:
-                    self._dirty_policies |= self._sel_refs[sel]
-            self._dirty_policies |= self._all_pods_refs
+                    self._sel_changed(sel)
+            self._all_pods_changed()
             self._reselect(k)
 
     def _owner(self, ip: Address) -> PodKey | None:
@@ -302,7 +320,30 @@ class PolicyEngine:
         else:
             members.discard(key)
         if was != now or (now and changed):
-            self._dirty_policies |= self._sel_refs[sel]
+            self._sel_changed(sel)
+
+    def _sel_changed(self, sel: PeerSelector) -> None:
+        """The members of kept selector ``sel``, or the addresses of one, changed: the policies
+        reading it are compiled again, its addresses worked out again."""
+        self._dirty_policies |= self._sel_refs[sel]
+        self._sel_sets.pop(sel, None)
+        self._forget_named(self._named_by_sel.get(sel, ()))
+
+    def _all_pods_changed(self) -> None:
+        """A pod's addresses or named ports changed, or it came or went: the policies with
+        egress named ports toward every pod or ipBlocks are compiled again, those sources
+        resolved again."""
+        self._dirty_policies |= self._all_pods_refs
+        self._forget_named(self._named_all_pods)
+
+    def _forget_named(self, sources: Iterable[compiler.NamedSource]) -> None:
+        for source in list(sources):
+            if self._peers_named.pop(source, None) is None:
+                continue
+            self._named_all_pods.discard(source)
+            for peer in source.peers or ():
+                if peer.selector is not None:
+                    _discard(self._named_by_sel, peer.selector, source)
 
     def _reselect(self, key: PodKey) -> None:
         """Which policies select local pod ``key`` (after it changed, came or went)."""
@@ -400,12 +441,14 @@ class PolicyEngine:
         layouts = self._layouts.pop(key, None)
         if layouts is None or isinstance(layouts, str):
             return
+        self._forget_named(s.source for layout in layouts for s in layout.sets if isinstance(s.source, compiler.NamedSource))
         for sel in _peer_selectors(policy):
             refs = self._sel_refs[sel]
             refs.discard(key)
             if not refs:
                 del self._sel_refs[sel]
                 self._members.pop(sel, None)
+                self._sel_sets.pop(sel, None)
         self._all_pods_refs.discard(key)
 
     # ------------------------------------------------------------------ queries
@@ -473,96 +516,155 @@ class PolicyEngine:
             named = self.named_members(policy, compiler.NamedSource(direction, names, peers))  # type: ignore[arg-type]
         return compiler.RuleMembers(ips, named)
 
-    def selector_addresses(self, selector: PeerSelector, texts: dict[PodKey, tuple[str, ...]] | None = None,
-                           ) -> frozenset[str]:
-        """The addresses (this node's tables hold) of the pods ``selector`` matches, as text;
-        ``texts``: each pod's, as worked out so far (filled in)."""
-        texts = {} if texts is None else texts
-        out: set[str] = set()
+    def rule_count(self, policy: Policy, direction: str, rule: Rule) -> int:
+        """How many addresses and named ports :meth:`rule_members` would give (for views: what
+        an answer leaves out of its lists), from the sets kept for the compiled policies where
+        there are some (a rule's peers' addresses a union of its selectors', not sorted)."""
+        count = 0
+        selectors = [peer.selector for peer in rule.peers or () if peer.selector is not None]
+        if selectors:
+            kept = [self._sel_sets.get(sel) for sel in selectors]
+            if all(sets is not None for sets in kept):
+                by_version: dict[int, set[str]] = defaultdict(set)
+                for sets in kept:
+                    for version, addresses in sets.items():  # type: ignore[union-attr]
+                        by_version[version] |= addresses
+                count += sum(len(addresses) for addresses in by_version.values())
+            else:
+                count += len({ip for k in self.members(policy, rule) for ip in self.addresses(self.pods[k])})
+        names = tuple(sorted({(p.port, p.protocol) for p in rule.ports or () if isinstance(p.port, str)}))
+        if names:
+            peers = (frozenset(rule.peers) if rule.peers is not None else None) if direction == "out" else None
+            source = compiler.NamedSource(direction, names, peers)  # type: ignore[arg-type]
+            named = self._peers_named.get(source) if direction == "out" else None
+            count += sum(map(len, named.values())) if named is not None else len(self.named_members(policy, source))
+        return count
+
+    def selector_addresses(self, selector: PeerSelector) -> dict[int, frozenset[str]]:
+        """The addresses (this node's tables hold) of the pods kept selector ``selector``
+        matches, as text, by IP version (each of ``families``)."""
+        out: list[set[str]] = [set() for _ in self.families]
         for k in self._members.get(selector, ()):
-            mine = texts.get(k)
-            if mine is None:
-                mine = texts[k] = tuple(str(ip) for ip in self.addresses(self.pods[k]))
-            out.update(mine)
-        return frozenset(out)
+            for into, texts in zip(out, self._address_texts(k)):
+                into.update(texts)
+        return {version: frozenset(texts) for version, texts in zip(self.families, out)}
+
+    def _address_texts(self, key: PodKey) -> tuple[tuple[str, ...], ...]:
+        """Pod ``key``'s addresses the tables hold (:meth:`addresses`) as text, a tuple per
+        family of ``families``: made once while its record and lost addresses stay the same."""
+        pod, lost = self.pods[key], self._lost.get(key)
+        kept = self._texts.get(key)
+        if kept is not None and kept[0] is pod and kept[1] is lost:
+            return kept[2]
+        ips = self.addresses(pod)
+        texts = tuple(tuple(str(ip) for ip in ips if ip.version == version) for version in self.families)
+        self._texts[key] = (pod, lost, texts)
+        return texts
 
     def named_members(self, policy: Policy, source: compiler.NamedSource) -> frozenset[tuple[str, str, int]]:
         """(address, l4proto, port) of the named ports ``source`` names, resolved on the
         destinations: for "in" the pods ``policy`` selects, for "out" its peers."""
         # The destinations a named port is resolved on, each with the addresses it has as
         # one (a pod a selector matches: all of them; one an ipBlock holds: those inside).
-        candidates: list[tuple[Pod, tuple[Address, ...]]]
+        members: set[PodKey] | None = None  # ipBlocks among the peers: the pods a selector matches
+        blocks = []
+        keys: Iterable[PodKey]
         if source.direction == "in":
-            candidates = [(self.pods[k], self.addresses(self.pods[k])) for k in self._selected.get(policy.key, ())]
+            keys = self._selected.get(policy.key, ())
         elif source.peers is None:
-            candidates = [(pod, self.addresses(pod)) for pod in self.pods.values()]
+            keys = self.pods
         else:
-            pods: set[PodKey] = set()
+            members = set()
             for peer in source.peers:
                 if peer.selector is not None:
-                    pods |= self._selector_members(peer.selector)
+                    members |= self._selector_members(peer.selector)
             blocks = [p.block for p in source.peers if p.block is not None]
-            candidates = [(self.pods[k], self.addresses(self.pods[k])) for k in pods]
-            if blocks:
-                for k, pod in self.pods.items():
-                    inside = tuple(ip for ip in self.addresses(pod) if any(b.contains(ip) for b in blocks))
-                    if k not in pods and inside:
-                        candidates.append((pod, inside))
+            keys = self.pods if blocks else members
+        ports = [(name, protocol, compiler.l4proto(protocol)) for name, protocol in source.ports]
         named: set[tuple[str, str, int]] = set()
-        for pod, addresses in candidates:
-            for name, protocol in source.ports:
-                number = pod.named_port(name, protocol)
-                if number is not None:
-                    named.update((str(ip), compiler.l4proto(protocol), number) for ip in addresses)
+        for k in keys:
+            pod = self.pods[k]
+            numbers = [(proto, n) for name, protocol, proto in ports if (n := pod.named_port(name, protocol)) is not None]
+            if not numbers:
+                continue
+            if blocks and k not in members:  # type: ignore[operator]
+                texts: Iterable[str] = [str(ip) for ip in self.addresses(pod) if any(b.contains(ip) for b in blocks)]
+            else:
+                texts = [text for family in self._address_texts(k) for text in family]
+            named.update((text, proto, n) for text in texts for proto, n in numbers)
         return frozenset(named)
+
+    def _named(self, policy: Policy, source: compiler.NamedSource) -> dict[int, frozenset[tuple[str, str, int]]]:
+        """:meth:`named_members` by IP version; an egress source's kept (:attr:`_peers_named`)."""
+        if source.direction == "out":
+            kept = self._peers_named.get(source)
+            if kept is not None:
+                return kept
+        named = self.named_members(policy, source)
+        by_version: dict[int, set[tuple[str, str, int]]] = defaultdict(set)
+        for element in named:
+            by_version[compiler.version_of(element[0])].add(element)
+        out = {version: frozenset(elements) for version, elements in by_version.items()}
+        if source.direction == "out":
+            self._peers_named[source] = out
+            selectors = [p.selector for p in source.peers or () if p.selector is not None]
+            for sel in selectors:
+                self._named_by_sel.setdefault(sel, set()).add(source)
+            if source.peers is None or len(selectors) < len(source.peers):  # every pod, or ipBlocks
+                self._named_all_pods.add(source)
+        return out
 
     def _fill(self, policy: Policy, layouts: tuple[compiler.Layout, ...]) -> list[Any]:
         """The policy's chains and their sets, filled: each distinct selector's, set of a
         rule's selectors' and named port source's members worked out once, at most
         compiler.MAX_POLICY_ELEMENTS elements in all (PolicyTooLarge as soon as they are more)."""
         total = 0
-        texts: dict[PodKey, tuple[str, ...]] = {}
-        by_selector: dict[PeerSelector, frozenset[str]] = {}
-        addresses: dict[frozenset[PeerSelector], frozenset[str]] = {}
-        named: dict[compiler.NamedSource, frozenset[tuple[str, str, int]]] = {}
+        addresses: dict[frozenset[PeerSelector], dict[int, frozenset[str]]] = {}
+        named: dict[compiler.NamedSource, dict[int, frozenset[tuple[str, str, int]]]] = {}
         elements: dict[str, frozenset[Any]] = {}
         for layout in layouts:
             for s in layout.sets:
                 got: frozenset[Any]
                 if isinstance(s.source, compiler.NamedSource):
                     if s.source not in named:
-                        named[s.source] = self.named_members(policy, s.source)
-                    got = frozenset(t for t in named[s.source] if compiler.version_of(t[0]) == s.family.version)
+                        named[s.source] = self._named(policy, s.source)
+                    got = named[s.source].get(s.family.version, frozenset())
                 else:
                     if s.source not in addresses:
-                        addresses[s.source] = self._union(policy, s.source, by_selector, texts, total)
-                    got = frozenset(a for a in addresses[s.source] if compiler.version_of(a) == s.family.version)
-                    if len(got) == len(addresses[s.source]):
-                        got = addresses[s.source]  # (one family: the same set)
+                        addresses[s.source] = self._union(policy, s.source, total)
+                    got = addresses[s.source].get(s.family.version, frozenset())
                 total += len(got)
                 if total > compiler.MAX_POLICY_ELEMENTS:
                     raise compiler.too_many_elements(policy, total)
                 elements[s.name] = got
         return [obj for layout in layouts for obj in layout.fill(elements)]
 
-    def _union(self, policy: Policy, selectors: frozenset[PeerSelector], by_selector: dict[PeerSelector, frozenset[str]],
-               texts: dict[PodKey, tuple[str, ...]], total: int) -> frozenset[str]:
-        """The addresses of the pods any of ``selectors`` matches (each selector's worked out
-        once a fill, in ``by_selector``), or PolicyTooLarge as soon as they and the ``total``
-        elements before them are over compiler.MAX_POLICY_ELEMENTS (the union is in a set of
-        each family: together it is counted once)."""
-        out: frozenset[str] | set[str] = frozenset()
+    def _union(self, policy: Policy, selectors: frozenset[PeerSelector], total: int) -> dict[int, frozenset[str]]:
+        """The addresses of the pods any of ``selectors`` matches, by IP version (each
+        selector's kept across policies and builds: :attr:`_sel_sets`), or PolicyTooLarge as
+        soon as they and the ``total`` elements before them are over
+        compiler.MAX_POLICY_ELEMENTS (the union is in a set of each family: together it is
+        counted once)."""
+        out: dict[int, frozenset[str] | set[str]] = {}
         for sel in selectors:
-            if sel not in by_selector:
-                by_selector[sel] = self.selector_addresses(sel, texts)
-            if not out:
-                out = by_selector[sel]  # (one selector: its own, no copy)
-            else:
-                out = set(out) if isinstance(out, frozenset) else out
-                out |= by_selector[sel]
-            if total + len(out) > compiler.MAX_POLICY_ELEMENTS:
-                raise compiler.too_many_elements(policy, total + len(out))
-        return frozenset(out)
+            sets = self._sel_sets.get(sel)
+            if sets is None:
+                sets = self.selector_addresses(sel)
+                if sel in self._members:
+                    self._sel_sets[sel] = sets
+            count = 0
+            for version, addresses in sets.items():
+                have = out.get(version)
+                if not have:
+                    have = out[version] = addresses  # (one selector: its own, no copy)
+                elif addresses:
+                    if isinstance(have, frozenset):
+                        have = out[version] = set(have)
+                    have |= addresses
+                count += len(have)
+            if total + count > compiler.MAX_POLICY_ELEMENTS:
+                raise compiler.too_many_elements(policy, total + count)
+        return {version: frozenset(addresses) for version, addresses in out.items()}
 
     # ------------------------------------------------------------------ compile
 

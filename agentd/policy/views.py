@@ -241,7 +241,15 @@ class AllowLists:
         return out
 
     def _listed(self, rule: _Rule) -> dict[str, Any]:
-        """The rule's entry with its lists, as much of them as the answer may still hold."""
+        """The rule's entry with its lists, as much of them as the answer may still hold (none
+        left: its peers are not resolved, only counted)."""
+        if self.left <= 0 and not rule.resolved:
+            cut = rule.count()
+            out = {**rule.entry, "peer_addresses": [] if rule.rule.peers is not None else None, "named_ports": None}
+            if cut:
+                out["left_out"] = cut
+            return out
+        rule.resolve()
         cut, addresses, named = 0, None, rule.named
         if rule.addresses is not None:
             if len(rule.addresses) > self.left:
@@ -284,11 +292,12 @@ def pod_view(engine: PolicyEngine, key: PodKey, rules: AllowLists | None = None,
 
 
 class _Rule:
-    """One rule's allow-list entry but its lists, and the lists: its peers' addresses in order
-    (None: any peer), each made text once it is listed, and the named ports resolved."""
+    """One rule's allow-list entry but its lists, and the lists once the answer lists some of
+    them (:meth:`resolve`): its peers' addresses in order (None: any peer), each made text
+    once it is listed, and the named ports resolved."""
 
     def __init__(self, engine: PolicyEngine, policy: Policy, direction: str, index: int, rule: Any) -> None:
-        mem = engine.rule_members(policy, direction, rule)
+        self.engine, self.policy, self.direction, self.rule = engine, policy, direction, rule
         peers: Any = "all"
         if rule.peers is not None:
             peers = []
@@ -310,9 +319,25 @@ class _Rule:
             ]
         self.entry = {"policy": f"{policy.namespace}/{policy.name}", "rule": index, "peers": peers,
                       "peer_addresses": None, "ports": ports, "named_ports": None}
-        self.addresses = sorted(mem.pod_ips, key=_address_order) if rule.peers is not None else None
-        self.named = sorted(f"{a} {p}/{n}" for a, p, n in mem.named)
+        self.resolved = False
+        self.addresses: list[Any] | None = None
+        self.named: list[str] = []
         self._texts: list[str] = []
+        self._count: int | None = None
+
+    def resolve(self) -> None:
+        if self.resolved:
+            return
+        mem = self.engine.rule_members(self.policy, self.direction, self.rule)
+        self.addresses = sorted(mem.pod_ips, key=_address_order) if self.rule.peers is not None else None
+        self.named = sorted(f"{a} {p}/{n}" for a, p, n in mem.named)
+        self.resolved = True
+
+    def count(self) -> int:
+        """Its peer addresses and named ports, resolved or not (:meth:`PolicyEngine.rule_count`)."""
+        if self._count is None:
+            self._count = self.engine.rule_count(self.policy, self.direction, self.rule)
+        return self._count
 
     def texts(self, n: int) -> list[str]:
         """The first ``n`` peer addresses as text (made once per answer, however many pods list them)."""

@@ -10,11 +10,12 @@ set elements, a pod appearing changes elements and not rules, plans are incremen
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from netpol_model import Cluster, ModelPod, egress_allowed, ingress_allowed
 
@@ -610,11 +611,14 @@ def test_equal_endpoint_file_times_are_decided_by_pod_name():
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from("pqrs"), st.integers(0, 2), st.booleans(), st.integers(0, 3),
+@given(st.lists(st.tuples(st.integers(0, 6), st.sampled_from("pqrs"), st.integers(0, 2), st.booleans(), st.integers(0, 3),
                           st.sampled_from([{}, {"app": "x"}, {"app": "y"}])), max_size=30))  # fmt: skip
+@example([(1, "p", 0, True, 1, {}), (2, "q", 0, True, 2, {}), (6, "p", 0, True, 3, {})])  # the owner flips by time alone
 def test_incremental_builds_equal_a_fresh_engine_with_address_conflicts(steps):
-    """Pods come, go, move and clash over addresses (local and remote): after every step the
-    incrementally kept ruleset is the one a fresh engine builds from the same state."""
+    """Pods come, go, move and clash over addresses (local and remote), and a local pod's
+    endpoint file alone changes time (the Pod the same: which pod has an address may flip):
+    after every step the incrementally kept ruleset is the one a fresh engine builds from the
+    same state."""
     policies = [
         np("deny", "a", {"podSelector": {}}),
         np("from-x", "a", {"podSelector": {"matchLabels": {"app": "y"}},
@@ -622,8 +626,12 @@ def test_incremental_builds_equal_a_fresh_engine_with_address_conflicts(steps):
         np("to-http", "a", {"podSelector": {"matchLabels": {"app": "x"}},
                             "egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/24"}}], "ports": [{"port": "http"}]}]}),
     ]  # fmt: skip
-    state: dict[Any, tuple[Pod, LocalPort | None]] = {}
+    # A client to-http always selects (laid out from the start): an address flipping owner
+    # between two pods it does not select changes its named ports alone.
+    client = Pod("a", "client", NODE, (ipaddress.ip_address("10.0.1.1"),), {"app": "x"}, ())
+    state: dict[Any, tuple[Pod, LocalPort | None]] = {client.key: (client, LocalPort("vethc", "02:00:00:00:00:0c", "cni0", 0))}
     eng = PolicyEngine(NODE)
+    eng.upsert_pod(*state[client.key])
     for manifest in policies:
         eng.upsert_policy(Policy.parse(kinds.validate(manifest)))
     for op, name, ip, local, since, labels in steps:
@@ -631,6 +639,11 @@ def test_incremental_builds_equal_a_fresh_engine_with_address_conflicts(steps):
         if op == 0:
             state.pop(key, None)
             eng.remove_pod(key)
+        elif op == 6:
+            if key in state and state[key][1] is not None:
+                pod, port = state[key][0], dataclasses.replace(state[key][1], since=since)  # type: ignore[arg-type]
+                state[key] = (pod, port)
+                eng.upsert_pod(pod, port)
         else:
             pod = Pod("a", name, NODE if local else "node2", (ipaddress.ip_address(f"10.0.0.{ip + 1}"),), labels,
                       (NamedPort("http", 80 + op % 2, "TCP"),))
@@ -774,6 +787,88 @@ def test_an_egress_peer_renumbering_its_named_port_is_reached_on_the_new_number(
     rs = eng.build()
     assert forwarded(rs, Packet("10.0.0.1", "10.0.1.1", "tcp", 8080))
     assert not forwarded(rs, Packet("10.0.0.1", "10.0.1.1", "tcp", 80))
+
+
+def _named_sets(rs: Ruleset) -> dict[str, set[Any]]:
+    return {s.name: set(s.elements) for s in rs.sets() if s.name.endswith("/named")}
+
+
+def _fresh_named(pods: list[tuple[Pod, LocalPort | None]], policy: Policy) -> dict[str, set[Any]]:
+    fresh = PolicyEngine(NODE)
+    for pod, port in pods:
+        fresh.upsert_pod(pod, port)
+    fresh.upsert_policy(policy)
+    return _named_sets(fresh.build())
+
+
+def test_an_egress_named_port_toward_every_peer_follows_a_peer_renumbering_it():
+    """A rule with named ports and no ``to`` resolves them on every pod of the cluster: a remote
+    pod renumbering its port (no selector of the policy to notice) is reached on the new number
+    (review r9 item 4)."""
+    policy = Policy.parse(kinds.validate(np("p", "a", {"podSelector": {}, "policyTypes": ["Egress"],
+                                                       "egress": [{"ports": [{"port": "http"}]}]})))  # fmt: skip
+    src = (_pod("a", "src", "10.0.0.1", {}, NODE), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    dst = [(_pod("b", "dst", "10.0.1.1", {}, ports=[("http", n, "TCP")]), None) for n in (80, 8080)]
+    eng = PolicyEngine(NODE)
+    eng.upsert_policy(policy)
+    for pod, port in (src, dst[0]):
+        eng.upsert_pod(pod, port)
+    assert forwarded(eng.build(), Packet("10.0.0.1", "10.0.1.1", "tcp", 80))
+    eng.upsert_pod(*dst[1])
+    rs = eng.build()
+    assert _named_sets(rs) == _fresh_named([src, dst[1]], policy) == {"np-out/a/p/0/named": {("10.0.1.1", "tcp", 8080)}}
+    assert forwarded(rs, Packet("10.0.0.1", "10.0.1.1", "tcp", 8080))
+    assert not forwarded(rs, Packet("10.0.0.1", "10.0.1.1", "tcp", 80))
+
+
+def test_an_address_changing_owner_by_endpoint_file_time_alone_moves_its_named_ports():
+    """Two local pods claim 10.0.0.5 with other numbers for "http"; only an endpoint file's time
+    changes and the address is the other pod's: an egress named port toward an ipBlock holding
+    it resolves on the new owner (review r9 item 5)."""
+    policy = Policy.parse(kinds.validate(np("q", "a", {"podSelector": {"matchLabels": {"r": "c"}}, "policyTypes": ["Egress"],
+        "egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/24"}}], "ports": [{"port": "http"}]}]})))  # fmt: skip
+    c = (_pod("a", "c", "10.0.0.9", {"r": "c"}, NODE), LocalPort("veth9", "02:00:00:00:00:09", "cni0", 1))
+
+    def x(since: int) -> tuple[Pod, LocalPort]:
+        return _pod("a", "x", "10.0.0.5", {}, NODE, [("http", 80, "TCP")]), LocalPort("vethx", "02:00:00:00:00:0a", "cni0", since)
+
+    def y(since: int) -> tuple[Pod, LocalPort]:
+        return _pod("a", "y", "10.0.0.5", {}, NODE, [("http", 81, "TCP")]), LocalPort("vethy", "02:00:00:00:00:0b", "cni0", since)
+
+    eng = PolicyEngine(NODE)
+    eng.upsert_policy(policy)
+    for pod, port in (c, x(1), y(2)):
+        eng.upsert_pod(pod, port)
+    assert _named_sets(eng.build()) == {"np-out/a/q/0/named": {("10.0.0.5", "tcp", 81)}}
+    eng.upsert_pod(*x(3))  # the same Pod, a newer endpoint file: x has the address now
+    rs = eng.build()
+    assert _named_sets(rs) == _fresh_named([c, x(3), y(2)], policy) == {"np-out/a/q/0/named": {("10.0.0.5", "tcp", 80)}}
+    assert forwarded(rs, Packet("10.0.0.9", "10.0.0.5", "tcp", 80))
+    assert not forwarded(rs, Packet("10.0.0.9", "10.0.0.5", "tcp", 81))
+
+
+def test_a_pod_relabelled_where_no_selector_looks_compiles_nothing_again():
+    """Egress named ports toward every peer or an ipBlock resolve on any pod's addresses and
+    ports, not its labels: a remote pod taking a label no selector reads leaves every policy
+    as built (each such policy's named sets were filled again, scanning every pod: review r9
+    item 2).  A label that changes a selector's members still does."""
+    eng = PolicyEngine(NODE)
+    eng.upsert_pod(_pod("x", "cli", "10.0.0.1", {"app": "cli"}, NODE), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    eng.upsert_pod(_pod("y", "web", "10.0.1.1", {"app": "web"}, ports=[("http", 80, "TCP")]))
+    eng.upsert_policy(Policy.parse(kinds.validate(np("all", "x", {"podSelector": {}, "policyTypes": ["Egress"],
+                                                                  "egress": [{"ports": [{"port": "http"}]}]}))))  # fmt: skip
+    eng.upsert_policy(Policy.parse(kinds.validate(np("mixed", "x", {"podSelector": {}, "policyTypes": ["Egress"], "egress": [
+        {"to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}, {"namespaceSelector": {}, "podSelector": {"matchLabels": {"role": "db"}}}],
+         "ports": [{"port": "http"}]}]}))))  # fmt: skip
+    eng.build()
+    assert eng._all_pods_refs == {("x", "all"), ("x", "mixed")}
+    eng.upsert_pod(_pod("y", "web", "10.0.1.1", {"app": "web", "unread": "yes"}, ports=[("http", 80, "TCP")]))
+    assert eng._dirty_policies == set()
+    eng.upsert_pod(_pod("y", "web", "10.0.1.1", {"app": "web", "role": "db"}, ports=[("http", 80, "TCP")]))
+    assert eng._dirty_policies == {("x", "mixed")}
+    rs = eng.build()
+    assert _named_sets(rs)["np-out/x/mixed/0/named"] == {("10.0.1.1", "tcp", 80)}
+    assert forwarded(rs, Packet("10.0.0.1", "10.0.1.1", "tcp", 80))
 
 
 def test_a_selected_local_pod_renumbering_its_named_port_is_reached_on_the_new_number():
@@ -943,6 +1038,62 @@ def test_rules_with_one_selector_share_its_set(monkeypatch):
     rs = eng.build()
     assert len(by_selector) == 2 and by_rule == []
     assert forwarded(rs, Packet("10.200.0.1", "10.0.0.1", "tcp", 7))
+
+
+def test_policies_sharing_a_selector_work_its_addresses_out_once_across_builds(monkeypatch):
+    """50 policies selecting local pods, each reading namespaceSelector {} over 3,000 pods
+    (and egress named ports toward it): its addresses and named ports are worked out once a
+    build, not once a policy (a pod coming re-filled all 50 from scratch, 1.5 s at 5,000
+    pods: review r9 item 1), and not again in a build where nothing of it changed."""
+    eng = PolicyEngine(NODE)
+    eng.upsert_pod(_pod("x", "srv", "10.0.0.1", {}, NODE), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    _crowd(eng, 3000)
+    for i in range(50):
+        eng.upsert_policy(Policy.parse(kinds.validate(np(f"p{i}", "x", {"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [{"namespaceSelector": {}}], "ports": [{"port": 1 + i}]}],
+            "egress": [{"to": [{"namespaceSelector": {}}], "ports": [{"port": "http"}]}]}))))  # fmt: skip
+    by_selector = _count_calls(monkeypatch, PolicyEngine, "selector_addresses")
+    named = _count_calls(monkeypatch, PolicyEngine, "named_members")
+    rs = eng.build()
+    assert len(by_selector) == 1 and len(named) == 1
+    assert forwarded(rs, Packet("10.1.11.183", "10.0.0.1", "tcp", 50))
+    eng.upsert_pod(_pod("y", "new", "10.200.0.1", {}, ports=[("http", 8080, "TCP")]))
+    rs = eng.build()
+    assert len(by_selector) == 2 and len(named) == 2
+    assert forwarded(rs, Packet("10.200.0.1", "10.0.0.1", "tcp", 7))
+    assert forwarded(rs, Packet("10.0.0.1", "10.200.0.1", "tcp", 8080))
+    assert _sets(rs, "np-out/x/p49/")["np-out/x/p49/0/named"] == {("10.200.0.1", "tcp", 8080)}
+    # The local pod's record changes (its selecting policies compiled again), no peer's set does.
+    eng.upsert_pod(_pod("x", "srv", "10.0.0.1", {"v": "2"}, NODE), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    assert len(eng._dirty_policies) == 50
+    assert eng.build().objects == rs.objects
+    assert len(by_selector) == 2 and len(named) == 2  # (srv's labels: no member or address changed)
+
+
+def test_a_peer_changing_while_no_policy_reads_it_is_seen_when_one_does_again():
+    """The members and named ports worked out for a policy are forgotten with it when it
+    selects no local pod: a peer renumbering its port meanwhile is reached on the new number
+    once it selects one again."""
+    eng = PolicyEngine(NODE)
+    port = LocalPort("veth0", "02:00:00:00:00:01", "cni0")
+    eng.upsert_pod(_pod("x", "cli", "10.0.0.1", {"app": "cli"}, NODE), port)
+    eng.upsert_pod(_pod("x", "web", "10.0.1.1", {"app": "web"}, ports=[("http", 80, "TCP")]))
+    eng.upsert_policy(Policy.parse(kinds.validate(np("p", "x", {"podSelector": {"matchLabels": {"app": "cli"}},
+        "policyTypes": ["Egress"], "egress": [
+            {"to": [{"podSelector": {"matchLabels": {"app": "web"}}}], "ports": [{"port": "http"}]},
+            {"to": [{"ipBlock": {"cidr": "10.0.2.0/24"}}], "ports": [{"port": "http"}]}]}))))  # fmt: skip
+    eng.upsert_pod(_pod("x", "far", "10.0.2.1", {}, ports=[("http", 80, "TCP")]))
+    assert forwarded(eng.build(), Packet("10.0.0.1", "10.0.1.1", "tcp", 80))
+    eng.upsert_pod(_pod("x", "cli", "10.0.0.1", {"app": "other"}, NODE), port)  # no local pod selected
+    eng.build()
+    eng.upsert_pod(_pod("x", "web", "10.0.1.1", {"app": "web"}, ports=[("http", 8080, "TCP")]))
+    eng.upsert_pod(_pod("x", "far", "10.0.2.1", {}, ports=[("http", 8081, "TCP")]))
+    eng.upsert_pod(_pod("x", "cli", "10.0.0.1", {"app": "cli"}, NODE), port)
+    rs = eng.build()
+    assert forwarded(rs, Packet("10.0.0.1", "10.0.1.1", "tcp", 8080))
+    assert not forwarded(rs, Packet("10.0.0.1", "10.0.1.1", "tcp", 80))
+    assert forwarded(rs, Packet("10.0.0.1", "10.0.2.1", "tcp", 8081))
+    assert not forwarded(rs, Packet("10.0.0.1", "10.0.2.1", "tcp", 80))
 
 
 def _sets(rs: Ruleset, prefix: str) -> dict[str, frozenset[Any]]:
