@@ -7,6 +7,6 @@ from agentd.config.settings import Config, load_config
 def agent_cfg(tmp_path, **overrides) -> Config:
     return load_config(None, env={}, overrides={
         "node.address": "10.1.1.1", "node.name": "n1", "cni.subnet_file": str(tmp_path / "subnet.env"),
-        "cni.conf_dir": str(tmp_path / "net.d"),
+        "cni.conf_dir": str(tmp_path / "net.d"), "cni.data_dir": str(tmp_path / "cni"),
         "api.token_file": str(tmp_path / "api.token"), "agent.state_dir": str(tmp_path / "state"),
         "agent.bpf_dir": str(tmp_path / "bpf"), **overrides})

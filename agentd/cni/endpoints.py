@@ -380,19 +380,58 @@ def _locked(data_dir: str | os.PathLike[str], exclusive: bool) -> Iterator[None]
             os.close(fd)  # releases the lock
 
 
-def _make_dir(directory: str) -> None:
-    """The endpoints directory, 0755 whatever the umask: the agent may run as a user of its own."""
+DIR_MODE = 0o755  # dataDir, endpoints/ and endpoints/.programmed: see _make_dir
+
+
+def _make_dir(directory: str | os.PathLike[str], *, parents_owner: bool = True) -> None:
+    """``directory`` (and its parents) if it is not there, DIR_MODE whatever the umask: the
+    agent may run as a user of its own (docs/operations.md), the plugin as root under the
+    runtime, and whichever makes a directory first, both must be able to use it.  So when
+    root makes it (the plugin) and ``parents_owner``, it is given its parent's owner, as the
+    lock is (_open_lock): endpoints/ dataDir's, the agent's user's when the agent made
+    dataDir.  An existing directory is left as it is.
+
+    The mode and owner are set through a descriptor opened with O_NOFOLLOW: a user owning
+    the parent could put a symlink in the new directory's place, and root must not chmod or
+    chown what it points at."""
+    directory = os.path.normpath(os.fspath(directory))
     try:
-        os.mkdir(directory, 0o755)
+        os.mkdir(directory, DIR_MODE)
     except FileExistsError:
         return
     except FileNotFoundError:
-        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        _make_dir(os.path.dirname(directory), parents_owner=False)
         try:
-            os.mkdir(directory, 0o755)
+            os.mkdir(directory, DIR_MODE)
         except FileExistsError:
             return
-    os.chmod(directory, 0o755)  # mkdir's mode is masked by the umask
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if parents_owner and os.geteuid() == 0:
+            with contextlib.suppress(OSError):  # (without CAP_CHOWN: it stays root's)
+                st, parent = os.fstat(fd), os.stat(os.path.dirname(directory))
+                if (st.st_uid, st.st_gid) != (parent.st_uid, parent.st_gid):
+                    os.fchown(fd, parent.st_uid, parent.st_gid)
+        os.fchmod(fd, DIR_MODE)  # mkdir's mode is masked by the umask
+    finally:
+        os.close(fd)
+
+
+def make_data_dir(data_dir: str | os.PathLike[str]) -> None:
+    """The plugin's dataDir, DIR_MODE (not only root's: the agent reads endpoints/ in it), if
+    it is not there; its owner is whoever makes it.  The state files in it stay 0600."""
+    _make_dir(data_dir, parents_owner=False)
+
+
+def make_dirs(data_dir: str | os.PathLike[str]) -> None:
+    """The agent's side, before it writes the subnet file (no ADD gets past it without one):
+    dataDir, endpoints/ and endpoints/.programmed, DIR_MODE and the agent's own (its user's,
+    when it runs as one), so that the plugin finds them and does not make them root's.  The
+    ones there already are left as they are.  OSError (its ``filename`` the directory) if one
+    cannot be made."""
+    make_data_dir(data_dir)
+    _make_dir(endpoints_dir(data_dir))
+    _make_dir(os.path.join(endpoints_dir(data_dir), PROGRAMMED))
 
 
 def _replace(directory: str, ep: Endpoint) -> None:
@@ -500,7 +539,7 @@ def acknowledge(
     Returns the attachments marked (``before``'s still programmed and the new ones).  Raises
     Busy, having changed nothing, if another process holds the lock (the agent tries again)."""
     directory = os.path.join(endpoints_dir(data_dir), PROGRAMMED)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
+    _make_dir(directory)
     marked = programmed & before
     new = programmed - before
     if new:
@@ -610,7 +649,7 @@ class DirectoryWatch:
         self._fd: int | None = None
 
     def start(self) -> bool:
-        os.makedirs(self.directory, mode=0o755, exist_ok=True)
+        _make_dir(self.directory)
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)

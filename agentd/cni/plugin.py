@@ -624,7 +624,9 @@ def save_state(data_dir: str, container_id: str, conf: dict[str, Any], ifname: s
         conf = dict(conf, **{IFNAME_KEY: ifname})
     tmp = None
     try:
-        os.makedirs(data_dir, mode=0o700, exist_ok=True)
+        # 0755, not root's alone: the agent, maybe of a user of its own, reads endpoints/ in it.
+        # The state files stay 0600 (mkstemp's).
+        pod_endpoints.make_data_dir(data_dir)
         fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=f".{container_id}.")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(conf, f)

@@ -30,6 +30,7 @@ from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
 from typing import Any
 
+from agentd.cni import endpoints as pod_endpoints
 from agentd.cni import netconf as cni_config
 from agentd.cni.docker_opts import (
     MASQUERADE_KEY,
@@ -130,6 +131,7 @@ def write_cni_files(cfg: Config, cluster: ClusterConfig, leases: Mapping[int, Su
     )  # fmt: skip
     running = (f"{WRITE_CONFLIST_KEY}={str(cfg.cni.write_conflist).lower()}\n"
                f"{MASQUERADE_KEY}={str(cfg.network.ip_masq).lower()}\n")
+    make_plugin_dirs(cfg)  # before the subnet file: no ADD gets far without it
     cni_config.atomic_write(str(cfg.cni.subnet_file), cni_config.render_subnet_file(sf) + running, mode=0o644)
     try:
         keep_subnets(cfg, {v: lease.subnet for v, lease in leases.items()})
@@ -138,6 +140,20 @@ def write_cni_files(cfg: Config, cluster: ClusterConfig, leases: Mapping[int, Su
                     kept_subnets_path(cfg), err.strerror or err)
     if cfg.cni.write_conflist:
         cni_config.write_conflist(cfg.cni.conf_dir, mtu=mtu, **_conflist_settings(cfg))
+
+
+def make_plugin_dirs(cfg: Config) -> None:
+    """``[cni] data_dir``, its endpoints/ and endpoints/.programmed (agentd.cni.endpoints), the
+    agent's own and 0755, if they are not there: made by agentd-cni first, under the container
+    runtime, they would be root's, and an agent of its own user (docs/operations.md) could
+    not acknowledge a pod or hold the lock in them.  One that cannot be made is logged (pods
+    are still attached).  Called before the subnet file is written."""
+    try:
+        pod_endpoints.make_dirs(cfg.cni.data_dir)
+    except OSError as err:
+        log.error("cannot make %s (%s): the agent may not see the pods agentd-cni attaches, or not tell it they "
+                  "are programmed for network policy (their ADD waits policyTimeout); make [cni] data_dir %s "
+                  "the agent's user's", err.filename or cfg.cni.data_dir, err.strerror or err, cfg.cni.data_dir)
 
 
 def _conflist_settings(cfg: Config) -> dict[str, Any]:

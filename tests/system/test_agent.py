@@ -376,7 +376,7 @@ async def test_a_leave_with_no_agent_needs_neither_etcds_files_nor_a_node_addres
         f'[node]\nname = "n1"\n'
         f'[etcd]\nendpoints = ["https://127.0.0.1:9"]\nca = "{tmp_path}/gone/ca.pem"\n'
         f'[api]\nlisten = "127.0.0.1:9099"\ntoken_file = "{tmp_path}/token"\n'
-        f'[cni]\nsubnet_file = "{tmp_path}/subnet.env"\nconf_dir = "{tmp_path}/net.d"\n'
+        f'[cni]\nsubnet_file = "{tmp_path}/subnet.env"\nconf_dir = "{tmp_path}/net.d"\ndata_dir = "{tmp_path}/cni"\n'
         f'[agent]\nstate_dir = "{tmp_path}/state"\nbpf_dir = "{tmp_path}/bpf"\n'
     )
     cfg = load_config(conf, env={}, check_files=False)  # the CNI files as the killed agent wrote them

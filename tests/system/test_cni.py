@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
+import tempfile
 from dataclasses import dataclass
 from ipaddress import IPv4Interface, IPv4Network
 from pathlib import Path
 
 import pytest
 
+import agentd
+from agentd.cni import endpoints
 from agentd.cni import netconf as cni_config
 from agentd.cni.netconf import SubnetFile
 from agentd.lab import netns
@@ -79,6 +84,8 @@ class Node:
         }
         if cni_args is not None:
             env["CNI_ARGS"] = cni_args
+        if os.environ.get("PYTHONPATH"):  # the checkout's code, not the venv's (PYTHONPATH=$PWD)
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         if netns_path or pod is not None:
             env["CNI_NETNS"] = netns_path or pod.path
         stdin = json.dumps(conf if conf is not None else self.plugin_conf()).encode()
@@ -424,3 +431,72 @@ def test_delegates_found_in_the_agents_bin_dir_after_cni_path(node, netns_factor
     # A malformed binDir is a network-config error (code 7).
     code, out, _ = node.cni("ADD", "pod-bin3", pod, node.plugin_conf(binDir="/usr/lib/cni"))
     assert code != 0 and out["code"] == 7
+
+
+# An agent of a user of its own (docs/operations.md's User=agentd drop-in) in [cni] data_dir
+# (argv[1]), as uid and gid 65534: argv[2] "make" makes its directories as write_cni_files does;
+# "use" reads the endpoint files, acknowledges the one pod and writes labels into its file.
+OWN_USERS_AGENT = r'''
+import logging, sys
+logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+from agentd.cni import endpoints
+data_dir, what = sys.argv[1:]
+if what == "make":
+    endpoints.make_dirs(data_dir)
+elif what == "make data_dir":
+    import os
+    os.mkdir(data_dir, 0o755)
+else:
+    (ep,) = endpoints.read_all(data_dir).values()
+    assert endpoints.acknowledge(data_dir, {(ep.container_id, ep.ident)}, set()) == {(ep.container_id, ep.ident)}
+    assert endpoints.relabel(data_dir, ep, {"app": "relabelled"}) is not None
+    print(ep.container_id)
+'''
+NOBODY = 65534
+
+
+def _own_users_agent(data_dir: Path, what: str) -> subprocess.CompletedProcess:
+    # This venv's interpreter may live where another user cannot go: the same code runs on
+    # Debian's python3 with the checkout and the venv's packages (as test_cli_lab does).
+    path = f"{Path(agentd.__file__).parents[1]}:{sysconfig.get_paths()['purelib']}"
+    return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "env",
+                           f"PYTHONPATH={path}", "/usr/bin/python3", "-c", OWN_USERS_AGENT, str(data_dir), what], check=False,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+@pytest.mark.parametrize("agent_made", ["make", "make data_dir"])
+def test_an_agent_of_its_own_user_uses_what_roots_plugin_made(node, netns_factory, agent_made):
+    """Review r12: ADD (root, under the runtime) made endpoints/ and its lock root's, so an agent
+    of its own user could read the endpoint files but not acknowledge a pod (every ADD waited
+    policyTimeout), write labels back, or open the lock.  The agent makes data_dir, endpoints/
+    and endpoints/.programmed first (write_cni_files); where only data_dir is its user's, the
+    plugin gives endpoints/ and the lock data_dir's owner.  The state file stays root's, 0600."""
+    top = Path(tempfile.mkdtemp(prefix="agentd-cni-own-user-"))  # tmp_path's parents are root's, 0700
+    try:
+        top.chmod(0o755)
+        os.chown(top, NOBODY, NOBODY)  # as systemd's StateDirectory= (/var/lib/agentd) is User='s
+        data_dir = top / "cni"
+        made = _own_users_agent(data_dir, agent_made)
+        assert made.returncode == 0 and made.stderr == "", made.stderr
+        pod = netns_factory("ownuser")
+        conf = node.plugin_conf(dataDir=str(data_dir), policyTimeout=0)
+        code, out, err = node.cni("ADD", "own-1", pod, conf, cni_args="IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web")
+        assert code == 0, (out, err)
+
+        def owner(relative: str) -> tuple[int, int, int]:
+            st = os.stat(data_dir / relative)
+            return st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)
+
+        assert owner(".") == (NOBODY, NOBODY, 0o755)
+        assert owner(endpoints.SUBDIR) == (NOBODY, NOBODY, 0o755)
+        assert owner(f"{endpoints.SUBDIR}/{endpoints.LOCK}") == (NOBODY, NOBODY, 0o600)
+        assert owner("own-1") == (0, 0, 0o600)  # the delegate's config: root's plugin alone reads it
+        assert owner(f"{endpoints.SUBDIR}/own-1{endpoints.SUFFIX}") == (0, 0, 0o644)
+        used = _own_users_agent(data_dir, "use")
+        assert (used.returncode, used.stdout.strip(), used.stderr) == (0, "own-1", ""), used.stderr
+        assert (data_dir / endpoints.SUBDIR / endpoints.PROGRAMMED / "own-1").exists()
+        assert endpoints.read(data_dir, "own-1").labels == {"app": "relabelled"}
+        code, out, err = node.cni("DEL", "own-1", pod, conf)
+        assert (code, out) == (0, None), err
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

@@ -859,6 +859,29 @@ def test_endpoint_files_are_readable_by_an_agent_of_its_own_user(tmp_path):
     assert stat_mod.S_IMODE((directory / eps.LOCK).stat().st_mode) == 0o600  # not others': see test_agent_views
 
 
+def test_a_data_dir_the_plugin_makes_lets_an_agent_of_its_own_user_in(tmp_path, monkeypatch):
+    """Review r12: ADD before the agent made dataDir (a new node, a retried ADD) made it 0700,
+    and an agent of its own user could not read the endpoint files in it (PermissionError, not
+    "no pods").  dataDir and endpoints/ are 0755 whatever the umask; what is private stays so:
+    the state file (the delegate's config, any runtimeConfig passed) 0600, the lock 0600."""
+    import stat as stat_mod
+
+    from agentd.cni import endpoints as eps
+
+    _fake_delegate(monkeypatch, [])
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    umask = os.umask(0o077)
+    try:
+        assert _run(_env(CNI_ARGS="K8S_POD_NAMESPACE=default;K8S_POD_NAME=web"), _conf(tmp_path, policyTimeout=0))[0] == 0
+    finally:
+        os.umask(umask)
+    state = tmp_path / "state"
+    modes = {p: stat_mod.S_IMODE((state / p).stat().st_mode)
+             for p in (".", "c0ffee01", eps.SUBDIR, f"{eps.SUBDIR}/c0ffee01{eps.SUFFIX}", f"{eps.SUBDIR}/{eps.LOCK}")}
+    assert modes == {".": 0o755, "c0ffee01": 0o600, eps.SUBDIR: 0o755, f"{eps.SUBDIR}/c0ffee01{eps.SUFFIX}": 0o644,
+                     f"{eps.SUBDIR}/{eps.LOCK}": 0o600}  # fmt: skip
+
+
 def _fake_delegate(monkeypatch, calls):
     def invoke(conf, args, env, timeout):
         calls.append((args.command, args.container_id))

@@ -83,6 +83,49 @@ def test_the_subnet_file_says_how_the_agent_runs_and_agentd_cni_still_reads_it(t
         assert read_subnet_file(cfg.cni.subnet_file).subnet == S  # what agentd-cni reads
 
 
+def test_the_plugins_directories_are_the_agents_and_made_before_the_subnet_file(tmp_path, monkeypatch):
+    """Review r12: nothing made [cni] data_dir before the subnet file let ADD through, so the
+    first ADD made it and its endpoints/ root's (the plugin runs as root): an agent of its own
+    user could not acknowledge a pod there nor open the lock.  The agent makes them first, its
+    own, 0755 whatever its umask."""
+    import stat
+
+    from agentd.cni import endpoints
+
+    cfg = agent_cfg(tmp_path, **{"cni.write_conflist": False, "cni.data_dir": str(tmp_path / "lib" / "cni")})
+    directories = [tmp_path / "lib" / "cni", tmp_path / "lib" / "cni" / endpoints.SUBDIR,
+                   tmp_path / "lib" / "cni" / endpoints.SUBDIR / endpoints.PROGRAMMED]  # fmt: skip
+    written = node_files.cni_config.atomic_write
+    seen = []
+
+    def atomic_write(path, text, mode):
+        if path == str(cfg.cni.subnet_file):
+            seen.append([d.is_dir() for d in directories])
+        return written(path, text, mode=mode)
+
+    monkeypatch.setattr(node_files.cni_config, "atomic_write", atomic_write)
+    umask = os.umask(0o077)
+    try:
+        node_files.write_cni_files(cfg, CLUSTER, {4: _lease()}, 1450)
+    finally:
+        os.umask(umask)
+    assert seen == [[True, True, True]]
+    for d in directories:
+        st = d.stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), 0o755), d
+    node_files.write_cni_files(cfg, CLUSTER, {4: _lease()}, 1450)  # there already: left as they are
+
+
+def test_a_data_dir_that_cannot_be_made_is_logged_and_the_subnet_file_written(tmp_path, caplog):
+    (tmp_path / "lib").write_text("not a directory")
+    cfg = agent_cfg(tmp_path, **{"cni.write_conflist": False, "cni.data_dir": str(tmp_path / "lib" / "cni")})
+    with caplog.at_level(logging.ERROR, logger="agentd"):
+        node_files.write_cni_files(cfg, CLUSTER, {4: _lease()}, 1450)
+    assert read_subnet_file(cfg.cni.subnet_file).subnet == S
+    assert f"cannot make {tmp_path / 'lib' / 'cni'} (Not a directory)" in caplog.text
+    assert "make [cni] data_dir" in caplog.text
+
+
 class _Datastore:
     async def remove_node(self, name, timeout=None):
         return True
