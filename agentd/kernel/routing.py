@@ -285,9 +285,19 @@ class RouteProgrammer:
         exists: list[Route] = []
         vanished: list[Route] = []
         beside_exists: list[tuple[Route, int, str | None]] = []
+        unsure: set[str] = set()  # destinations whose new route the kernel did not take outright
+        held: list[Route] = []
         for code, targets in ((ADD, adds), (BESIDE, [want for want, _old in besides]), (REPLACE, replaces),
                               (DELETE, deletes)):
+            if code == DELETE and unsure:
+                # Our old route at another metric (route_plan: a metric change adds the new
+                # route, then deletes the old) waits for the EEXIST reading below, and stays
+                # where its replacement failed: it carries the traffic meanwhile.
+                held = [t for t in targets if type(t) is Route and t.dst in unsure]
+                targets = [t for t in targets if not (type(t) is Route and t.dst in unsure)]
             results = await self._execute(code, targets, outcome)
+            if code != DELETE:
+                unsure.update(dst_of(target) for target, _err, _message in results)
             if code == BESIDE and besides:
                 # Our old routes beside which a route went in (route_plan.needs_beside) go
                 # now, by their gateways: the destination's route was replaced, nothing
@@ -323,6 +333,10 @@ class RouteProgrammer:
             for code, targets in ((REPLACE, own), (ADD, vanished)):
                 for target, err, message in await self._execute(code, targets, outcome):
                     failed.append((target.dst, nl.describe_error(err, message)))
+        if held:  # deleted unless their replacement failed (in, adopted, or another daemon's route there)
+            kept = {dst for dst, _reason in failed}
+            for target, err, message in await self._execute(DELETE, [t for t in held if t.dst not in kept], outcome):
+                failed.append((target.dst, nl.describe_error(err, message)))
         for reason in self.state.record(failed, conflicts):
             log.warning("route conflict: %s", reason)
         self.counters.errors += len(failed)
