@@ -162,6 +162,26 @@ def test_own_routes_others_add_are_filed_and_others_replacing_ours_are_noticed()
     assert state.kernel == {} and state.dirty == {A.dst}
 
 
+def test_an_own_ipv6_route_without_a_gateway_at_our_gateway_routes_key_makes_the_kernel_be_re_read():
+    """Another own-protocol client's ``ip -6 route replace fd00:1::/64 dev eth1``: on Linux
+    4.1-4.18 added beside our gateway route, from 4.19 in its place.  The monitor cannot tell
+    which: the kernel is re-read, and meanwhile nothing of that key is deleted (deleting the
+    device route as a stray would leave the destination unrouted if ours is gone; review r14 #2)."""
+    ours = Route("fd00:1::/64", gateway="fd00::1", dev="eth0")
+    theirs = Route("fd00:1::/64", dev="eth1")
+    state = RouteState()
+    state.set_desired([ours])
+    state.kernel[ours.dst] = ours  # programmed
+    state.take_work(False)
+    state.own_route_added(theirs)
+    assert state.full_pending
+    assert ours.dst in state.dirty
+    assert state.kernel == {ours.dst: ours} and not state.strays  # filed by the re-read, not guessed
+    work = state.take_work(False)
+    plan = state.plan(work.dsts, work.full, work.retry)
+    assert plan.deletes == [] and plan.replaces == [] and plan.adds == []
+
+
 def test_dst_of_names_routes_and_strays():
     assert dst_of(A) == dst_of(stray_of(A)) == A.dst
 

@@ -9,6 +9,7 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -246,3 +247,123 @@ async def test_a_pod_relabelled_or_deleted_leaves_the_services_that_selected_it(
     assert await agent._sync_pass()
     assert endpoints() == []
     assert agent.applied_revision == 7
+
+
+def _state(agent: ServiceAgent) -> tuple[Any, ...]:
+    """What the agent made of its records: compiled ports, applied ports, DNS names, conflicts, failures."""
+    table = agent._table
+    assert table is not None
+    keys = set(agent.objects["Service"]) | set(agent._applied)
+    compiled = {k: repr(list(table.compiled(k))) for k in keys if list(table.compiled(k))}
+    applied = {k: repr(v) for k, v in agent._applied.items()}
+    names = (dict(agent.names.a), dict(agent.names.aaaa), {k: repr(v) for k, v in agent.names.srv.items()})
+    return compiled, applied, names, {k: repr(v) for k, v in agent.conflicts.items()}, dict(agent.failed)
+
+
+def _fresh_state(objects: dict, revision: int) -> Any:
+    fresh = _agent()
+    fresh._on_resource(ResourceEvent("snapshot", revision, objects=dict(objects)))
+    return fresh
+
+
+async def test_records_changed_during_a_full_rebuild_are_compiled_at_the_next_pass(monkeypatch):
+    """A full rebuild gives the event loop back every COMPILE_STEP Services: a Service deleted
+    after its step was compiled, one deleted before its step, a pod relabelled away from a
+    compiled Service's selector, all meanwhile, are marked for the next (incremental) pass,
+    which leaves the agent as a fresh one fed the final records (review r14 #1)."""
+    monkeypatch.setattr(services_agent, "COMPILE_STEP", 3)
+    objs: dict[Any, Any] = {("Service", "a", f"s{i}"): service("a", f"s{i}", f"10.96.0.{i + 1}", {"app": "web"} if i == 0 else None)
+                            for i in range(9)}  # fmt: skip
+    objs[("Pod", "a", "p0")] = pod("a", "p0", "10.244.0.5", {"app": "web"})
+    agent = _agent()
+    agent._on_resource(ResourceEvent("snapshot", 1, objects=dict(objs)))
+    assert await agent._sync_pass()
+    old = agent._table
+    agent._dirty = None  # a full rebuild
+    events = [ResourceEvent("delete", 2, key=("Service", "a", "s1")),  # compiled in the first step
+              ResourceEvent("delete", 3, key=("Service", "a", "s7")),  # in the last step
+              ResourceEvent("put", 4, key=("Pod", "a", "p0"), obj=pod("a", "p0", "10.244.0.5", {"app": "db"}))]  # fmt: skip
+    during: list[bool] = []
+
+    async def tick() -> None:  # runs at the first step's end: s0-s2 compiled, s3-s8 not yet
+        during.append(agent._table is old)  # the rebuild still under way
+        for ev in events:
+            agent._on_resource(ev)
+            if ev.kind == "delete":
+                objs.pop(ev.key)
+            else:
+                objs[ev.key] = ev.obj
+
+    ticker = asyncio.get_running_loop().create_task(tick())
+    try:
+        assert await agent._sync_pass()
+    finally:
+        ticker.cancel()
+    assert during == [True]
+    assert agent._dirty  # marked for the next pass
+    assert await agent._sync_pass()
+    assert agent.last_sync is not None and not agent.last_sync["full"]
+    assert ("a", "s1") not in agent._applied and ("a", "s7") not in agent._applied
+    assert all(not sp.endpoints for sp in agent.compiled_ports)
+    fresh = _fresh_state(objs, 4)
+    assert await fresh._sync_pass()
+    assert _state(agent) == _state(fresh)
+
+
+def _random_record(rnd: random.Random) -> tuple[Any, Any]:
+    ns = rnd.choice(NAMESPACES)
+    if rnd.random() < 0.45:
+        i = rnd.randrange(12)
+        s = service(ns, f"s{i}", f"10.96.0.{rnd.randrange(1, 8)}",  # shared cluster IPs: conflicts
+                    rnd.choice([None, {"app": "web"}, {"app": "db"}, {"tier": "x"}]), protocol=rnd.choice(["TCP", "UDP"]))  # fmt: skip
+        s["metadata"]["creationTimestamp"] = f"2024-01-0{rnd.randrange(1, 4)}T00:00:00Z"
+        return ("Service", ns, f"s{i}"), s
+    j = rnd.randrange(10)
+    labels = rnd.choice([{"app": "web"}, {"app": "db", "tier": "x"}, {}])
+    return ("Pod", ns, f"p{j}"), pod(ns, f"p{j}", f"10.244.0.{rnd.randrange(1, 30)}", labels)
+
+
+@pytest.mark.parametrize("seed", range(40))
+async def test_changes_during_full_rebuilds_end_as_a_fresh_agent_fed_the_final_records(monkeypatch, seed):
+    """Random puts, deletes and snapshots between the steps of full rebuilds (COMPILE_STEP=3),
+    then incremental passes: compiled and applied ports, DNS names, conflicts and failures are
+    those of a fresh agent fed the final records (the review's fuzz_svc.py, r14 #1)."""
+    monkeypatch.setattr(services_agent, "COMPILE_STEP", 3)
+    rnd = random.Random(seed)
+    cur = dict(_random_record(rnd) for _ in range(25))
+    agent = _agent()
+    revision = 1
+    agent._on_resource(ResourceEvent("snapshot", revision, objects=dict(cur)))
+    assert await agent._sync_pass()
+
+    async def tick() -> None:
+        nonlocal revision
+        while True:
+            await asyncio.sleep(0)
+            roll = rnd.random()
+            revision += 1
+            if roll < 0.05:
+                cur.clear()
+                cur.update(_random_record(rnd) for _ in range(25))
+                agent._on_resource(ResourceEvent("snapshot", revision, objects=dict(cur)))
+            elif roll < 0.35:
+                key, obj = _random_record(rnd)
+                cur[key] = obj
+                agent._on_resource(ResourceEvent("put", revision, key=key, obj=obj))
+            elif roll < 0.5 and cur:
+                key = rnd.choice(sorted(cur))
+                del cur[key]
+                agent._on_resource(ResourceEvent("delete", revision, key=key))
+
+    for _ in range(3):
+        agent._dirty = None
+        ticker = asyncio.get_running_loop().create_task(tick())
+        try:
+            await agent._sync_pass()
+        finally:
+            ticker.cancel()
+        for _ in range(5):  # until quiet
+            await agent._sync_pass()
+    fresh = _fresh_state(cur, revision)
+    await fresh._sync_pass()
+    assert _state(agent) == _state(fresh)
