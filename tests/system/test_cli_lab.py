@@ -225,10 +225,12 @@ def _reading_stdin(proc: subprocess.Popen) -> bool:
 
 
 def _receiving(proc: subprocess.Popen) -> bool:
-    """The process sits in recvfrom(2) (x86-64's number 45): reading an answer from a socket
-    (`ip netns exec` execs its command, so the pid is the command's)."""
+    """The process sits in recvfrom(2) or poll(2) (x86-64's numbers 45 and 7): reading an
+    answer from a socket, or waiting for one under a timeout (`agentd flows -f` reads with
+    one: a silent stream ends after FOLLOW_IDLE) (`ip netns exec` execs its command, so the
+    pid is the command's)."""
     with contextlib.suppress(OSError):
-        return Path(f"/proc/{proc.pid}/syscall").read_text().split()[:1] == ["45"]
+        return Path(f"/proc/{proc.pid}/syscall").read_text().split()[:1] in (["45"], ["7"])
     return False
 
 
