@@ -215,6 +215,9 @@ def _interrupted(argv: list[str], env: dict[str, str], waiting, **kw) -> subproc
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):  # a failed wait left them open: a
+            if pipe is not None:                             # ResourceWarning in a later test
+                pipe.close()
 
 
 def _reading_stdin(proc: subprocess.Popen) -> bool:
