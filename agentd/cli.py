@@ -27,6 +27,7 @@ from agentd.config.settings import (
     DEFAULT_CONFIG_PATH,
     ConfigError,
     HostFacts,
+    NodeFacts,
     RunningHost,
     check_config,
     config_warnings,
@@ -474,25 +475,8 @@ LEAVE_POLL = 0.2  # seconds between two looks at its progress
 RELOAD_ASK_WAIT = 2.0  # seconds `check-config --reload` waits for the running agent's /status
 
 
-class AgentNode:
-    """:class:`HostFacts` answered from the running agent's ``GET /status`` "node": the [node]
-    name, address and address_v6 its reload takes (:class:`RunningHost`: its start's)."""
-
-    def __init__(self, name: str, address: IPv4Address | None, address_v6: IPv6Address | None) -> None:
-        self.name, self.address, self.address_v6 = name, address, address_v6
-
-    def hostname(self) -> str:
-        return self.name
-
-    def default_address(self) -> IPv4Address | None:
-        return self.address
-
-    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None:
-        return self.address_v6
-
-
 def running_node(path: str, overrides: dict[str, str], named: bool, *,
-                 wait: float = RELOAD_ASK_WAIT) -> tuple[AgentNode | None, str]:
+                 wait: float = RELOAD_ASK_WAIT) -> tuple[NodeFacts | None, str]:
     """The running agent's [node] values, asked at the file's [api] listen (as ``agentd leave``
     finds it; ``GET /status`` needs no token), within ``wait`` seconds; else None and why, in
     a few words: nothing answers, the answer is no agentd status, or the file cannot be read
@@ -534,7 +518,7 @@ def running_node(path: str, overrides: dict[str, str], named: bool, *,
         name = None
     if name is None:
         return None, f"{url} did not answer with an agentd status (no [node] name and addresses)"
-    return AgentNode(name, address, address_v6), ""
+    return NodeFacts(name, address, address_v6), ""
 
 
 def seconds_arg(text: str) -> float:

@@ -942,7 +942,25 @@ def reloaded(running: Config, read: Config, *, also: tuple[str, ...] = ()) -> Re
     return Reload(live, pending, refused)
 
 
-class RunningHost:
+class NodeFacts:
+    """:class:`HostFacts` that are given, not looked up: [node] name, address and address_v6
+    as some running agent has them (:class:`RunningHost`; ``agentd check-config --reload``
+    asks the running agent's ``GET /status``)."""
+
+    def __init__(self, name: str, address: IPv4Address | None, address_v6: IPv6Address | None) -> None:
+        self.name, self.address, self.address_v6 = name, address, address_v6
+
+    def hostname(self) -> str:
+        return self.name
+
+    def default_address(self) -> IPv4Address | None:
+        return self.address
+
+    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None:
+        return self.address_v6
+
+
+class RunningHost(NodeFacts):
     """:class:`HostFacts` answered from a running configuration: a reload (SIGHUP) computes the
     defaults of [node] name, address and address_v6 as they were at start, never from the
     host again.  Those keys change only with a restart, and a default route gone at the
@@ -950,16 +968,7 @@ class RunningHost:
     (nor a netlink dump hold up the event loop)."""
 
     def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-
-    def hostname(self) -> str:
-        return self.cfg.node.name or ""
-
-    def default_address(self) -> IPv4Address | None:
-        return self.cfg.node.address
-
-    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None:
-        return self.cfg.node.address_v6
+        super().__init__(cfg.node.name or "", cfg.node.address, cfg.node.address_v6)
 
 
 def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
