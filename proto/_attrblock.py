@@ -123,7 +123,11 @@ class InternedByCode:
 def frame_attributes(body: bytes, start: int, end: int) -> tuple[list[Frame], UpdateError | None, bool]:
     """Walk the attribute headers.  Returns the frames, the framing error if any
     (RFC 7606 §4: treat-as-withdraw, the NLRI being located by the Total Path Attribute
-    Length), and whether an MP_REACH_NLRI/MP_UNREACH_NLRI attribute is among them."""
+    Length), and whether an MP_REACH_NLRI/MP_UNREACH_NLRI attribute is among them.
+
+    Raises DecodeError (session reset, Malformed Attribute List) instead of returning a
+    framing error when the octets left unframed could hold an MP_REACH_NLRI or
+    MP_UNREACH_NLRI not found before them: see :func:`_mp_may_follow`."""
     frames: list[Frame] = []
     has_mp = False
     pos = start
@@ -140,15 +144,18 @@ def frame_attributes(body: bytes, start: int, end: int) -> tuple[list[Frame], Up
             vstart = pos + 3
             vend = vstart + body[pos + 2]
         if vend > end:
+            overrun = f"attribute {code} overruns the path attributes by {vend - end} octets"
             if code in _MP_CODES:
                 # RFC 7606 §3 j: treat-as-withdraw needs the MP NLRI parsed; it cannot be.
+                raise DecodeError(ErrorCode.UPDATE_MESSAGE, UpdateSubcode.MALFORMED_ATTRIBUTE_LIST, b"", overrun)
+            if _mp_may_follow(frames, has_mp, end - vstart):
                 raise DecodeError(
                     ErrorCode.UPDATE_MESSAGE,
                     UpdateSubcode.MALFORMED_ATTRIBUTE_LIST,
                     b"",
-                    f"attribute {code} overruns the path attributes by {vend - end} octets",
+                    f"path attribute framing: {overrun}, and an MP_REACH_NLRI/MP_UNREACH_NLRI may be hidden after it",
                 )
-            return frames, _framing(f"attribute {code} overruns the path attributes by {vend - end} octets"), has_mp
+            return frames, _framing(overrun), has_mp
         if code in _MP_CODES:
             if has_mp and any(f[1] == code for f in frames):
                 # RFC 7606 §3 g: MP_REACH_NLRI / MP_UNREACH_NLRI more than once.
@@ -162,6 +169,32 @@ def frame_attributes(body: bytes, start: int, end: int) -> tuple[list[Frame], Up
         frames.append((flags, code, vstart, vend, pos))
         pos = vend
     return frames, None, has_mp
+
+
+# The shortest MP_UNREACH_NLRI (header, AFI, SAFI: no withdrawn routes, an End-of-RIB) and
+# MP_REACH_NLRI (header, AFI, SAFI, next hop length 0, reserved octet; RFC 4760 §3, §4).
+_MP_SHORTEST = ((MpUnreachNlri.code, 3 + 3), (MpReachNlri.code, 3 + 5))
+
+
+def _mp_may_follow(frames: list[Frame], has_mp: bool, room: int) -> bool:
+    """Whether ``room`` octets left unframed, after the header of an attribute whose length
+    overruns the path attributes, could hold an MP_REACH_NLRI or MP_UNREACH_NLRI that was
+    not framed before it.
+
+    RFC 7606 §4 asks treat-as-withdraw for a framing error "(unless some other, more severe
+    error is encountered dictating a stronger approach)", and §3 j is one: treat-as-withdraw
+    needs "the entire NLRI field and/or the MP_REACH_NLRI and MP_UNREACH_NLRI attributes" to
+    be "successfully parsed"; "If this is not possible ... the 'session reset' approach ...
+    MUST be followed".  An MP attribute hidden in the unframed octets can be neither parsed
+    nor even seen: treat-as-withdraw would withdraw the NLRI field's routes while that
+    attribute's announcements kept their old attributes and its withdrawals were lost,
+    silently, on any session (IPv4 unicast itself may ride in MP_REACH_NLRI).  So reset,
+    unless those octets are too few for one (a truncated attribute at the very end) or both
+    MP attributes were framed already (a third would be a repeat, itself a reset by §3 g):
+    then every NLRI of the UPDATE was located and treat-as-withdraw covers it all.
+    """
+    found = {f[1] for f in frames if f[1] in _MP_CODES} if has_mp else ()
+    return any(room >= shortest for code, shortest in _MP_SHORTEST if code not in found)
 
 
 def _framing(message: str) -> UpdateError:

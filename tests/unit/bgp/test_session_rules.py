@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Address
 
 import pytest
 
@@ -27,7 +27,7 @@ from bgp.peer import Peer
 from bgp.session import Close, Connect, Send
 from bgp.settings import LocalSettings
 from bgp.testing import RawHarness, RawPeer
-from proto.errors import ErrorCode
+from proto.errors import ErrorCode, UpdateSubcode
 from proto.messages import (
     MARKER,
     Keepalive,
@@ -36,6 +36,7 @@ from proto.messages import (
     Open,
     RouteRefresh,
 )
+from proto.nlri import IPV4_UNICAST, IPV6_UNICAST
 
 LOCAL, A, REMOTE = "10.0.0.1", "10.0.0.9", "10.0.0.2"
 _conns = itertools.count(-100, -1)
@@ -120,6 +121,44 @@ def test_a_message_out_of_turn_is_an_fsm_error_naming_the_state(provoke, subcode
     assert not sp.counters["internal errors"]
     # The UPDATE (in OpenConfirm) was not taken.
     assert A not in sp.rib.adj_in or not len(sp.rib.adj_in[A])
+
+
+# ---------------------------------------------------------------- RFC 7606 §3 j, §4
+
+
+def _update_message(attrs: bytes, nlri: bytes = b"") -> bytes:
+    body = b"\x00\x00" + len(attrs).to_bytes(2, "big") + attrs + nlri
+    return MARKER + (19 + len(body)).to_bytes(2, "big") + b"\x02" + body
+
+
+V6_PREFIX = b"\x40\x20\x01\x0d\xb8\x00\x01\x00\x00"  # 2001:db8:1::/64
+V6_NEXT_HOP = IPv6Address("2001:db8::9").packed
+A_ORIGIN_PATH = b"\x40\x01\x01\x00" + b"\x40\x02\x06\x02\x01" + (65001).to_bytes(4, "big")
+MP_REACH = b"\x80\x0e\x1e" + b"\x00\x02\x01\x10" + V6_NEXT_HOP + b"\x00" + V6_PREFIX
+MP_UNREACH = b"\x80\x0f\x0c" + b"\x00\x02\x01" + V6_PREFIX
+
+
+@pytest.mark.parametrize("hidden", [MP_REACH, MP_UNREACH], ids=["mp-reach", "mp-unreach"])
+def test_a_framing_error_that_may_hide_an_mp_attribute_resets_the_session_and_no_route_stays(hidden):
+    # A COMMUNITIES whose length runs one octet past the path attributes, over an
+    # MP_REACH_NLRI (new attributes for 2001:db8:1::/64) or an MP_UNREACH_NLRI (its
+    # withdrawal), beside an IPv4 route in the NLRI field.  Treat-as-withdraw would withdraw
+    # the IPv4 route and leave the IPv6 one as it was, silently: the session is reset instead
+    # (RFC 7606 §3 j), 3/1, and with it go A's routes.
+    sp, h = harness()
+    a = raw()
+    assert h.connect(a)
+    med = b"\x80\x04\x04" + (5).to_bytes(4, "big")
+    h.send(a, _update_message(A_ORIGIN_PATH + med + MP_REACH))
+    h.send(a, UPDATE)  # 10.60.0.0/24
+    assert sp.rib.adj_in[A].count(IPV6_UNICAST) == 1 and sp.rib.adj_in[A].count(IPV4_UNICAST) == 1
+    bad = A_ORIGIN_PATH + b"\x40\x03\x04" + IPv4Address(A).packed + bytes((0xC0, 8, len(hidden) + 1)) + hidden
+    h.send(a, _update_message(bad, b"\x18\x0a\x3c\x00"))
+    assert a.closed
+    assert last_notification(a) == (ErrorCode.UPDATE_MESSAGE, UpdateSubcode.MALFORMED_ATTRIBUTE_LIST)
+    assert sp.peers[A].state is not State.ESTABLISHED
+    assert not list(sp.rib.bests(IPV6_UNICAST)) and not list(sp.rib.bests(IPV4_UNICAST))
+    assert not sp.counters["internal errors"]
 
 
 # ---------------------------------------------------------------- RFC 7313 §5

@@ -205,6 +205,12 @@ CASES = [
     pytest.param(
         update(ORIGIN + AS_PATH + b"\x40\x03", b"", withdrawn=NLRI), Reset(3, 1), id="rfc7606-5.2-framing-error-without-nlri"
     ),
+    # RFC 7606 §3 j over §4: an attribute whose length runs past the path attributes may hide an
+    # MP_REACH_NLRI / MP_UNREACH_NLRI in the octets after its header, whose routes
+    # treat-as-withdraw could not cover; the NLRI field being non-empty changes nothing.
+    pytest.param(update(MANDATORY + bytes((0xC0, 8, len(mp_reach()) + 1)) + mp_reach()), Reset(3, 1), id="rfc7606-3j-framing-error-may-hide-mp-reach"),
+    pytest.param(update(MANDATORY + bytes((0xC0, 8, len(mp_unreach()) + 1)) + mp_unreach()), Reset(3, 1), id="rfc7606-3j-framing-error-may-hide-mp-unreach"),
+    pytest.param(update(mp_reach() + MANDATORY + bytes((0xC0, 8, 7)) + mp_unreach(withdrawn=b"")), Reset(3, 1), id="rfc7606-3j-framing-error-after-mp-reach-may-hide-mp-unreach"),
     # ---------------------------------------------------------------- UPDATE: treat-as-withdraw / attribute-discard
     # RFC 7606 §5.2 once the attributes were framed: the NLRI fields were all parsed, so the
     # error withdraws nothing and the session stays (FRR after CVE-2023-47235).
@@ -252,6 +258,8 @@ CASES = [
     pytest.param(update(ORIGIN + AS_PATH), Outcome(TAW, 3, 3, b"\x03", 3), id="rfc7606-3d-missing-next-hop"),
     pytest.param(update(b"\x40\x01"), Outcome(TAW, 3, 1), id="rfc7606-4-attribute-header-truncated"),
     pytest.param(update(MANDATORY + b"\x80\x04\x09\x00\x00\x00\x05"), Outcome(TAW, 3, 1), id="rfc7606-4-attribute-overruns-total-length"),
+    # Both MP attributes framed before the overrun (a third would be a repeat): every NLRI was located.
+    pytest.param(update(mp_reach() + mp_unreach(withdrawn=b"\x30\x20\x01\x0d\xb8\x00\x02") + MANDATORY + bytes((0xC0, 8, 30)) + bytes(12)), Outcome(TAW, 3, 1), id="rfc7606-4-framing-error-after-both-mp-attributes"),
     pytest.param(update(MANDATORY + b"\x90\x04\x00"), Outcome(TAW, 3, 1), id="rfc7606-4-extended-header-truncated"),
     pytest.param(update(MANDATORY + MED + attr(0x80, 4, b"\x00\x00\x00\x09")), Outcome(DISCARD, 3, 1, attr(0x80, 4, b"\x00\x00\x00\x09")), id="rfc7606-3g-duplicate-med-discarded"),
     pytest.param(update(ORIGIN + AS_PATH2 + NEXT_HOP + attr(0xC0, 17, b"\x02\x01\x00\x00")), Outcome(DISCARD, 3, 5, attr(0xC0, 17, b"\x02\x01\x00\x00"), 17), OLD, id="rfc6793-6-as4-path-length-4-discarded"),
@@ -315,3 +323,15 @@ def test_case_count() -> None:
     """At least 40 distinct malformed messages: every RFC 7606 outcome, several ways each."""
     raws = {p.values[0] for p in CASES}
     assert len(raws) == len(CASES) >= 40
+
+
+def test_a_framing_error_after_both_mp_attributes_withdraws_their_routes_too() -> None:
+    # The one overrun of a long tail that keeps treat-as-withdraw: MP_REACH_NLRI and
+    # MP_UNREACH_NLRI were both framed (RFC 7606 §5.1 puts them first), so their NLRI are
+    # in the Update for the receiver to withdraw with the NLRI field's.
+    unreach = mp_unreach(withdrawn=b"\x30\x20\x01\x0d\xb8\x00\x02")
+    msg = decode_stream(update(mp_reach() + unreach + MANDATORY + bytes((0xC0, 8, 30)) + bytes(12)), CodecContext())
+    assert isinstance(msg, Update) and msg.treat_as_withdraw
+    assert msg.nlri == (NLRI,)
+    assert msg.mp_reach is not None and msg.mp_reach.nlri == (b"\x30\x20\x01\x0d\xb8\x00\x01",)
+    assert msg.mp_unreach is not None and msg.mp_unreach.withdrawn == (b"\x30\x20\x01\x0d\xb8\x00\x02",)
