@@ -172,6 +172,9 @@ BAD = [
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", "010.0.0.0/255.0.0.0"), "must be a valid CIDR"),
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", "10.0.0.0/ 8"), "must be a valid CIDR"),
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", "10.0.0.0/\u0668"), "must be a valid CIDR"),  # Arabic-Indic 8
+    # an octet past int()'s 4300 digits (its ValueError was a traceback)
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "0" * 5000 + ".0.0.0/8"), 'ipBlock.cidr: Invalid value: "000'),
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "1" * 5000 + ".0.0.0/8"), "must be a valid CIDR"),
     (mutate("spec.ingress.0.from.1.podSelector", {}), "spec.ingress[0].from[1]: Forbidden: may not specify both ipBlock and another peer"),
     (mutate("spec.ingress.0.from.1", {}), "spec.ingress[0].from[1]: Required value: must specify a peer"),
     (mutate("spec.ingress.0.from.0.podSelector.matchExpressions.0.operator", "in"), 'operator: Invalid value: "in": not a valid selector operator'),
