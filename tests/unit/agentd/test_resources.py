@@ -405,6 +405,31 @@ def test_cli_apply_reads_a_bounded_manifest(tmp_path, capsys, monkeypatch):
     assert "larger than" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["delete", "svc", ""], ["delete", "ns", ""], ["label", "pod", "", "k=v"],
+                                  ["delete", "svc", "shop/"], ["get", "svc", ""]])
+def test_cli_an_empty_name_is_refused_before_etcd(argv, capsys, monkeypatch):
+    """An empty NAME was taken for no name at all: delete and label went to etcd and failed
+    there on an assertion (a traceback), get listed everything."""
+    from agentd.datastore import store as datastore
+
+    connected = []
+
+    class Datastore:
+        def __init__(self, endpoints, prefix, **_):
+            pass
+
+        async def connect(self, timeout=None):
+            connected.append(True)
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(datastore, "Datastore", Datastore)
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().err == f"agentd {argv[0]}: name: Required value\n"
+    assert connected == []
+
+
 def test_cli_apply_cut_short_by_a_race_prints_what_was_written_and_says_so(tmp_path, capsys, monkeypatch):
     from agentd.datastore import store as datastore
     from agentd.resources import cli as resources_cli
