@@ -264,7 +264,8 @@ def parse_upstreams(v: list[Any], _base: Path) -> tuple[str, ...]:
             raise BadValue(f"{item!r}: must be IPv4, IPv4:PORT, IPv6 or [IPv6]:PORT") from None
         if addr.is_unspecified or addr.is_multicast:
             raise BadValue(f"{item!r}: must be a unicast address")
-        if port is not None and (not port.isdigit() or not 1 <= int(port) <= 65535):
+        # (no int() of more digits than a port has: it refuses over 4300 of them)
+        if port is not None and (not port.isdigit() or len(port) > 5 or not 1 <= int(port) <= 65535):
             raise BadValue(f"{item!r}: the port must be 1..65535")
         where = f"[{addr}]" if addr.version == 6 else str(addr)
         out.append(f"{where}:{int(port) if port else 53}")
