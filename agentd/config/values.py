@@ -254,18 +254,20 @@ def parse_upstreams(v: list[Any], _base: Path) -> tuple[str, ...]:
         if not isinstance(item, str):
             raise BadValue(f"must be an array of strings, not of {type_name(item)}s")
         text = item.strip()
+        shown = shorten(repr(item))  # a value may be thousands of characters
         m = re.fullmatch(r"\[([^\]]*)\](?::([0-9]*))?|([^:\[\]]*)(?::([0-9]*))?|([0-9A-Fa-f:.]*)", text)
         if not m:
-            raise BadValue(f"{item!r}: must be IPv4, IPv4:PORT, IPv6 or [IPv6]:PORT")
+            raise BadValue(f"{shown}: must be IPv4, IPv4:PORT, IPv6 or [IPv6]:PORT")
         host, port = (m[1], m[2]) if m[1] is not None else (m[3], m[4]) if m[3] is not None else (m[5], None)
         try:
             addr = ip_address(_no_zone(host))
         except ValueError:
-            raise BadValue(f"{item!r}: must be IPv4, IPv4:PORT, IPv6 or [IPv6]:PORT") from None
+            raise BadValue(f"{shown}: must be IPv4, IPv4:PORT, IPv6 or [IPv6]:PORT") from None
         if addr.is_unspecified or addr.is_multicast:
-            raise BadValue(f"{item!r}: must be a unicast address")
-        if port is not None and (not port.isdigit() or not 1 <= int(port) <= 65535):
-            raise BadValue(f"{item!r}: the port must be 1..65535")
+            raise BadValue(f"{shown}: must be a unicast address")
+        # (no int() of more digits than a port has: it refuses over 4300 of them)
+        if port is not None and (not port.isdigit() or len(port) > 5 or not 1 <= int(port) <= 65535):
+            raise BadValue(f"{shown}: the port must be 1..65535")
         where = f"[{addr}]" if addr.version == 6 else str(addr)
         out.append(f"{where}:{int(port) if port else 53}")
     return tuple(out)

@@ -204,8 +204,13 @@ class _Handlers:
                 follower = view.follow(flt, pool) if follow else None
             except TooManyFollowers as err:  # more came since the handler looked
                 return web.json_response({"error": str(err)}, status=503)
-            cursor = view.cursor()  # the last record before the follow: a reader broken off resumes after what it had
-            search = view.search(flt, last, since, after)
+            try:
+                cursor = view.cursor()  # the last record before the follow: a reader broken off resumes after what it had
+                search = view.search(flt, last, since, after)
+            except BaseException:  # not followed after all: the place is free again
+                if follower is not None:
+                    view.unfollow(follower)
+                raise
         headers = {"Content-Type": NDJSON, "Cache-Control": "no-cache"}
         if follower is not None:
             headers[LAST_END] = "empty-line"  # a gathering node splits the last N from what follows there
@@ -448,7 +453,9 @@ class _Handlers:
         cluster = a.cluster_view()
         if cluster is None:
             return web.json_response({"error": "no cluster view here"}, status=503)
-        path = f"/{what}" + (f"?{request.query_string}" if request.query_string else "")
+        # The query as the reader wrote it (query_string has %23 decoded to "#", %25 to "%")
+        raw = request.rel_url.raw_query_string
+        path = f"/{what}" + (f"?{raw}" if raw else "")
         try:
             status, content_type, body = await cluster.get(name, path)
         except KeyError:
@@ -549,7 +556,8 @@ def _since(value: str) -> float:
 
 def _after(value: str) -> str:
     ring, colon, seq = value.partition(":")
-    if not (ring and colon and seq.isascii() and seq.isdigit()):
+    # ASCII digits, no more than a 64-bit number has (int() refuses over 4300 digits)
+    if not (ring and colon and seq.isascii() and seq.isdigit() and len(seq) <= 20):
         raise FilterError(f"after: {value!r} is not a cursor (ID:SEQ, as a followed answer's {RING} header)")
     return value
 

@@ -77,7 +77,7 @@ async def drop_previous_protocol(
         log.warning("cannot read %s (%s): routes of an earlier route_protocol are not looked for", path, err)
         text = None
     if text is not None:
-        if text.isdigit() and 5 <= int(text) <= 255:
+        if text.isascii() and text.isdigit() and len(text) <= 3 and 5 <= int(text) <= 255:  # not "²", nor 5000 digits
             previous = int(text)
         else:
             log.warning("%s holds %r, not a route protocol: ignored", path, text[:40])

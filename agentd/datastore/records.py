@@ -522,7 +522,8 @@ def parse_subnet_key(prefix: str, key: bytes | str) -> IPv4Network | IPv6Network
     if not text.startswith(head):
         raise RecordError(f"subnet key {_q(text)} is not under {head!r}")
     ip, sep, length = text[len(head) :].rpartition("-")
-    if not sep or not length.isdigit():
+    # ASCII digits, as in the address (int() reads "٣" as 3, refuses "²" and over 4300 digits)
+    if not sep or not (length.isascii() and length.isdigit()) or len(length) > 10:
         raise RecordError(f"subnet key {_q(text)} is not of the form <ip>-<len>")
     try:
         subnet = ip_network(f"{ip}/{int(length)}")

@@ -382,10 +382,11 @@ class IngressController:
         cm = self.objects["ConfigMap"].get((ns, name))
         try:
             parsed = settings.parse((cm or {}).get("data"), f"ConfigMap {self.cfg.configmap}: data")
-        except Invalid as err:
-            if self.settings_error != str(err):
-                log.error("ingress: %s; keeping the settings in use", err)
-            self.settings_error = str(err)
+        except ValueError as err:  # Invalid; or a bad value a check missed (int() of it): no crash loop
+            why = str(err) if isinstance(err, Invalid) else f"ConfigMap {self.cfg.configmap}: data: {err}"
+            if self.settings_error != why:
+                log.error("ingress: %s; keeping the settings in use", why)
+            self.settings_error = why
             return self.settings
         if self._refused_settings is not None:
             if parsed == self._refused_settings[0]:

@@ -484,7 +484,8 @@ class RouteNetlink:
             oif = 0
             if dev is not None:
                 oif = self.ifindex.get(dev, 0)
-                if not oif and dev.startswith("if#") and dev[3:].isdigit():
+                # ASCII digits: a link named "if#٣" (gone now) is no index 3, "if#²" none at all
+                if not oif and dev.startswith("if#") and dev[3:].isascii() and dev[3:].isdigit():
                     oif = int(dev[3:])
             # A source-specific route is deleted by its source prefix too: without it the
             # kernel would delete our route for (dst, metric) with no source prefix.  Without

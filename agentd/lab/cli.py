@@ -130,7 +130,7 @@ def _named_port(text: str) -> dict:
     name, eq, rest = text.partition("=")
     number, _, proto = rest.partition("/")
     try:
-        if not eq or not number.isdigit():
+        if not eq or not (number.isascii() and number.isdigit() and len(number) <= 5):  # "٣" is no 3
             raise Invalid("", "expected NAME=PORT[/PROTO], e.g. http=80/TCP")
         return container_port({"name": name, "containerPort": int(number), "protocol": proto.upper() or "TCP"}, "port", set())
     except Invalid as err:
@@ -139,7 +139,8 @@ def _named_port(text: str) -> dict:
 
 def _host_port(text: str) -> tuple[str, int]:
     name, eq, number = text.partition("=")
-    if not eq or not name or not number.isdigit() or not 1 <= int(number) <= 65535:
+    digits = number.isascii() and number.isdigit() and len(number) <= 5  # not "٣" (int() reads 3), nor 5000 digits
+    if not eq or not name or not digits or not 1 <= int(number) <= 65535:
         raise argparse.ArgumentTypeError(f"host port {text!r}: expected NAME=HOSTPORT (1-65535), e.g. http=8080")
     return name, int(number)
 

@@ -3,10 +3,10 @@
 ``python -m agentd.lab.httpecho NAME PORT [PORT...]`` (inside a pod's namespace) answers every
 request with JSON: ``{"pod": NAME, "method", "path" (with the query), "host", "proto",
 "headers": {...}}`` and the headers ``Server: httpecho``, ``X-Pod: NAME``; a request for
-``/bytes/N`` gets N bytes instead (the bench's fixed-size responses).  A WebSocket upgrade
-(any path) is accepted, and every text message is answered with ``NAME: message``.  It
-prints ``ready`` once it listens.  aiohttp serves it: a real HTTP/1.1 server (keep-alive,
-chunked bodies, the WebSocket handshake of RFC 6455).
+``/bytes/N`` gets N bytes instead (the bench's fixed-size responses; N up to 64 MiB).  A
+WebSocket upgrade (any path) is accepted, and every text message is answered with ``NAME:
+message``.  It prints ``ready`` once it listens.  aiohttp serves it: a real HTTP/1.1 server
+(keep-alive, chunked bodies, the WebSocket handshake of RFC 6455).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import sys
 from typing import Any
 
 from aiohttp import WSMsgType, web
+
+BYTES_MAX = 64 << 20  # the largest /bytes/N answered so; a larger N is echoed as any other path
 
 
 def _app(name: str) -> web.Application:
@@ -30,8 +32,10 @@ def _app(name: str) -> web.Application:
                 if msg.type == WSMsgType.TEXT:
                     await ws.send_str(f"{name}: {msg.data}")
             return ws
-        if request.path.startswith("/bytes/") and request.path[7:].isdigit():
-            return web.Response(body=b"x" * int(request.path[7:]), headers=headers, content_type="text/plain")
+        size = request.path[7:] if request.path.startswith("/bytes/") else ""
+        # ASCII digits, at most BYTES_MAX: "²" was a 500 (int() refuses it), 10**12 a MemoryError
+        if size.isascii() and size.isdigit() and len(size) <= len(str(BYTES_MAX)) and int(size) <= BYTES_MAX:
+            return web.Response(body=b"x" * int(size), headers=headers, content_type="text/plain")
         await request.read()
         body = {"pod": name, "method": request.method, "path": request.path_qs, "host": request.headers.get("Host"),
                 "proto": f"HTTP/{request.version.major}.{request.version.minor}", "headers": dict(request.headers)}  # fmt: skip

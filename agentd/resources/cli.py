@@ -98,7 +98,8 @@ def _prepare(args: argparse.Namespace) -> Any:
             )
         return objs
     kind = kinds.lookup(args.kind)
-    target = _target(kind, args.name, args.namespace) if args.name else None
+    # None: get without a name (all); "" is a name, refused by the kind's name check
+    target = _target(kind, args.name, args.namespace) if args.name is not None else None
     if args.command == "delete" and kind.writer is not None:
         raise Invalid("", f"{kind.plural} are written by {kind.writer}")
     changes = _label_changes(args.labels) if args.command == "label" else None

@@ -44,7 +44,10 @@ SNIPPET_DIRECTIVES = (
     ("http-request", "set-header"), ("http-request", "add-header"), ("http-request", "del-header"),
     ("http-response", "set-header"), ("http-response", "add-header"), ("http-response", "del-header"),
 )  # fmt: skip
-_SIZE = re.compile(r"(\d+)([kKmMgG]?)")
+# ASCII digits, so many as a size can have: \d and str.isdigit() take "²" and "٣" (int()
+# refuses the one, reads the other as 3), and int() refuses more than 4300 digits.
+_SIZE = re.compile(r"([0-9]{1,15})([kKmMgG]?)")
+_SECONDS = re.compile(r"([0-9]{1,9})s?")
 # Control characters, Lua, files, and the process environment (HAProxy expands "${VAR}" and
 # has an env() fetch: a header could carry the agent's secrets to clients, ingress-nginx's
 # CVE-2021-25742 class).
@@ -160,21 +163,26 @@ def snippet(text: str, where: str) -> tuple[str, ...]:
 
 
 def _seconds(text: str, where: str, lo: int, hi: int) -> int:
-    value = text.strip().rstrip("s")
-    if not value.isdigit() or not lo <= int(value) <= hi:
-        raise Invalid(where, f"Invalid value: {text!r}: must be a whole number of seconds, {lo}..{hi}")
-    return int(value)
+    m = _SECONDS.fullmatch(text.strip())  # "10" or "10s"
+    if m is None or not lo <= int(m.group(1)) <= hi:
+        raise Invalid(where, f"Invalid value: {_quote(text)}: must be a whole number of seconds, {lo}..{hi}")
+    return int(m.group(1))
 
 
 def _size(text: str, where: str) -> int:
     m = _SIZE.fullmatch(text.strip())
     if m is None:
-        raise Invalid(where, f"Invalid value: {text!r}: must be a size such as 1m, 512k or 0 (no limit)")
+        raise Invalid(where, f"Invalid value: {_quote(text)}: must be a size such as 1m, 512k or 0 (no limit)")
     return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
 
 
 def _bool(text: str, where: str) -> bool:
     value = text.strip().lower()
     if value not in ("true", "false"):
-        raise Invalid(where, f'Invalid value: {text!r}: must be "true" or "false"')
+        raise Invalid(where, f'Invalid value: {_quote(text)}: must be "true" or "false"')
     return value == "true"
+
+
+def _quote(text: str) -> str:
+    """``text`` quoted for a message, cut to a readable length (a value may be megabytes)."""
+    return repr(text if len(text) <= 40 else text[:37] + "...")

@@ -224,7 +224,12 @@ def _ports(raw: list[Any], kind: str, headless: bool) -> list[dict[str, Any]]:
 
 def target_port(value: Any, path: str, headless: bool = False) -> int | str:
     if isinstance(value, str):
-        if value.isdigit():  # an IntOrString written as a string of digits
+        # An IntOrString written as a string of digits: ASCII ones (str.isdigit() also takes "²",
+        # which int() refuses, and "٣", which it reads as 3: names, refused as the API server
+        # refuses them), and no int() of more than a port has (int() refuses over 4300 digits).
+        if value.isascii() and value.isdigit():
+            if len(value.lstrip("0")) > 5:
+                raise invalid(path, value, "must be between 1 and 65535, inclusive")
             return port_number(int(value), path)
         return iana_svc_name(value, path)
     number = integer(value, path)

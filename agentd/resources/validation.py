@@ -323,13 +323,14 @@ def cidr(value: Any, path: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network
         # a prefix length only: ip_network would take a netmask (10.0.0.0/255.0.0.0) or a
         # hostmask (10.0.0.0/0.0.0.255, read as /24), which the API server refuses
         raise invalid(path, text, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)")
-    if ":" not in address and address.count(".") == 3:
-        # IPv4 octets with leading zeros, which ParseCIDRSloppy reads as decimal (010 is 10)
-        # and Python refuses: the API server takes "010.0.0.0/8" (strict validation off).
-        octets = address.split(".")
-        if all(o.isascii() and o.isdigit() for o in octets):
-            text = ".".join(str(int(o)) for o in octets) + "/" + length
     try:
+        if ":" not in address and address.count(".") == 3:
+            # IPv4 octets with leading zeros, which ParseCIDRSloppy reads as decimal (010 is 10)
+            # and Python refuses: the API server takes "010.0.0.0/8" (strict validation off).
+            # In the try: int() refuses an octet of over 4300 digits.
+            octets = address.split(".")
+            if all(o.isascii() and o.isdigit() for o in octets):
+                text = ".".join(str(int(o)) for o in octets) + "/" + length
         return ipaddress.ip_network(text, strict=False)
     except ValueError:
         raise invalid(path, value, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)") from None

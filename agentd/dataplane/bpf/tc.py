@@ -118,7 +118,7 @@ class Pins:
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             for path in (self.dir / LINKS).iterdir():
                 name, _, ifindex = path.name.rpartition("-")
-                if name in PROGRAMS and ifindex.isdigit():
+                if name in PROGRAMS and ifindex.isascii() and ifindex.isdigit():  # not "²" (int() refuses it)
                     out[path] = (name, int(ifindex))
         return out
 

@@ -204,7 +204,9 @@ def test_link_pins_are_named_by_program_and_device(tmp_path):
     pins = tc.Pins(tmp_path)
     assert pins.links() == {}  # no links directory yet
     (tmp_path / tc.LINKS).mkdir()
-    for name in ("agentd_pod_fast-17", "agentd_egress-2", "agentd_pod_wire-2", "someone-3", "agentd_ingress-x"):
+    # (and "-²", which str.isdigit() takes and int() refuses)
+    for name in ("agentd_pod_fast-17", "agentd_egress-2", "agentd_pod_wire-2", "someone-3", "agentd_ingress-x",
+                 "agentd_ingress-\u00b2"):
         (tmp_path / tc.LINKS / name).touch()
     assert pins.link("agentd_pod_fast", 17) == tmp_path / "links" / "agentd_pod_fast-17"
     assert {p.name: v for p, v in pins.links().items()} == {

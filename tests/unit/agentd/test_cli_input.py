@@ -325,6 +325,13 @@ def test_status_names_a_program_on_our_hooks_it_could_not_take_over(capsys, monk
     [
         (("--port", "http=80/TCP", "--host-port", "http=99999"), 2, "expected NAME=HOSTPORT (1-65535)"),
         (("--port", "http=80/TCP", "--host-port", "http"), 2, "expected NAME=HOSTPORT"),
+        # digits str.isdigit() takes: int() reads "٣" as 3 (a port 3 nobody asked for), refuses "²"
+        (("--port", "http=80/TCP", "--host-port", "http=\u0663"), 2, "expected NAME=HOSTPORT (1-65535)"),
+        (("--port", "http=80/TCP", "--host-port", "http=\u00b2"), 2, "expected NAME=HOSTPORT (1-65535)"),
+        (("--port", "http=80/TCP", "--host-port", "http=" + "9" * 5000), 2, "expected NAME=HOSTPORT (1-65535)"),
+        (("--port", "http=\u0663/TCP",), 2, "expected NAME=PORT[/PROTO]"),
+        (("--port", "http=\u00b2/TCP",), 2, "expected NAME=PORT[/PROTO]"),
+        (("--port", "http=" + "9" * 5000,), 2, "expected NAME=PORT[/PROTO]"),
         (("--host-port", "http=8080"), 1, "no --port named 'http' (named ports: none)"),
         (("--port", "http=80/TCP", "--port", "alt=81/TCP", "--host-port", "http=8080", "--host-port", "alt=8080"), 1,
          "host port 8080/TCP is given twice"),

@@ -297,6 +297,17 @@ def test_a_subnet_key_in_another_spelling_is_a_bad_record_that_names_its_subnet(
     assert key.decode() in message and subnet_key("/agentd", ip_network(subnet)).decode() in message
 
 
+@pytest.mark.parametrize("length", ["\u0662\u0664", "\u0663", "\u00b2", "0" * 4998 + "24"],
+                         ids=["arabic-24", "arabic-3", "superscript-2", "5000-digits"])
+def test_a_subnet_key_whose_length_is_no_ascii_number_names_no_subnet(length):
+    """str.isdigit() takes "٢٤", which int() reads as 24: the key was taken for another spelling
+    of 10.244.3.0/24 (and kept it taken); "²" and 5000 digits were int()'s own message."""
+    with pytest.raises(RecordError) as excinfo:
+        parse_subnet_key("/agentd", f"/agentd/subnets/10.244.3.0-{length}")
+    assert not isinstance(excinfo.value, NonCanonicalSubnetKey)
+    assert "is not of the form <ip>-<len>" in one_line_error(excinfo)
+
+
 def test_node_names():
     assert check_node_name("worker-1.example.com") == "worker-1.example.com"
     for bad in ("", "a" * 254, "a\tb", "a\x00b", 5):

@@ -148,6 +148,32 @@ def test_the_controllers_configmap_is_checked_on_apply():
         manifests.validate_all([manifests.Document("document 1", {**doc, "metadata": {"name": "other"}})], "f.yaml")
 
 
+@pytest.mark.parametrize("key, value", [
+    # digits str.isdigit() and \\d take: int() refuses "²" and more than 4300 digits, reads "٣" as 3
+    ("keep-alive", "\u00b2"), ("proxy-read-timeout", "\u0663"),
+    pytest.param("proxy-connect-timeout", "9" * 5000, id="proxy-connect-timeout-5000-digits"),
+    pytest.param("websocket-timeout", "9" * 5000 + "s", id="websocket-timeout-5000-digits-s"),
+    pytest.param("proxy-body-size", "9" * 5000 + "m", id="proxy-body-size-5000-digits-m"),
+    ("proxy-body-size", "\u0663m"), ("proxy-body-size", "\u00b2"),
+    ("keep-alive", "10ss"),  # one "s" of seconds, not any number of them
+])  # fmt: skip
+def test_settings_of_digits_int_refuses_or_misreads_are_one_line_naming_the_key(key, value):
+    with pytest.raises(Invalid, match=rf"^data\[{key}\]: Invalid value: '.{{1,40}}': must be ") as err:
+        parse({key: value})
+    assert len(str(err.value)) < 200  # the value cut, not megabytes of it
+    # Under any ConfigMap name apply stores it unchecked; the controller's own is checked.
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agentd-ingress", "namespace": "kube-system"},
+          "data": {key: value}}  # fmt: skip
+    with pytest.raises(manifests.ManifestError, match=rf"data\[{key}\]: Invalid value"):
+        manifests.validate_all([manifests.Document("document 1", cm)], "f.yaml")
+
+
+def test_settings_in_seconds_and_sizes_as_written():
+    assert parse({"keep-alive": " 10s ", "proxy-read-timeout": "0060", "proxy-body-size": "512k"}) == Settings(
+        keep_alive=10, read_timeout=60, body_size=512 << 10)
+    assert parse({"proxy-body-size": "0"}).body_size == 0 and parse({"keep-alive": "0"}).keep_alive == 0
+
+
 @pytest.mark.parametrize("line", [
     # set-var() inside a header value overwrites what routes the request: every request re-routed.
     "http-request set-header X-B %[str(_/2F),set-var(txn.key)]",

@@ -532,3 +532,33 @@ def test_a_written_file_is_synced_and_never_takes_a_leftover_temporary_files_mod
     assert key.read_bytes() == b"private key" and not leftover.exists()
     assert key.stat().st_mode & 0o777 == 0o600  # not readable by others
     assert synced == [str(leftover), str(key.parent)]  # the file before its rename, the rename after
+
+
+def test_a_configmap_of_digits_int_refuses_keeps_the_settings_in_use(tmp_path, caplog):
+    """Stored unchecked under another name than the CLI's [ingress] configmap, "²" or 5000 digits
+    reached int(): its ValueError went up through the sync and the controller crash-looped."""
+    ctl, _ = controller(tmp_path)
+    ctl.objects["ConfigMap"][CONFIGMAP] = {"data": {"keep-alive": "30"}}
+    kept = ctl._parse_settings()
+    ctl.settings = kept
+    assert kept.keep_alive == 30 and ctl.settings_error is None
+    for data in ({"keep-alive": "\u00b2"}, {"proxy-read-timeout": "9" * 5000}, {"proxy-body-size": "9" * 5000 + "m"}):
+        ctl.objects["ConfigMap"][CONFIGMAP] = {"data": data}
+        assert ctl._parse_settings() is kept, data
+        assert ctl.settings_error is not None and "keeping" not in ctl.settings_error
+        assert ctl.settings_error.startswith(f"ConfigMap kube-system/agentd-ingress: data[{next(iter(data))}]: Invalid value")
+    assert "keeping the settings in use" in caplog.text
+
+
+def test_a_value_error_the_checks_missed_keeps_the_settings_in_use(tmp_path, monkeypatch):
+    """A safety net: whatever ValueError parsing raises is the ConfigMap's error, not a crash loop."""
+    from agentd.ingress import controller as controller_module
+
+    ctl, _ = controller(tmp_path)
+
+    def parse(data, where):
+        raise ValueError("invalid literal for int() with base 10: '\u00b2'")
+
+    monkeypatch.setattr(controller_module.settings, "parse", parse)
+    assert ctl._parse_settings() is ctl.settings
+    assert ctl.settings_error == "ConfigMap kube-system/agentd-ingress: data: invalid literal for int() with base 10: '\u00b2'"

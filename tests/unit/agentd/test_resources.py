@@ -172,6 +172,9 @@ BAD = [
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", "010.0.0.0/255.0.0.0"), "must be a valid CIDR"),
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", "10.0.0.0/ 8"), "must be a valid CIDR"),
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", "10.0.0.0/\u0668"), "must be a valid CIDR"),  # Arabic-Indic 8
+    # an octet past int()'s 4300 digits (its ValueError was a traceback)
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "0" * 5000 + ".0.0.0/8"), 'ipBlock.cidr: Invalid value: "000'),
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "1" * 5000 + ".0.0.0/8"), "must be a valid CIDR"),
     (mutate("spec.ingress.0.from.1.podSelector", {}), "spec.ingress[0].from[1]: Forbidden: may not specify both ipBlock and another peer"),
     (mutate("spec.ingress.0.from.1", {}), "spec.ingress[0].from[1]: Required value: must specify a peer"),
     (mutate("spec.ingress.0.from.0.podSelector.matchExpressions.0.operator", "in"), 'operator: Invalid value: "in": not a valid selector operator'),
@@ -400,6 +403,31 @@ def test_cli_apply_reads_a_bounded_manifest(tmp_path, capsys, monkeypatch):
     path.write_text("x" * 1000)
     assert cli.main(["apply", "-f", str(path)]) == 1
     assert "larger than" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["delete", "svc", ""], ["delete", "ns", ""], ["label", "pod", "", "k=v"],
+                                  ["delete", "svc", "shop/"], ["get", "svc", ""]])
+def test_cli_an_empty_name_is_refused_before_etcd(argv, capsys, monkeypatch):
+    """An empty NAME was taken for no name at all: delete and label went to etcd and failed
+    there on an assertion (a traceback), get listed everything."""
+    from agentd.datastore import store as datastore
+
+    connected = []
+
+    class Datastore:
+        def __init__(self, endpoints, prefix, **_):
+            pass
+
+        async def connect(self, timeout=None):
+            connected.append(True)
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(datastore, "Datastore", Datastore)
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().err == f"agentd {argv[0]}: name: Required value\n"
+    assert connected == []
 
 
 def test_cli_apply_cut_short_by_a_race_prints_what_was_written_and_says_so(tmp_path, capsys, monkeypatch):

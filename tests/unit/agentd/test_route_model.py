@@ -1245,6 +1245,11 @@ def test_the_route_protocol_is_remembered_and_an_old_one_looked_for_only_when_it
     path.write_text("bogus")
     asyncio.run(drop_previous_protocol(tmp_path / "state", 150, pools, remove))
     assert len(calls) == 2 and path.read_text() == "150\n" and "not a route protocol" in caplog.text
+    # Digits int() refuses ("²", over 4300 of them: the agent did not start) or reads ("١٤٣" as 143).
+    for junk in ("\u00b2", "\u0661\u0664\u0663", "1" * 5000):
+        path.write_text(junk)
+        asyncio.run(drop_previous_protocol(tmp_path / "state", 150, pools, remove))
+        assert len(calls) == 2 and path.read_text() == "150\n"
 
 
 def test_the_route_protocol_file_is_replaced_whole_never_rewritten_in_place(tmp_path):

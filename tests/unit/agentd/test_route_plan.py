@@ -244,6 +244,14 @@ def test_requests_decode_to_the_route_they_were_encoded_from():
     assert (delete.table, delete.protocol, delete.priority, delete.dst_len) == (100, RTPROT_AGENTD, 5, 24)
 
 
+def test_a_route_on_a_gone_link_of_unknown_name_is_deleted_by_that_links_index():
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    routes = [Route("2001:db8:7::/64", gateway="2001:db8::2", dev=dev) for dev in ("if#9", "if#\u0663", "if#\u00b2", "eth9")]
+    sent = [nl.decode_route(netlink.encode_delete(r, 1, REQUEST_FLAGS[DELETE]), nl.NLMSG_HDRLEN).oif for r in routes]
+    # A link once named "if#٣" is no index 3 (int() reads it so), "if#²" none (int() refuses it).
+    assert sent == [9, 0, 0, 0]
+
+
 def test_a_source_specific_route_of_ours_is_deleted_by_its_source_prefix_too():
     # An IPv6 route of ours with a source prefix ("from 2001:db8:1::/56") is a stray beside
     # our route for the destination; its delete must name the source prefix, or the kernel

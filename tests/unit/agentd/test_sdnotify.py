@@ -108,6 +108,10 @@ def test_socket_is_reused_and_closed(systemd_end):
         ({"WATCHDOG_USEC": "0"}, None),
         ({"WATCHDOG_USEC": "junk"}, None),
         ({"WATCHDOG_USEC": "-5"}, None),
+        # digits int() refuses ("²", over 4300 of them: a traceback at start) or reads ("٣" as 3)
+        ({"WATCHDOG_USEC": "\u00b2"}, None),
+        ({"WATCHDOG_USEC": "\u0663000000"}, None),
+        pytest.param({"WATCHDOG_USEC": "9" * 5000}, None, id="5000-digits"),
         ({}, None),
         # sd_watchdog_enabled(3): WATCHDOG_PID names the process the watchdog is meant for.
         ({"WATCHDOG_USEC": "4000000", "WATCHDOG_PID": str(os.getpid())}, 2.0),

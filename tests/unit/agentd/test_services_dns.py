@@ -196,6 +196,9 @@ def test_dns_config_keys():
     assert sdns.upstream_pairs(cfg.dns.upstream) == [("2001:db8::53", 53), ("2001:db8::54", 5353), ("192.0.2.9", 53)]
     for key, bad, why in (("dns.address", "127.0.0.2", "loopback"), ("dns.cluster_domain", "a..b", "domain name"),
                           ("dns.upstream", "x", "IPv4, IPv4:PORT, IPv6"), ("dns.upstream", "192.0.2.1:0", "1..65535"),
+                          # past int()'s 4300 digits: its ValueError was a traceback
+                          ("dns.upstream", "192.0.2.1:" + "9" * 5000, r"'192\.0\.2\.1:9+\.\.\.: the port must be 1\.\.65535"),
+                          ("dns.upstream", "[2001:db8::1]:" + "0" * 5000 + "53", "1..65535"),
                           ("dns.upstream", "[fe80::1%eth0]:53", "IPv6"), ("dns.upstream", "[2001:db8::1]:x", "IPv6"),
                           ("dns.upstream", "0.0.0.0", "unicast"), ("dns.upstream", "2001:db8::1:53:", "IPv6"),
                           # inside the pod network or the service range, as for address_v6: pods' queries

@@ -102,6 +102,12 @@ def test_service_defaults_as_the_api_server():
         ("spec.ports.1.name", "http", 'spec.ports[1].name: Duplicate value: "http"'),
         ("spec.ports.0.name", "HTTP", 'spec.ports[0].name: Invalid value: "HTTP": a lowercase RFC 1123 label'),
         ("spec.ports.0.targetPort", "Http_1", 'spec.ports[0].targetPort: Invalid value: "Http_1": must contain only'),
+        # digits str.isdigit() takes and int() refuses ("²", over 4300 of them) or reads ("٣" as 3)
+        ("spec.ports.0.targetPort", "\u00b2", 'spec.ports[0].targetPort: Invalid value: "\u00b2": must contain only'),
+        ("spec.ports.0.targetPort", "\u0663", 'spec.ports[0].targetPort: Invalid value: "\u0663": must contain only'),
+        pytest.param("spec.ports.0.targetPort", "9" * 5000, 'spec.ports[0].targetPort: Invalid value: "999',
+                     id="targetPort-5000-digits"),
+        ("spec.ports.0.targetPort", "123456", 'targetPort: Invalid value: "123456": must be between 1 and 65535'),
         ("spec.ports.0.protocol", "ICMP", 'spec.ports[0].protocol: Unsupported value: "ICMP"'),
         ("spec.ports.1.nodePort", 8080, "spec.ports[1].nodePort: Invalid value: 8080: provided port is not in the valid range"),
         ("spec.sessionAffinity", "Cookie", 'spec.sessionAffinity: Unsupported value: "Cookie"'),
