@@ -6,12 +6,15 @@ nft thread is an executor the test runs by hand: a transaction can be held in fl
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import socket
 from collections.abc import Callable
 from ipaddress import ip_address
 from typing import Any
+
+import pytest
 
 from agentd.kernel import netlink as nl
 from agentd.nft import nfnetlink as nf
@@ -161,3 +164,57 @@ async def test_a_large_element_only_change_syncs_in_one_transaction():
     assert not result.full and prog.fast == 1 and kernel.batches == 1  # one element transaction
     assert kernel.elements("np-in/ns/p/0/pods6") == _canonical(after)
     assert prog.last_error is None
+
+
+async def test_a_sync_cancelled_mid_transaction_is_followed_by_a_full_rewrite():
+    """The policy task cancelled (a sibling task crashed) while its element batch is in
+    flight: the nft thread commits it all the same, but ``current`` stayed what it was, so a
+    pod added in that sync and removed in the next stayed in the kernel's set (have and want
+    agreed on the stale contents): a stale allow.  A sync whose outcome is not known makes
+    the next one adopt the tables again and rewrite them, in one transaction."""
+    kernel = Kernel()
+    nft, thread = _nft(kernel)
+    prog = NftProgrammer(nft, TABLES, "policy")
+    await prog.sync(_policy("np-in/ns/p/0/pods", "ipv4_addr", {"10.0.0.1"}))
+    thread.hold = True
+    task = asyncio.create_task(prog.sync(_policy("np-in/ns/p/0/pods", "ipv4_addr", {"10.0.0.1", "10.0.0.66"})))
+    for _ in range(10):
+        if thread.held:
+            break
+        await asyncio.sleep(0)
+    assert thread.held, "the element batch never reached the nft thread"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    thread.release()  # the batch was under way: committed
+    assert kernel.elements("np-in/ns/p/0/pods") == {"10.0.0.1", "10.0.0.66"}
+    result = await prog.sync(_policy("np-in/ns/p/0/pods", "ipv4_addr", {"10.0.0.1"}))  # .66 lost its label
+    assert kernel.elements("np-in/ns/p/0/pods") == {"10.0.0.1"}
+    assert result.full
+    # Known again: the next change is an element batch.
+    fast = prog.fast
+    result = await prog.sync(_policy("np-in/ns/p/0/pods", "ipv4_addr", {"10.0.0.1", "10.0.0.7"}))
+    assert not result.full and prog.fast == fast + 1
+    assert kernel.elements("np-in/ns/p/0/pods") == {"10.0.0.1", "10.0.0.7"}
+
+
+async def test_a_sync_cancelled_before_its_transaction_commits_nothing_is_lost():
+    """The same with the batch never committed (refused once the task had gone, say): the
+    rewrite after it brings the kernel to the desired contents all the same."""
+    kernel = Kernel()
+    nft, thread = _nft(kernel)
+    prog = NftProgrammer(nft, TABLES, "policy")
+    await prog.sync(_policy("np-in/ns/p/0/pods", "ipv4_addr", {"10.0.0.1", "10.0.0.2"}))
+    thread.hold = True
+    task = asyncio.create_task(prog.sync(_policy("np-in/ns/p/0/pods", "ipv4_addr", {"10.0.0.1"})))
+    for _ in range(10):
+        if thread.held:
+            break
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    thread.held.clear()  # never ran
+    thread.hold = False
+    result = await prog.sync(_policy("np-in/ns/p/0/pods", "ipv4_addr", {"10.0.0.1"}))
+    assert result.full and kernel.elements("np-in/ns/p/0/pods") == {"10.0.0.1"}
