@@ -463,10 +463,10 @@ class Agent:
                                                   masquerade.Guarded(bgp_port, net.udp_port, net.vxlan_port))
                 if self.peering.known:  # else the adopted member sets keep what they hold until it is
                     self.masq.set_members(masquerade.member_addresses(self.peering.nodes.values()))
-                await self.masq.program()
+                await self.masq.program(retry=True)  # refused: tried again, in problems() meanwhile
             elif await masquerade.remove():
                 log.info("masquerading switched off: removed the tables %s", masquerade.TABLE)
-        except NftError as err:
+        except NftError as err:  # no libnftables: nothing to try again with
             log.error("traffic leaving the pod network is not masqueraded: %s", err)
             self._problems.append(f"ip_masq not applied: {err}")
 
@@ -953,8 +953,10 @@ class Agent:
 
     def problems(self) -> list[str]:
         """What this agent runs without: start-up failures it does not retry, and service DNS
-        while it cannot be served (tried again until it is)."""
-        return list(self._problems) + (self.services.problems() if self.services is not None else [])
+        while it cannot be served, masquerading tables while the kernel refuses them (tried
+        again until they are)."""
+        return (list(self._problems) + (self.services.problems() if self.services is not None else [])
+                + (self.masq.problems() if self.masq is not None else []))  # fmt: skip
 
     def readiness(self) -> tuple[bool, list[str]]:
         """/readyz: the lease held, BGP started, routes reconciled; ``problems()`` are not

@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -170,7 +171,7 @@ class Nft:
         self.calls += 1
         try:
             self._elements.send(ops)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, struct.error) as err:  # struct.error: a field that does not fit its encoding
             raise NftError(str(err)) from None
 
     async def acounters(self, family: str, table: str) -> dict[str, tuple[int, int]]:

@@ -38,6 +38,11 @@ That is why the bridge's own masquerading stays off (the subnet file's ``AGENTD_
 Docker's ``--ip-masq=false`` from ``agentd docker-opts``): both masquerade everything leaving
 the node's subnet, pod-to-pod traffic to other nodes included.
 
+A transaction the kernel refuses (at start, or a member update) is tried again after
+RETRY_INITIAL seconds, doubling up to RETRY_MAX, until it applies -- with the latest members --
+and :meth:`Masquerade.problems` (the agent's /status) says why meanwhile: a member missing from
+the set is a node whose ports pods can reach as their node.
+
 The tables are written in one transaction when the agent starts (cluster networks and subnets
 are known then; a previous run's are adopted and rewritten in that transaction, never left
 empty -- the member sets keep what the previous run's hold until the node list is read, which
@@ -51,7 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network, ip_address
 from typing import Any
@@ -72,6 +77,7 @@ SRCNAT = ("nat", "postrouting", 100, "accept")  # type, hook, priority (srcnat),
 GUARD_CHAIN, MEMBERS = "forward", "members"
 FORWARD = ("filter", "forward", 0, "accept")
 IPPROTO_IPIP = 4
+RETRY_INITIAL, RETRY_MAX = 1.0, 30.0  # seconds between tries of a refused transaction
 
 Network = IPv4Network | IPv6Network
 
@@ -128,48 +134,90 @@ class Masquerade:
     """The tables of one agent: :meth:`program` at start, :meth:`set_members` as nodes come
     and go (in the background, coalesced, one transaction each)."""
 
-    def __init__(self, networks: Mapping[int, tuple[Network, Network]], guarded: Guarded = Guarded()) -> None:
+    def __init__(self, networks: Mapping[int, tuple[Network, Network]], guarded: Guarded = Guarded(),
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:  # fmt: skip
         self.networks = dict(networks)
         self.guarded = guarded
         self.members: frozenset[str] = frozenset()
         self.members_known = False  # until the node list is read: the member sets keep what they hold
-        self.error: str | None = None
+        self.error: str | None = None  # the last transaction's refusal, while it is tried again
         self._programmer: NftProgrammer | None = None
         self._task: asyncio.Task[None] | None = None
         self._again = False
+        self._sleep = sleep  # the wait between tries (tests pass their own)
+        self._announced = False
 
     def ruleset(self) -> Ruleset:
         return ruleset(self.networks, self.members, self.guarded, self.members_known)
 
-    async def program(self) -> None:
+    def problems(self) -> list[str]:
+        """What the agent's problems (/status, systemd's STATUS=) say of the tables: a refused
+        transaction, while it is tried again."""
+        return [f"ip_masq tables not up to date: {self.error} (trying again)"] if self.error else []
+
+    async def program(self, retry: bool = False) -> None:
         """Install the tables in this network namespace, or bring a previous run's to these
         rules (adopted and rewritten in one transaction: NftProgrammer); a family not in
-        ``networks`` loses its table."""
-        await self._sync()
+        ``networks`` loses its table.  ``retry`` (the agent): a transaction the kernel refuses
+        is tried again in the background (:attr:`error` says why meanwhile) instead of raising;
+        without libnftables there is nothing to try with, and NftError is raised all the same."""
+        try:
+            await self._sync()
+        except NftError as err:
+            if not retry or self._programmer is None:
+                raise
+            self._failed(err, RETRY_INITIAL)
+            self._start(RETRY_INITIAL)
+            return
+        self._announce()
+
+    def _announce(self) -> None:
+        """Once the tables are first in place."""
+        if self._announced:
+            return
+        self._announced = True
         for version, (cluster, _subnet) in sorted(self.networks.items()):
             log.info("masquerading traffic from %s to outside it (nftables table %s %s)", cluster, FAMILIES[version], TABLE)
+
+    def _failed(self, err: NftError, delay: float) -> None:
+        self.error = str(err)
+        log.error("the masquerading tables (cluster members included) are not up to date: %s; trying again in %.0fs",
+                  err, delay)  # fmt: skip
 
     def set_members(self, members: Iterable[str]) -> None:
         """The node list's members (read: from now on the sets hold exactly these)."""
         members = frozenset(members)
         same = members == self.members and self.members_known
         self.members, self.members_known = members, True
-        if same or self._programmer is None:  # not programmed (off, or failed): nothing to keep
+        if same or self._programmer is None:  # not programmed (off, or no libnftables): nothing to keep
             return
-        if self._task is not None and not self._task.done():
-            self._again = True
-            return
-        self._task = asyncio.get_running_loop().create_task(self._resync())
+        self._start()
 
-    async def _resync(self) -> None:
+    def _start(self, delay: float = 0.0) -> None:
+        if self._task is not None and not self._task.done():
+            self._again = True  # the running one syncs again after its transaction
+            return
+        self._task = asyncio.get_running_loop().create_task(self._resync(delay))
+
+    async def _resync(self, delay: float = 0.0) -> None:
+        """Sync until the tables hold the latest members: at once, again after a change that
+        came meanwhile, and after ``delay`` seconds (doubling up to RETRY_MAX) while the kernel
+        refuses -- the members stay the same then, and nothing else would try again."""
         while True:
+            if delay:
+                await self._sleep(delay)
             self._again = False
             try:
                 await self._sync()
-                self.error = None
             except NftError as err:
-                self.error = str(err)
-                log.error("cannot update the cluster members in the masquerading tables: %s", err)
+                delay = min(max(delay * 2, RETRY_INITIAL), RETRY_MAX)
+                self._failed(err, delay)
+                continue
+            if self.error is not None:
+                log.info("the masquerading tables are up to date again")
+                self.error = None
+            self._announce()
+            delay = 0.0
             if not self._again:
                 return
 

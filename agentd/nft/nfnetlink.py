@@ -129,10 +129,15 @@ def _data(map_type: str, value: Any) -> bytes:
     return nl.attr(NFTA_DATA_VALUE, _field(map_type, value))
 
 
-def element_message(
-    op: str, family: str, table: str, name: str, types: Sequence[str], map_type: str | None, elems: list[Any], seq: int
-) -> bytes:
-    """One NEWSETELEM ("add") or DELSETELEM ("delete") message for a set of ``types``."""
+# An attribute's length is 16 bits (struct nlattr's nla_len, its own 4 bytes included): the
+# element list of one message holds ~4,000 IPv4 addresses, ~2,300 IPv6 ones, fewer of wider
+# keys.  A larger change of one set is split over several messages of the same batch, as
+# libnftables splits one (mnl_nft_setelem_batch): still one transaction.
+MAX_ELEMENT_LIST = 0xFFFF - 4  # bytes of NFTA_SET_ELEM_LIST_ELEMENTS' contents
+
+
+def _element_attrs(op: str, types: Sequence[str], map_type: str | None, elems: list[Any]) -> list[bytes]:
+    """One NFTA_LIST_ELEM attribute per element."""
     items = []
     for elem in elems:
         # As in libnftables' JSON: a map's element to add is [key, value]; everything else a key.
@@ -141,6 +146,10 @@ def element_message(
         if value is not None:
             parts.append(nl.nested(NFTA_SET_ELEM_DATA, _data(map_type, value)))  # type: ignore[arg-type]
         items.append(nl.nested(NFTA_LIST_ELEM, *parts))
+    return items
+
+
+def _element_list_message(op: str, family: str, table: str, name: str, items: list[bytes], seq: int) -> bytes:
     body = (
         nl.attr(NFTA_SET_ELEM_LIST_TABLE, _string(table))
         + nl.attr(NFTA_SET_ELEM_LIST_SET, _string(name))
@@ -149,6 +158,35 @@ def element_message(
     kind = NFT_MSG_NEWSETELEM if op == "add" else NFT_MSG_DELSETELEM
     flags = nl.NLM_F_REQUEST | nl.NLM_F_ACK | (nl.NLM_F_CREATE if op == "add" else 0)
     return nl.encode_nfgen((NFNL_SUBSYS_NFTABLES << 8) | kind, flags, seq, FAMILIES[family], body)
+
+
+def element_messages(
+    op: str, family: str, table: str, name: str, types: Sequence[str], map_type: str | None, elems: list[Any], seq: int
+) -> list[bytes]:
+    """The NEWSETELEM ("add") or DELSETELEM ("delete") messages for a set of ``types``,
+    numbered ``seq`` on: as many as the elements need, each list within MAX_ELEMENT_LIST."""
+    chunks: list[list[bytes]] = [[]]
+    size = 0
+    for item in _element_attrs(op, types, map_type, elems):
+        if len(item) > MAX_ELEMENT_LIST:
+            raise ValueError(f"an element of set {name} takes {len(item)} bytes, more than a netlink attribute holds")
+        if size + len(item) > MAX_ELEMENT_LIST:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(item)
+        size += len(item)
+    return [_element_list_message(op, family, table, name, items, seq + i) for i, items in enumerate(chunks)]
+
+
+def element_message(
+    op: str, family: str, table: str, name: str, types: Sequence[str], map_type: str | None, elems: list[Any], seq: int
+) -> bytes:
+    """One NEWSETELEM ("add") or DELSETELEM ("delete") message for a set of ``types``
+    (ValueError if the elements need more than one: :func:`element_messages`)."""
+    messages = element_messages(op, family, table, name, types, map_type, elems, seq)
+    if len(messages) != 1:
+        raise ValueError(f"{len(elems)} elements of set {name} need {len(messages)} messages")
+    return messages[0]
 
 
 def batch(messages: list[bytes], seq: int) -> bytes:
@@ -208,9 +246,11 @@ class ElementWriter:
         if not ops:
             return
         begin = self.seq
-        first, end = begin + 1, begin + len(ops) + 1  # the elements' numbers; the batch end's
-        messages = [element_message(op, fam, tab, name, types, mtype, elems, first + i)
-                    for i, (op, fam, tab, name, types, mtype, elems) in enumerate(ops)]  # fmt: skip
+        first = begin + 1  # the elements' numbers; the batch end's after them
+        messages: list[bytes] = []
+        for op, fam, tab, name, types, mtype, elems in ops:
+            messages += element_messages(op, fam, tab, name, types, mtype, elems, first + len(messages))
+        end = first + len(messages)
         self.seq = end + 1
         self.sock.transact(batch(messages, begin), begin, end, acked=range(first, end),
                            what="nf_tables refused the element batch")  # fmt: skip

@@ -9,6 +9,9 @@
 * **Atomic.**  A change is one libnftables call, one netlink batch: all of it or nothing.
   If the kernel refuses (someone edited the tables), the programmer adopts again and
   retries with a full rewrite, still in one transaction.
+* **Interrupted.**  A sync cancelled while its transaction is under way (its task, not the
+  transaction: the nft thread commits that all the same) leaves the kernel with the old
+  contents or the new, and the programmer not knowing which: the next sync adopts again.
 * **Leave.**  :meth:`remove` deletes the tables it owns, and nothing of the agent's stays.
 """
 
@@ -44,6 +47,9 @@ class NftProgrammer:
         self.last_error: str | None = None
         self.fast = 0  # transactions sent as element batches (nfnetlink), bypassing libnftables
         self._unknown = True
+        # A transaction sent whose outcome is not known (the sync cancelled, or failed other
+        # than by the kernel's refusal): ``current`` may not be what the kernel holds.
+        self._in_doubt = False
 
     async def adopt(self) -> Ruleset:
         """Take over what a previous run left (contents to be rewritten on the first sync)."""
@@ -60,15 +66,19 @@ class NftProgrammer:
                     objects[obj.key] = obj
         self.current = Ruleset(frozenset(tables), objects)
         self._unknown = True  # contents not read: the next sync compares (and rewrites) everything
+        self._in_doubt = False
         self.adopted_objects = len(objects)
         if objects:
-            log.info("adopted the %s tables of a previous run (%d objects); they stay in force", self.what, len(objects))
+            log.info("adopted the %s tables (%d objects); they stay in force", self.what, len(objects))
         return self.current
 
     async def sync(self, desired: Ruleset, keys: set[Any] | None = None) -> SyncResult:
         """Make the kernel hold ``desired``.  ``keys``: the objects that may have changed since
         the last successful sync (None: compare everything)."""
-        if self.current is None:
+        if self._in_doubt:
+            log.warning("an interrupted %s update may or may not have been committed: re-reading the tables "
+                        "and rewriting them", self.what)
+        if self.current is None or self._in_doubt:
             await self.adopt()
         assert self.current is not None
         full = self._unknown
@@ -77,6 +87,7 @@ class NftProgrammer:
         start = time.perf_counter()
         commands = plan(self.current, desired, keys)
         count = len(commands)
+        self._in_doubt = True  # until the kernel's answer is in (a cancelled task does not stop the nft thread)
         try:
             elements = _element_ops(commands, desired, self.current)
             if elements is not None:
@@ -94,14 +105,17 @@ class NftProgrammer:
             commands = plan(self.current, desired)
             count = len(commands)
             full = True
+            self._in_doubt = True
             try:
                 await self.nft.arun(commands)
             except NftError as err2:
                 self.last_error = str(err2)
+                self._in_doubt = False  # refused: the kernel holds what adopt() just read
                 raise
         self.last_error = None
         self.current = applied(desired)
         self._unknown = False
+        self._in_doubt = False
         return SyncResult(count, time.perf_counter() - start, full)
 
     async def remove(self) -> bool:

@@ -199,5 +199,45 @@ async def test_an_upgrade_that_changed_a_chains_hook_or_a_sets_type_syncs(netns_
         nft.close()
 
 
+async def test_a_change_of_thousands_of_elements_to_one_set_lands_in_one_sync(netns_factory, caplog):
+    """5,000 IPv4 addresses (and 3,000 IPv6 ones) added to one set each, element-only, in one
+    sync (a namespace selector edited to match a large namespace), then all but a few
+    deleted: more than one netlink attribute holds (its length is 16 bits, ~4,000 IPv4 keys),
+    so the batch carries several messages per set -- still one transaction, no fallback to
+    libnftables.  The encoding raised struct.error, which escaped the sync."""
+    caplog.set_level(logging.WARNING, logger="agentd.nft")
+    ns = netns_factory("nftbig")
+    table = ("inet", "agentd-policy")
+
+    def policy(v4: set[str], v6: set[str]) -> Ruleset:
+        rs = Ruleset(frozenset({table}))
+        rs.add(NftSet(*table, "np-in/x/p/0/pods", ("ipv4_addr",), elements=frozenset(v4)))
+        rs.add(NftSet(*table, "np-in/x/p/0/pods6", ("ipv6_addr",), elements=frozenset(v6)))
+        rs.add(NftChain(*table, "np-in/x/p", (rule_text([match({"payload": {"protocol": "ip", "field": "saddr"}},
+                                                               ref("np-in/x/p/0/pods")), {"accept": None}]),)))  # fmt: skip
+        return rs
+
+    def in_kernel(name: str) -> set[str]:
+        listing = json.loads(ns.exec("nft", "-j", "list", "set", *table, name))["nftables"]
+        return {str(ipaddress.ip_address(e)) for e in next(item["set"] for item in listing if "set" in item).get("elem", [])}
+
+    few4, few6 = {"10.244.0.2", "10.244.0.3"}, {"fd00:10:244::2"}
+    many4 = few4 | {str(ipaddress.IPv4Address("10.245.0.0") + i) for i in range(5000)}
+    many6 = few6 | {str(ipaddress.IPv6Address("fd00:10:245::") + i) for i in range(3000)}
+    nft = Nft(netns=ns.path)
+    prog = NftProgrammer(nft, frozenset({table}), "policy")
+    try:
+        assert (await prog.sync(policy(few4, few6))).full
+        for v4, v6 in ((many4, many6), (few4, few6)):  # added, then deleted
+            fast = prog.fast
+            result = await prog.sync(policy(v4, v6))
+            assert not result.full and prog.fast == fast + 1  # one element batch
+            assert (in_kernel("np-in/x/p/0/pods"), in_kernel("np-in/x/p/0/pods6")) == (v4, v6)
+        assert not [r for r in caplog.records if "refused" in r.getMessage()]
+        assert await prog.remove()
+    finally:
+        nft.close()
+
+
 def test_tables_are_named_for_the_agent():
     assert compiler.TABLES == {("inet", "agentd-policy"), ("bridge", "agentd-policy")}

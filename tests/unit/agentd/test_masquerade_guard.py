@@ -12,6 +12,8 @@ from dataclasses import replace
 from ipaddress import IPv4Address, IPv6Address, ip_network
 from types import SimpleNamespace
 
+import pytest
+
 from agentd.nft import masquerade as m
 
 NETWORKS = {4: (ip_network("10.244.0.0/16"), ip_network("10.244.1.0/24")),
@@ -125,3 +127,82 @@ async def test_a_first_node_list_without_members_still_empties_the_adopted_set()
     assert masq._task is not None
     await masq._task
     assert len(synced) == 2 and synced[1] == masq.ruleset() != m.Masquerade({4: NETWORKS[4]}, GUARDED).ruleset()
+
+
+class Refusing:
+    """A programmer the kernel refuses ``refusals`` more transactions, then accepts."""
+
+    def __init__(self, refusals: int = 0) -> None:
+        self.refusals = refusals
+        self.synced: list[frozenset] = []  # the member set of each transaction tried
+
+    async def sync(self, rs) -> None:
+        self.synced.append(rs.objects[("ip", m.TABLE, "set", "members")].elements)
+        if self.refusals:
+            self.refusals -= 1
+            raise m.NftError("Could not process rule: Device or resource busy")
+
+
+async def test_a_refused_member_update_is_tried_again_until_it_applies():
+    """Node .9 joins and the kernel refuses the member update once: the routes' reconcile
+    keeps telling the same members, which the `same` check stopped at -- nothing tried
+    again, .9 missing from the set (pods could reach its BGP, udp, VXLAN and IPIP ports as
+    their node) until the membership changed, and the error shown nowhere.  It is tried
+    again after a backoff doubling up to RETRY_MAX, the error in the agent's problems
+    meanwhile, and gone once it applies."""
+    waits: list[tuple[float, list[str]]] = []
+
+    async def sleep(delay: float) -> None:  # the clock: what is shown while it waits
+        waits.append((delay, masq.problems()))
+
+    masq = m.Masquerade({4: NETWORKS[4]}, GUARDED, sleep=sleep)
+    masq.set_members(["192.0.2.1"])
+    masq._programmer = prog = Refusing()  # type: ignore[assignment]
+    await masq.program(retry=True)
+    prog.refusals = 7
+    masq.set_members(["192.0.2.1", "192.0.2.9"])
+    for _ in range(3):
+        masq.set_members(["192.0.2.9", "192.0.2.1"])  # the same again: no more tries than the retries
+    assert masq._task is not None
+    await masq._task
+    assert prog.synced == [{"192.0.2.1"}] + [{"192.0.2.1", "192.0.2.9"}] * 8
+    shown = ["ip_masq tables not up to date: Could not process rule: Device or resource busy (trying again)"]
+    assert waits == [(1.0, shown), (2.0, shown), (4.0, shown), (8.0, shown), (16.0, shown), (30.0, shown), (30.0, shown)]
+    assert masq.error is None and masq.problems() == []
+
+
+async def test_tables_refused_at_start_are_tried_again_in_the_background():
+    """program() at start: a refused transaction was raised to the agent, which noted it in
+    its problems for good and never tried again (only a change of the members did).  With
+    ``retry`` it returns, the error shown, and the tables follow after a backoff."""
+    waits: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        waits.append(delay)
+
+    masq = m.Masquerade({4: NETWORKS[4]}, GUARDED, sleep=sleep)
+    masq.set_members(["192.0.2.1"])  # before the tables are made: kept for them
+    masq._programmer = prog = Refusing(refusals=1)  # type: ignore[assignment]
+    await masq.program(retry=True)
+    assert masq.problems() == ["ip_masq tables not up to date: Could not process rule: Device or resource busy (trying again)"]
+    assert masq._task is not None
+    await masq._task
+    assert waits == [1.0] and prog.synced == [{"192.0.2.1"}] * 2 and masq.problems() == []
+    # Without retry (tools, tests), a refusal is raised.
+    once = m.Masquerade({4: NETWORKS[4]}, GUARDED, sleep=sleep)
+    once._programmer = Refusing(refusals=1)  # type: ignore[assignment]
+    with pytest.raises(m.NftError):
+        await once.program()
+
+
+async def test_the_agents_problems_show_the_masquerading_tables_refused():
+    """/status and systemd's STATUS= ("degraded: ...") show the refusal while it is tried
+    again (Masquerade.error was read nowhere)."""
+    from agentd.config.settings import load_config
+    from agentd.daemon.agent import Agent
+
+    agent = Agent(load_config(None, env={}, overrides={"node.address": "10.1.1.1", "node.name": "n1"}))
+    agent.masq = m.Masquerade({4: NETWORKS[4]}, GUARDED)
+    assert agent.problems() == []
+    agent.masq.error = "Could not process rule: Device or resource busy"
+    assert agent.problems() == ["ip_masq tables not up to date: Could not process rule: Device or resource busy (trying again)"]
