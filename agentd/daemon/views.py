@@ -145,7 +145,7 @@ class AgentViews:
             "ingress": a.ingress.views.status() if a.ingress else None,
             "tasks": a.supervisor.summary(),
             "ready": a.readiness()[0],
-            "problems": a.problems(),  # what runs degraded (not retried): ready all the same
+            "problems": a.problems(),  # what runs degraded (some of it tried again meanwhile): ready all the same
         }
 
     def peers(self) -> list[dict[str, Any]]:
