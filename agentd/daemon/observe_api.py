@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import time
+import traceback
 from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -720,6 +721,31 @@ class _Merge:
 
 
 async def _pump_local(view: FlowViews, flt: FlowFilter, merge: _Merge, me: str) -> None:
+    """This node's followed records into ``merge``.  A follow that fails of an error of this
+    agent's own (a defect: nothing here expects one) is said in ``merge`` as this node's error
+    and in one log line, and begun again after a pause, longer each time while it keeps failing
+    (as another node's broken stream is asked again): it died silently, and the stream showed
+    this node's records no more."""
+    loop = asyncio.get_running_loop()
+    delay, said = RETRY_FIRST, None
+    while True:
+        started = loop.time()
+        try:
+            await _follow_local(view, flt, merge, me)
+            return  # no place for another follower: said
+        except Exception as err:  # noqa: BLE001 - a defect of this agent's: said, and followed again
+            message, failed = _failed(me, err), err
+        if loop.time() - started > RETRY_MAX:  # it ran a good while: a new failure, not the same one
+            delay, said = RETRY_FIRST, None
+        if message != said:
+            merge.put(_line({"node": me, "error": message}))
+            _log_failed(message, failed)
+            said = message
+        await asyncio.sleep(delay)
+        delay = min(RETRY_MAX, delay * 2)
+
+
+async def _follow_local(view: FlowViews, flt: FlowFilter, merge: _Merge, me: str) -> None:
     try:  # the cluster's stream: its reader has a credential (an open place when the trusted ones are taken)
         try:
             follower = view.follow(flt, "trusted")
@@ -740,6 +766,19 @@ async def _pump_local(view: FlowViews, flt: FlowFilter, merge: _Merge, me: str) 
         view.unfollow(follower)
 
 
+def _failed(node: str, err: Exception) -> str:
+    """What a followed node's stream says when following it failed of an error of this agent's
+    own (not one of the node's answer: those are said as they are)."""
+    return f"following {node} failed on this node: {type(err).__name__}: {err} (followed again after a pause)"
+
+
+def _log_failed(message: str, err: Exception) -> None:
+    """One log line: the failure and where it was raised (a defect to be found)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    log.error("flows of the cluster: %s%s", message, where)
+
+
 RETRY_FIRST = 2.0  # seconds before a broken followed stream is asked again; doubled each time, up to
 RETRY_MAX = 60.0
 GIVE_UP = (400, 404)  # that node will not follow this (a filter it does not know, flow records off there)
@@ -755,7 +794,9 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
     why they did not come is said there, not in ``merge``.  ``resume(cursor)``: the path that
     asks again for what the node made after the last record it sent (its answer's ``RING``
     header, then each record's ``seq``): what it made while the stream was broken is neither
-    lost nor sent twice.  A node that sends no such header (an older agentd) is asked ``again``."""
+    lost nor sent twice.  A node that sends no such header (an older agentd) is asked ``again``.
+    Following that fails of an error of this agent's own (a defect, none of the node's answer)
+    is said as the node's error, in one log line too, and the node asked again as after a break."""
     loop = asyncio.get_running_loop()
     delay, said = RETRY_FIRST, None
     ring, seq = "", 0  # where the records sent so far end: the answers' RING, their records' seq
@@ -843,6 +884,7 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
 
     while True:
         started = loop.time()
+        failed: Exception | None = None
         try:
             if first is None:
                 async for line in cluster.lines(node, path, follow=True, seen=seen):
@@ -881,11 +923,16 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
             if leaves:
                 say(f"{message}: it left the cluster, no longer followed")
                 return True
+        except Exception as err:  # noqa: BLE001 - a defect of this agent's, not the node's answer: said, followed again
+            # (the task died of it silently, and the stream showed this node's records no more)
+            message, failed = _failed(node, err), err
         if loop.time() - started > RETRY_MAX:  # it ran a good while: a new outage, not the same one
             delay, said, garbled = RETRY_FIRST, None, False
         if message != said:  # said once per outage, not at every retry
             say(message)
             said = message
+            if failed is not None:
+                _log_failed(message, failed)
         if first is not None:
             first.end()  # asked again for what comes from now on only (or after the last record sent)
             first = None

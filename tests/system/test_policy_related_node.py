@@ -18,6 +18,7 @@ One lab per backend: node1 holds the isolated pods x/a (ingress: TCP 80 from x/b
 x/out (egress: TCP 80 to x/b only) and the unlisted x/c; node2 the allowed peer x/b and the
 unlisted x/d.  node2 has the pod fast path off, so that what comes to its pods is routed by
 its stack (where a lower route MTU makes the fragmentation needed); node1 keeps the default.
+The same over IPv6 (ICMPv6, neighbour discovery): tests/system/test_policy_related_node6.py.
 """
 
 from __future__ import annotations

@@ -817,6 +817,132 @@ async def test_a_followed_node_that_refuses_is_given_up_and_a_broken_one_asked_l
     assert said[1] == b'{"time": 1}\n' and b"ended the stream" in said[2] and b"reset" in said[3]
 
 
+class _Faulty(_Node):
+    """A node whose answer's lines may be followed by an exception: ``(lines, exception)``."""
+
+    async def lines(self, node, path, *, follow=False, **_):
+        self.asked += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        lines, err = answer
+        for record in lines:
+            yield record
+        if err is not None:
+            raise err
+        await asyncio.Event().wait()  # stays open
+
+
+async def test_a_followed_node_whose_stream_fails_unexpectedly_is_said_logged_and_followed_again(monkeypatch, caplog):
+    """Following a node that failed of an error this agent does not expect (a defect here: not
+    the node's unreachable, slow or bad answer) ended the node's task for good, silently: the
+    cluster's stream showed its records no more.  Said as the node's error (once per outage),
+    one log line naming the node, the error and where it was raised, and the node asked again
+    after the pauses of a broken stream."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    delays: list[float] = []
+
+    async def sleep(seconds):  # the pauses between two askings, without waiting them
+        delays.append(seconds)
+
+    monkeypatch.setattr(observe_api, "asyncio", SimpleNamespace(get_running_loop=asyncio.get_running_loop, sleep=sleep,
+                                                                timeout=asyncio.timeout))
+    node = _Faulty([([b'{"time": 1}\n'], RuntimeError("injected")), RuntimeError("injected"),
+                    ([b'{"time": 2}\n'], TypeError("injected too")), ([b'{"time": 3}\n'], None)])
+    merge = observe_api._Merge()
+    task = asyncio.create_task(observe_api._pump_remote(node, "node2", "/flows?follow=1", merge))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not task.done() and node.asked == 4  # asked again each time, the last answer still followed
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert delays == [2.0, 4.0, 8.0]
+    said = [json.loads(merge.queue.get_nowait()) for _ in range(merge.queue.qsize())]
+    failed = "following node2 failed on this node: {} (followed again after a pause)"
+    assert said == [{"time": 1}, {"node": "node2", "error": failed.format("RuntimeError: injected")},
+                    {"time": 2}, {"node": "node2", "error": failed.format("TypeError: injected too")}, {"time": 3}]
+    logged = [r for r in caplog.records if r.name == "agentd.api"]
+    assert [r.levelname for r in logged] == ["ERROR", "ERROR"]  # the same failure again: not logged again
+    assert "node2" in logged[0].getMessage() and "RuntimeError: injected" in logged[0].getMessage()
+    assert " at test_flows.py:" in logged[0].getMessage() and "in lines" in logged[0].getMessage()
+
+
+async def test_a_followed_node_that_fails_before_its_last_records_ended_hands_the_gathering_the_error():
+    """The last N a followed stream starts with: a failure before they ended is said to the
+    gathering (which waited for them until its timeout, then said the node unreachable)."""
+    from agentd.daemon import observe_api
+
+    node = _Faulty([([b'{"time": 1, "node": "node2"}\n'], ValueError("injected"))])
+    first = observe_api._Snapshot(5)
+    task = asyncio.create_task(observe_api._pump_remote(node, "node2", "/flows?last=5&follow=1", observe_api._Merge(),
+                                                        first=first))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert first.done.is_set() and first.error is not None and "ValueError: injected" in first.error
+    assert first.take() == [b'{"time": 1, "node": "node2"}\n']
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_this_nodes_followed_records_are_followed_again_after_an_unexpected_failure(monkeypatch, caplog):
+    """The same of this node's own followed records in a cluster's stream."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    delays: list[float] = []
+
+    async def sleep(seconds):
+        delays.append(seconds)
+
+    monkeypatch.setattr(observe_api, "asyncio", SimpleNamespace(get_running_loop=asyncio.get_running_loop, sleep=sleep))
+    ring = FlowRing(100)
+
+    class Broken:
+        lost = 0
+
+        class queue:  # a follower's queue that fails
+            @staticmethod
+            async def get():
+                raise RuntimeError("injected")
+
+    class View:
+        followed = 0
+        unfollowed: ClassVar[list] = []
+
+        def follow(self, flt, pool):
+            View.followed += 1
+            return Broken() if View.followed == 1 else ring.follow(flt, pool=pool)
+
+        def unfollow(self, follower):
+            View.unfollowed.append(follower)
+            if not isinstance(follower, Broken):
+                ring.unfollow(follower)
+
+    merge = observe_api._Merge()
+    task = asyncio.create_task(observe_api._pump_local(View(), FlowFilter(), merge, "node1"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    ring.add(Flow(time=1.0, node="node1", event="new", protocol="UDP", src=Peer("10.244.1.2", 1),
+                  dst=Peer("10.244.2.3", 53), direction="egress"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    got = [json.loads(merge.queue.get_nowait()) for _ in range(merge.queue.qsize())]
+    assert got[0] == {"node": "node1", "error": "following node1 failed on this node: RuntimeError: injected "
+                                                "(followed again after a pause)"}
+    assert [x["time"] for x in got[1:]] == [1.0]
+    assert delays == [2.0] and View.followed == 2 and len(View.unfollowed) == 2  # each follower let go
+    assert len([r for r in caplog.records if r.name == "agentd.api" and "node1" in r.getMessage()]) == 1
+
+
 class _Registry:
     """A ClusterView whose registry can grow: each node's followed stream sends one record, then
     stays open until cancelled (``closed`` says whose were)."""
@@ -844,6 +970,41 @@ class _Stream:
 
     async def write(self, data):
         self.lines.append(data)
+
+
+class _Failing(_Registry):
+    """A registry whose node2's first followed stream fails of an unexpected error after one record."""
+
+    async def lines(self, node, path, *, follow=False, **_):
+        self.asked.append((node, path))
+        yield json.dumps({"time": float(len(self.asked)), "node": node}).encode() + b"\n"
+        if len(self.asked) == 1:
+            raise AttributeError("'NoneType' object has no attribute 'read'")
+        await asyncio.Event().wait()
+
+
+async def test_a_followed_cluster_follows_again_a_node_whose_stream_failed_unexpectedly(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)  # the pause of a broken stream: none here
+    registry = _Failing(["node2"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    resp = _Stream()
+    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse([("node", "node2")]), 0, None, True))
+    for _ in range(30):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    said = [json.loads(line) for line in resp.lines if line.strip()]
+    assert said[0] == {"time": 1.0, "node": "node2"} and said[2] == {"time": 2.0, "node": "node2"}
+    assert said[1]["node"] == "node2" and "AttributeError" in said[1]["error"]
+    assert len(registry.asked) == 2
+    assert [r.getMessage().split(" at ")[0] for r in caplog.records if r.name == "agentd.api"] == [
+        f"flows of the cluster: {said[1]['error']}"]
 
 
 async def test_a_followed_cluster_takes_in_a_node_that_joined_after_it_began(monkeypatch):
