@@ -279,6 +279,9 @@ class Agent:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+            # Ignored, not its default action (what removing the handler leaves): death by SIGHUP
+            # is a clean exit to systemd, and an exit 1 so ended would not be restarted.
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
         return self.exit_status
 
     @staticmethod

@@ -309,6 +309,7 @@ class SpeakerRuntime:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as before the handler (agentd.entry), not its default
             graceful = self.cfg.bgp.graceful_restart
             log.info("stopping (%s)", "graceful restart: peers keep our routes" if graceful else "withdrawing")
             await self.service.stop(graceful=graceful)

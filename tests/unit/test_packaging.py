@@ -198,6 +198,15 @@ def test_the_unit_lets_the_agent_write_where_the_defaults_say():
     assert exec_start == f"/usr/local/bin/agentd run --config {DEFAULT_CONFIG_PATH}"
 
 
+def test_the_unit_restarts_an_agent_a_sighup_ended():
+    """Death by SIGHUP (the unit's reload, logrotate's postrotate in docs/ingress.md) is a clean
+    exit to systemd: with Restart=on-failure alone, a SIGHUP landing before the agent ignores it
+    (the interpreter's start-up, before agentd/entry.py's first line) left the node's agent down."""
+    assert unit_values("Restart") == ["on-failure"]
+    assert "SIGHUP" in [s for line in unit_values("RestartForceExitStatus") for s in line.split()]
+    assert any("HUP" in line for line in unit_values("ExecReload"))  # what it is a defence against
+
+
 def test_the_unit_checks_the_file_before_it_signals_a_reload(tmp_path, capsys):
     """`systemctl reload agentd` fails, with the problems, for a file the agent would refuse:
     ExecReload= runs ExecStart='s agentd check-config on the unit's file first (as HAProxy's unit

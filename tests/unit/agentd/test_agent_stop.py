@@ -248,7 +248,14 @@ def test_a_second_signal_does_not_abort_the_stop(tmp_path, monkeypatch):
         loop = asyncio.get_running_loop()
         return code, {sig: loop._signal_handlers.get(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
-    code, after = asyncio.run(main())
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        code, after = asyncio.run(main())
+        # Ignored after the stop, not SIGHUP's default action: that would end the agent as
+        # systemd's clean exit, and its exit 1 (a restart wanted) would not be restarted.
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
     assert code == 1
     for sig, handle in seen["during"].items():
         assert handle is not None and handle._callback.__name__ == "_already_stopping", sig
