@@ -492,6 +492,109 @@ async def test_our_subnet_record_put_back_with_stale_backend_data_is_rewritten()
     assert etcd.calls[calls:] == ["transaction"]  # the read only
 
 
+# --- our keys edited by hand (etcdctl put: lease 0; --ignore-lease: still ours) -------------------
+
+UNREADABLE_SUBNET = [b'{"node": "A", "public_ip": 5}', b"not json", b""]
+
+
+@pytest.mark.parametrize("edited_lease", ["ours", "none"])
+@pytest.mark.parametrize("value", UNREADABLE_SUBNET + [lease_of("B").to_json(),
+                                                      dataclasses.replace(lease_of("A"), public_ip="192.0.2.9").to_json()])
+async def test_our_subnet_key_edited_by_hand_is_rewritten_not_lost(edited_lease, value, caplog):
+    """Our subnet key given another value by hand, under our lease (`etcdctl put
+    --ignore-lease`) or under none (a plain `etcdctl put`).  An unreadable one counted as
+    "another node's": the keeper gave a working subnet up (on_subnet_lost: the agent exits, and
+    takes a new subnet when restarted -- every pod recreated) and, under lease 0, the key never
+    went.  No agent writes under our lease but us, nor under none: the key is ours, whatever
+    it holds, and the keepalive writes it back."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lost: list[SubnetLease] = []
+    keeper.subnet_lost_callback = lambda: lost.append
+    etcd.leases.add(0x42)
+    keeper.lease_id, keeper.node, keeper.subnet = 0x42, node("A"), lease_of("A", 0x42)
+    etcd._put(node_key(PREFIX, "A"), keeper.node.to_json(), 0x42)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x42)
+    etcd._put(subnet_key(PREFIX, X), value, 0x42 if edited_lease == "ours" else 0)
+
+    with caplog.at_level("WARNING", logger="agentd.datastore"):
+        async with keeper.lock:
+            await keeper._restore_keys(etcd)
+
+    assert lost == [] and keeper.subnets == {4: lease_of("A", 0x42)} and keeper.lost == set()
+    kv = etcd.kvs[subnet_key(PREFIX, X)]
+    assert (kv.value, kv.lease) == (lease_of("A").to_json(), 0x42)
+    assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).subnet == X
+    assert keeper.node is not None and keeper.node.subnet == X
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "rewritten" in said[0] and "ERROR" not in [r.levelname for r in caplog.records], said
+    calls = len(etcd.calls)
+    async with keeper.lock:  # and the round after it writes nothing
+        await keeper._restore_keys(etcd)
+    assert etcd.calls[calls:] == ["transaction"]
+
+
+async def test_our_subnet_key_under_another_lease_unreadable_is_still_another_nodes():
+    """Under another agent's lease an unreadable value is not ours to judge: lost, as before."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lost: list[SubnetLease] = []
+    keeper.subnet_lost_callback = lambda: lost.append
+    etcd.leases.update({0x42, 0x99})
+    keeper.lease_id, keeper.node, keeper.subnet = 0x42, node("A"), lease_of("A", 0x42)
+    etcd._put(node_key(PREFIX, "A"), keeper.node.to_json(), 0x42)
+    etcd._put(subnet_key(PREFIX, X), b"not json", 0x99)
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+    assert [lease.subnet for lease in lost] == [X]
+    assert etcd.kvs[subnet_key(PREFIX, X)].value == b"not json"
+
+
+@pytest.mark.parametrize("edited_lease", ["ours", "none"])
+@pytest.mark.parametrize("value", [
+    b'{"name": "A", "address": "192.0.2.1", "asn": "64512", "subnet": "10.244.1.0/24", "route_reflector": false}',
+    b"not json",
+    dataclasses.replace(node("A"), address=IPv4Address("192.0.2.9")).to_json(),  # readable, not as we are
+    dataclasses.replace(node("A"), asn=64999).to_json(),
+])
+async def test_our_node_record_edited_by_hand_is_rewritten(edited_lease, value):
+    """Our node record given another value by hand.  Under lease 0 (a plain `etcdctl put`) an
+    unreadable one counted as "held under another etcd lease: another agent with our name?"
+    and was left alone for good -- the key never expires, and every other node took the
+    unreadable put for a delete (BGP Cease, our pods' routes withdrawn).  Under our lease or
+    none it is ours: written back as we publish it, under our lease."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    etcd.leases.add(0x42)
+    keeper.lease_id, keeper.node, keeper.subnet = 0x42, node("A"), lease_of("A", 0x42)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x42)
+    etcd._put(node_key(PREFIX, "A"), value, 0x42 if edited_lease == "ours" else 0)
+
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+
+    kv = etcd.kvs[node_key(PREFIX, "A")]
+    assert (kv.value, kv.lease) == (node("A").to_json(), 0x42)
+    calls = len(etcd.calls)
+    async with keeper.lock:  # and the round after it writes nothing
+        await keeper._restore_keys(etcd)
+    assert etcd.calls[calls:] == ["transaction"]
+
+
+async def test_our_node_record_taken_over_from_lease_0_is_taken_again_after_another_edit():
+    """A record found under no lease and taken over once: one found under lease 0 again is a
+    second edit by hand, not another agent writing under that lease (none runs under lease 0)."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    etcd.leases.add(0x42)
+    keeper.lease_id, keeper.node = 0x42, node("A")
+    for _ in range(2):
+        etcd._put(node_key(PREFIX, "A"), node("A").to_json(), 0)
+        async with keeper.lock:
+            await keeper._restore_keys(etcd)
+        assert etcd.kvs[node_key(PREFIX, "A")].lease == 0x42
+
+
 async def test_a_silent_member_holds_the_keys_restore_no_longer_than_the_refresh():
     """Only the refresh had the keepalive's short timeout: with lease_ttl = 2 a read of the
     restore that got no answer outlived the lease.  (request_timeout is 50 ms here, to keep
