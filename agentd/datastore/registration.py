@@ -2,7 +2,8 @@
 
 Our own node record lives under the liveness lease (agentd.datastore.liveness), so it goes
 away by itself when the agent is gone for longer than the lease TTL.  Reading other nodes'
-records skips (and logs once) the malformed ones.
+records skips (and logs once) the malformed ones; a node watch keeps the last good record of
+a node whose record became unreadable (its own agent writes it back), until its key is deleted.
 """
 
 from __future__ import annotations
@@ -174,12 +175,19 @@ class Registration:
         got = await self.connection.call("list nodes", lambda c: c.get_prefix(prefix), self.connection.deadline(timeout))
         return self.parse_nodes(got)
 
-    def parse_nodes(self, kvs: Any) -> dict[str, NodeRecord]:
+    def parse_nodes(self, kvs: Any, known: dict[str, NodeRecord] | None = None) -> dict[str, NodeRecord]:
+        """The readable records among ``kvs``; an unreadable one keeps its node's record in
+        ``known`` (what the consumer has seen: a watch's new snapshot), as node_event does."""
         nodes: dict[str, NodeRecord] = {}
         for kv in kvs:
             record = self.parse_node_kv(kv.key, kv.value, kv.mod_revision, kv.create_revision)
             if record is not None:
                 nodes[record.name] = record
+            elif known:
+                with contextlib.suppress(RecordError):
+                    name = parse_node_key(self.prefix, kv.key)
+                    if name in known:
+                        nodes.setdefault(name, known[name])
         return nodes
 
     def parse_node_kv(self, key: bytes, value: bytes, mod_revision: int, create_revision: int = 0) -> NodeRecord | None:
@@ -203,11 +211,12 @@ class Registration:
             return NodeEvent("delete", name=name) if nodes.pop(name, None) is not None else None
         record = self.parse_node_kv(key, value, mod_revision, create_revision)
         if record is None:
-            # The record we knew became unreadable: to the consumer it is gone.
-            with contextlib.suppress(RecordError):
-                name = parse_node_key(self.prefix, key)
-                if nodes.pop(name, None) is not None:
-                    return NodeEvent("delete", name=name)
+            # Unreadable (logged once): the consumer keeps the node's last good record, as
+            # flannel skips a malformed subnet event and agentd.resources keeps an object's
+            # last good version.  Taken for a delete, a bad `etcdctl put` cut a live node off
+            # on every other node (BGP Cease, its pods' routes withdrawn) until fixed; its own
+            # agent writes its record back (agentd.datastore.liveness), and only a delete --
+            # its lease gone with it -- removes the node.
             return None
         nodes[record.name] = record
         return NodeEvent("put", name=record.name, record=record)
