@@ -118,11 +118,29 @@ class Registration:
 
     async def register_node(self, record: NodeRecord, *, timeout: float | None = None) -> None:
         """Put our node record under our liveness lease; the keepalive task keeps it there."""
+        await self._register(record, timeout, update=False)
+
+    async def update_node(self, record: NodeRecord, *, timeout: float | None = None) -> None:
+        """Replace our registered node record (same name).  A registration still under way
+        (etcd slow to answer it) is waited for: checked before it was done, the newer record
+        was refused and etcd kept the older (a changed VTEP MAC never published).  Nothing
+        registered -- not yet (the registration to come carries the node's data as it is then),
+        or removed since -- nothing is replaced; a record of another name is refused."""
+        await self._register(record, timeout, update=True)
+
+    async def _register(self, record: NodeRecord, timeout: float | None, *, update: bool) -> None:
         if not isinstance(record, NodeRecord):
-            raise TypeError(f"register_node needs a NodeRecord, got {type(record).__name__}")
+            raise TypeError(f"{'update' if update else 'register'}_node needs a NodeRecord, got {type(record).__name__}")
         keeper, call = self.keeper, self.connection.call
         deadline = self.connection.deadline(timeout)
         async with self.connection.locked(keeper.lock, deadline, "register node"):
+            # Under the lock: a registration under way holds it (every change of our keys does).
+            if update and keeper.node is None:
+                log.debug("update_node %s: no node record registered here (yet): nothing to replace", record.name)
+                return
+            if update and keeper.node is not None and keeper.node.name != record.name:
+                raise ValueError(f"update_node: node {record.name!r} is not registered here "
+                                 f"(node {keeper.node.name!r} is)")
             lost = keeper.lost & {record.subnet, record.subnet_v6}
             if lost:  # the caller's record was made before the keepalive found it taken
                 log.warning("node record %s: not naming subnet %s, lost", record.name, ", ".join(map(str, lost)))
@@ -137,13 +155,6 @@ class Registration:
             if old is not None and old.name != record.name:
                 old_key = node_key(self.prefix, old.name)
                 await call("remove old node name", lambda c: c.delete(old_key), deadline)
-
-    async def update_node(self, record: NodeRecord, *, timeout: float | None = None) -> None:
-        """Replace our registered node record (same name)."""
-        node = self.keeper.node
-        if node is None or node.name != getattr(record, "name", None):
-            raise ValueError(f"update_node: node {getattr(record, 'name', record)!r} is not registered here")
-        await self.register_node(record, timeout=timeout)
 
     async def remove_node(self, name: str, *, timeout: float | None = None) -> bool:
         """Delete ``<prefix>/nodes/<name>``; True if it existed."""

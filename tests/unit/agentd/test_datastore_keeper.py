@@ -595,6 +595,89 @@ async def test_our_node_record_taken_over_from_lease_0_is_taken_again_after_anot
         assert etcd.kvs[node_key(PREFIX, "A")].lease == 0x42
 
 
+# --- update_node and the first registration ---------------------------------------------------
+
+
+class SlowPuts(FakeEtcd):
+    """A put is answered once ``answer`` is set (etcd slow at start-up: a leader election)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+        self.put_waiting = asyncio.Event()
+
+    async def put(self, key: bytes, value: bytes, lease: int | None = None):
+        self.put_waiting.set()
+        await self.answer.wait()
+        return await super().put(key, value, lease)
+
+
+async def test_update_node_during_the_first_registration_is_put_after_it():
+    """The VXLAN device's MAC changed (udev) while the agent's first register_node was still
+    waiting for etcd: update_node checked the registration before taking the keeper's lock,
+    found none and raised (the agent's _published swallowed it); etcd kept the older record,
+    with the old vtep_mac, and nothing corrected it.  It waits for the registration now."""
+    etcd = SlowPuts()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    registration = Registration(conn, keeper, PREFIX)
+    r1 = dataclasses.replace(node("A"), backend={"vtep_mac": "aa:aa:aa:aa:aa:01"})
+    r2 = dataclasses.replace(r1, backend={"vtep_mac": "aa:aa:aa:aa:aa:02"})
+    first = asyncio.ensure_future(registration.register_node(r1))
+    await etcd.put_waiting.wait()  # the registration's put is with etcd
+    second = asyncio.ensure_future(registration.update_node(r2))
+    etcd.answer.set()
+    try:
+        await first
+        await second
+    finally:
+        await keeper.stop()
+    assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).backend == {"vtep_mac": "aa:aa:aa:aa:aa:02"}
+    assert keeper.node == r2
+
+
+async def test_update_node_with_nothing_registered_writes_nothing_and_another_name_is_refused():
+    """Before the first registration (a backend coming up during start-up: the registration
+    that follows carries its data) or after the node's removal, there is nothing to replace."""
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    registration = Registration(conn, keeper, PREFIX)
+    await registration.update_node(node("A"))
+    assert etcd.kvs == {} and keeper.node is None and etcd.calls == []
+    keeper.node = node("A")
+    with pytest.raises(ValueError, match="not registered here"):
+        await registration.update_node(node("B"))
+    assert etcd.calls == []
+
+
+async def test_a_failed_publication_of_node_data_is_logged(caplog):
+    """Agent._published dropped whatever update_node or set_subnet_backend_data raised ("errors
+    are logged by the datastore": they were not)."""
+    from agentd.daemon.agent import Agent
+
+    async def fails() -> None:
+        raise ValueError("update_node: node 'B' is not registered here")
+
+    async def works() -> None:
+        return None
+
+    agent = SimpleNamespace(_publishing=set())
+    with caplog.at_level("DEBUG", logger="agentd"):
+        for job in (fails(), works()):
+            task = asyncio.ensure_future(job)
+            agent._publishing.add(task)
+            await asyncio.gather(task, return_exceptions=True)
+            Agent._published(agent, task)  # type: ignore[arg-type]
+        cancelled = asyncio.ensure_future(works())
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        Agent._published(agent, cancelled)  # type: ignore[arg-type]
+    assert agent._publishing == set()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert len(said) == 1 and said[0][0] == "ERROR" and "not registered here" in said[0][1], said
+
+
 async def test_a_silent_member_holds_the_keys_restore_no_longer_than_the_refresh():
     """Only the refresh had the keepalive's short timeout: with lease_ttl = 2 a read of the
     restore that got no answer outlived the lease.  (request_timeout is 50 ms here, to keep
