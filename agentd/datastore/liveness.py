@@ -11,11 +11,13 @@ it is (name and addresses): an etcd restored from a backup brings them back unde
 run's lease, which nobody refreshes.  Every write is a transaction that compares what it read
 (a plain put only where the key was missing).  The task never exits and never raises.
 
-A key of ours found under our lease or under none is ours whatever it holds -- unreadable,
-naming another node, other addresses: no agent but this one writes under our lease, and none
-writes under no lease (every agentd key lives under its writer's lease).  Such a value was
-put by hand (a plain ``etcdctl put`` detaches the key from its lease, ``--ignore-lease``
-keeps ours), and the round writes ours back under our lease.
+A key of ours found under our lease or under none, unreadable or naming this node (other
+addresses, other data), is ours whatever it holds: no agent but this one writes under our
+lease, and none writes under no lease (every agentd key lives under its writer's lease).
+Such a value was put by hand (a plain ``etcdctl put`` detaches the key from its lease,
+``--ignore-lease`` keeps ours), and the round writes ours back under our lease.  A subnet
+record naming another node is that node's, under any lease: an assignment by hand, as
+flannel's reservations name their node.
 
 ``LeaseKeeper`` holds what we keep alive (``node``, ``subnets`` by IP version) and the ``lock`` every change
 of our keys takes: agentd.datastore.registration and agentd.datastore.leases change them.
@@ -330,10 +332,15 @@ class LeaseKeeper:
             stored: SubnetLease | None = SubnetLease.from_json(value, subnet.subnet, kv.lease)
         except RecordError:
             stored = None
+        if stored is not None and stored.node != subnet.node:
+            # Another node's by its record, under whatever lease: its claim after ours was
+            # gone, or an assignment by hand (as a flannel reservation names its node).
+            self._lose(subnet, stored.node)
+            return
         if kv.lease in (lease_id, 0):
-            # Ours whatever it holds (module docstring): an unreadable value is not another
-            # node's claim -- giving the subnet up for it stopped the agent, and a restarted one
-            # took another subnet (every pod recreated).
+            # Unreadable or naming us: ours (module docstring).  An unreadable value is no
+            # node's claim -- giving the subnet up for it stopped the agent, and a restarted
+            # one took another subnet (every pod recreated).
             if subnet.lease_id != lease_id:  # re-taken by a claim whose reply was lost
                 subnet = dataclasses.replace(subnet, lease_id=lease_id)
                 self.subnets[subnet.subnet.version] = subnet
@@ -343,14 +350,13 @@ class LeaseKeeper:
             if stored != subnet and await self._bounded(
                 subnets.put_unchanged(client, self.prefix, subnet, kv.mod_revision)
             ):
-                if kv.lease == lease_id and stored is not None and stored.node == subnet.node and (
-                        stored.public_ip == subnet.public_ip):
+                if kv.lease == lease_id and stored is not None and stored.public_ip == subnet.public_ip:
                     log.info("subnet %s: published its backend data under lease %x", subnet.subnet, lease_id)
                 else:
                     log.warning("subnet key %s %s: rewritten under lease %x", kv.key.decode(errors="replace"),
                                 _edited(kv.lease, stored is None, bytes(value) == subnet.to_json()), lease_id)
             return
-        if stored is not None and stored.node == subnet.node:  # ours, under another lease
+        if stored is not None:  # naming us, under another lease
             if not self._ours_to_take(kv.key, kv.lease, stored.public_ip == subnet.public_ip):
                 self._report_conflict(kv.key, kv.mod_revision, "subnet key")
                 return
@@ -361,7 +367,7 @@ class LeaseKeeper:
                 log.warning("subnet %s of node %s was under etcd lease %x, not ours (etcd restored from a "
                             "backup?): taken over under lease %x", subnet.subnet, subnet.node, kv.lease, lease_id)
             return
-        self._lose(subnet, stored.node if stored is not None else "an unreadable record under another etcd lease")
+        self._lose(subnet, "an unreadable record under another etcd lease")
 
     def _read_subnets(self, client: EtcdClient, node: str) -> Awaitable[subnets.SubnetView]:
         return subnets.read_subnets(client, self.prefix, node, self.connection.report_bad)

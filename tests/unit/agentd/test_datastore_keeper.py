@@ -498,15 +498,14 @@ UNREADABLE_SUBNET = [b'{"node": "A", "public_ip": 5}', b"not json", b""]
 
 
 @pytest.mark.parametrize("edited_lease", ["ours", "none"])
-@pytest.mark.parametrize("value", UNREADABLE_SUBNET + [lease_of("B").to_json(),
-                                                      dataclasses.replace(lease_of("A"), public_ip="192.0.2.9").to_json()])
+@pytest.mark.parametrize("value", UNREADABLE_SUBNET + [dataclasses.replace(lease_of("A"), public_ip="192.0.2.9").to_json()])
 async def test_our_subnet_key_edited_by_hand_is_rewritten_not_lost(edited_lease, value, caplog):
     """Our subnet key given another value by hand, under our lease (`etcdctl put
     --ignore-lease`) or under none (a plain `etcdctl put`).  An unreadable one counted as
     "another node's": the keeper gave a working subnet up (on_subnet_lost: the agent exits, and
     takes a new subnet when restarted -- every pod recreated) and, under lease 0, the key never
-    went.  No agent writes under our lease but us, nor under none: the key is ours, whatever
-    it holds, and the keepalive writes it back."""
+    went.  No agent writes under our lease but us, nor under none: the key, unreadable or
+    naming us, is ours whatever it holds, and the keepalive writes it back."""
     etcd = FakeEtcd()
     keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
     lost: list[SubnetLease] = []
@@ -534,8 +533,12 @@ async def test_our_subnet_key_edited_by_hand_is_rewritten_not_lost(edited_lease,
     assert etcd.calls[calls:] == ["transaction"]
 
 
-async def test_our_subnet_key_under_another_lease_unreadable_is_still_another_nodes():
-    """Under another agent's lease an unreadable value is not ours to judge: lost, as before."""
+@pytest.mark.parametrize(("value", "lease"), [(b"not json", 0x99), (lease_of("B").to_json(), 0),
+                                              (lease_of("B").to_json(), 0x42)])
+async def test_our_subnet_key_naming_another_node_or_unreadable_under_another_lease_is_lost(value, lease):
+    """Not ours, as before: an unreadable value under another agent's lease, and a record
+    naming another node under any lease (its claim, or an assignment by hand: a flannel
+    reservation names its node so)."""
     etcd = FakeEtcd()
     keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
     lost: list[SubnetLease] = []
@@ -543,11 +546,11 @@ async def test_our_subnet_key_under_another_lease_unreadable_is_still_another_no
     etcd.leases.update({0x42, 0x99})
     keeper.lease_id, keeper.node, keeper.subnet = 0x42, node("A"), lease_of("A", 0x42)
     etcd._put(node_key(PREFIX, "A"), keeper.node.to_json(), 0x42)
-    etcd._put(subnet_key(PREFIX, X), b"not json", 0x99)
+    etcd._put(subnet_key(PREFIX, X), value, lease)
     async with keeper.lock:
         await keeper._restore_keys(etcd)
     assert [lease.subnet for lease in lost] == [X]
-    assert etcd.kvs[subnet_key(PREFIX, X)].value == b"not json"
+    assert etcd.kvs[subnet_key(PREFIX, X)].value == value
 
 
 @pytest.mark.parametrize("edited_lease", ["ours", "none"])
