@@ -491,8 +491,14 @@ class Agent:
 
     def _published(self, task: asyncio.Task) -> None:
         self._publishing.discard(task)
-        if not task.cancelled():
-            task.exception()  # errors are logged by the datastore
+        if task.cancelled():
+            return  # a stop or leave
+        # The datastore retries what etcd fails transiently, without a deadline, and logs
+        # nothing of what it raises: said here, or the node's new data is dropped unseen.
+        err = task.exception()
+        if err is not None:
+            log.error("publishing this node's data in etcd failed: %s; the other nodes keep its earlier data "
+                      "until it changes again", f"{type(err).__name__}: {err}")
 
     async def _cancel_publishing(self) -> None:
         """Stop the node data's publications still retrying (they hold the datastore's lease

@@ -11,6 +11,14 @@ it is (name and addresses): an etcd restored from a backup brings them back unde
 run's lease, which nobody refreshes.  Every write is a transaction that compares what it read
 (a plain put only where the key was missing).  The task never exits and never raises.
 
+A key of ours found under our lease or under none, unreadable or naming this node (other
+addresses, other data), is ours whatever it holds: no agent but this one writes under our
+lease, and none writes under no lease (every agentd key lives under its writer's lease).
+Such a value was put by hand (a plain ``etcdctl put`` detaches the key from its lease,
+``--ignore-lease`` keeps ours), and the round writes ours back under our lease.  A subnet
+record naming another node is that node's, under any lease: an assignment by hand, as
+flannel's reservations name their node.
+
 ``LeaseKeeper`` holds what we keep alive (``node``, ``subnets`` by IP version) and the ``lock`` every change
 of our keys takes: agentd.datastore.registration and agentd.datastore.leases change them.
 """
@@ -240,7 +248,7 @@ class LeaseKeeper:
             stored: NodeRecord | None = NodeRecord.from_json(value)
         except RecordError:
             stored = None
-        if kv.lease != lease_id:
+        if kv.lease not in (lease_id, 0):
             if stored is None or not self._ours_to_take(kv.key, kv.lease, stored.name == node.name and (
                     stored.address, stored.address_v6) == (node.address, node.address_v6)):
                 self._report_conflict(keys[0], kv.mod_revision, "node record")
@@ -249,13 +257,20 @@ class LeaseKeeper:
                 self._taken_over[kv.key] = kv.lease
                 log.warning("node record %s was under etcd lease %x, not ours (etcd restored from a backup?): "
                             "taken over under lease %x", node.name, kv.lease, lease_id)
-        elif (stored is None or (stored.subnet, stored.subnet_v6) != (node.subnet, node.subnet_v6)) and (
-                await self._put_unchanged(client, kv, node.to_json(), lease_id)):
-            # Put under this lease naming a subnet lost since (register_node, update_node: they
-            # grant a new lease when the old one is gone): other nodes would take it for ours
-            # and refuse its holder's route to it (agentd.kernel.forwarding).  Rewritten.
-            log.info("node record %s rewritten: it named subnets %s, not ours", node.name,
-                         ", ".join(str(n) for n in (stored.subnet, stored.subnet_v6) if n) if stored else "?")
+            return
+        # Under our lease or under none: ours whatever it holds (module docstring).
+        if (kv.lease == 0 or bytes(value) != node.to_json()) and await self._put_unchanged(
+                client, kv, node.to_json(), lease_id):
+            if kv.lease == lease_id and stored is not None and dataclasses.replace(
+                    stored, subnet=node.subnet, subnet_v6=node.subnet_v6).to_json() == node.to_json():
+                # Put under this lease naming a subnet lost since (register_node, update_node:
+                # they grant a new lease when the old one is gone): other nodes would take it
+                # for ours and refuse its holder's route to it (agentd.kernel.forwarding).
+                log.info("node record %s rewritten: it named subnets %s, not ours", node.name,
+                         ", ".join(str(n) for n in (stored.subnet, stored.subnet_v6) if n))
+            else:
+                log.warning("node record %s %s: rewritten under lease %x", node.name,
+                            _edited(kv.lease, stored is None, bytes(value) == node.to_json()), lease_id)
 
     def _ours_to_take(self, key: bytes, other_lease: int, same_identity: bool) -> bool:
         """Whether our key found under ``other_lease`` is ours to take over: its content names
@@ -317,31 +332,42 @@ class LeaseKeeper:
             stored: SubnetLease | None = SubnetLease.from_json(value, subnet.subnet, kv.lease)
         except RecordError:
             stored = None
-        holder = stored.node if stored is not None else "an unreadable record"
-        if holder == subnet.node:
-            if kv.lease != lease_id:
-                assert stored is not None
-                if not self._ours_to_take(kv.key, kv.lease, stored.public_ip == subnet.public_ip):
-                    self._report_conflict(kv.key, kv.mod_revision, "subnet key")
-                    return
-                taken = dataclasses.replace(subnet, lease_id=lease_id)
-                if await self._bounded(subnets.put_unchanged(client, self.prefix, taken, kv.mod_revision)):
-                    self._taken_over[kv.key] = kv.lease
-                    self.subnets[subnet.subnet.version] = taken
-                    log.warning("subnet %s of node %s was under etcd lease %x, not ours (etcd restored from a "
-                                "backup?): taken over under lease %x", subnet.subnet, subnet.node, kv.lease, lease_id)
-                return
+        if stored is not None and stored.node != subnet.node:
+            # Another node's by its record, under whatever lease: its claim after ours was
+            # gone, or an assignment by hand (as a flannel reservation names its node).
+            self._lose(subnet, stored.node)
+            return
+        if kv.lease in (lease_id, 0):
+            # Unreadable or naming us: ours (module docstring).  An unreadable value is no
+            # node's claim -- giving the subnet up for it stopped the agent, and a restarted
+            # one took another subnet (every pod recreated).
             if subnet.lease_id != lease_id:  # re-taken by a claim whose reply was lost
                 subnet = dataclasses.replace(subnet, lease_id=lease_id)
                 self.subnets[subnet.subnet.version] = subnet
-            # Ours, but not what we publish (put back while the new backend data could not be
-            # written: set_subnet_backend_data found the key gone with our lease): rewritten.
+            # Ours, but not what we publish -- put back while the new backend data could not be
+            # written (set_subnet_backend_data found the key gone with our lease), or edited by
+            # hand: rewritten.
             if stored != subnet and await self._bounded(
                 subnets.put_unchanged(client, self.prefix, subnet, kv.mod_revision)
             ):
-                log.info("subnet %s: published its backend data under lease %x", subnet.subnet, lease_id)
+                if kv.lease == lease_id and stored is not None and stored.public_ip == subnet.public_ip:
+                    log.info("subnet %s: published its backend data under lease %x", subnet.subnet, lease_id)
+                else:
+                    log.warning("subnet key %s %s: rewritten under lease %x", kv.key.decode(errors="replace"),
+                                _edited(kv.lease, stored is None, bytes(value) == subnet.to_json()), lease_id)
             return
-        self._lose(subnet, holder)
+        if stored is not None:  # naming us, under another lease
+            if not self._ours_to_take(kv.key, kv.lease, stored.public_ip == subnet.public_ip):
+                self._report_conflict(kv.key, kv.mod_revision, "subnet key")
+                return
+            taken = dataclasses.replace(subnet, lease_id=lease_id)
+            if await self._bounded(subnets.put_unchanged(client, self.prefix, taken, kv.mod_revision)):
+                self._taken_over[kv.key] = kv.lease
+                self.subnets[subnet.subnet.version] = taken
+                log.warning("subnet %s of node %s was under etcd lease %x, not ours (etcd restored from a "
+                            "backup?): taken over under lease %x", subnet.subnet, subnet.node, kv.lease, lease_id)
+            return
+        self._lose(subnet, "an unreadable record under another etcd lease")
 
     def _read_subnets(self, client: EtcdClient, node: str) -> Awaitable[subnets.SubnetView]:
         return subnets.read_subnets(client, self.prefix, node, self.connection.report_bad)
@@ -367,3 +393,9 @@ class LeaseKeeper:
         log.error("%s %s is held under another etcd lease than ours (%x): is another agent running "
                   "with the same node name? leaving it alone", what, key.decode(errors="replace"),
                   self.lease_id or 0)
+
+
+def _edited(found_lease: int, unreadable: bool, same_value: bool) -> str:
+    """How one of our keys was found edited by hand, for the log."""
+    what = "was unreadable" if unreadable else "was as ours" if same_value else "held another value than ours"
+    return what + (" under no etcd lease (a plain etcdctl put?)" if found_lease == 0 else " (put by hand?)")

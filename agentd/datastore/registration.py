@@ -2,7 +2,8 @@
 
 Our own node record lives under the liveness lease (agentd.datastore.liveness), so it goes
 away by itself when the agent is gone for longer than the lease TTL.  Reading other nodes'
-records skips (and logs once) the malformed ones.
+records skips (and logs once) the malformed ones; a node watch keeps the last good record of
+a node whose record became unreadable (its own agent writes it back), until its key is deleted.
 """
 
 from __future__ import annotations
@@ -117,11 +118,29 @@ class Registration:
 
     async def register_node(self, record: NodeRecord, *, timeout: float | None = None) -> None:
         """Put our node record under our liveness lease; the keepalive task keeps it there."""
+        await self._register(record, timeout, update=False)
+
+    async def update_node(self, record: NodeRecord, *, timeout: float | None = None) -> None:
+        """Replace our registered node record (same name).  A registration still under way
+        (etcd slow to answer it) is waited for: checked before it was done, the newer record
+        was refused and etcd kept the older (a changed VTEP MAC never published).  Nothing
+        registered -- not yet (the registration to come carries the node's data as it is then),
+        or removed since -- nothing is replaced; a record of another name is refused."""
+        await self._register(record, timeout, update=True)
+
+    async def _register(self, record: NodeRecord, timeout: float | None, *, update: bool) -> None:
         if not isinstance(record, NodeRecord):
-            raise TypeError(f"register_node needs a NodeRecord, got {type(record).__name__}")
+            raise TypeError(f"{'update' if update else 'register'}_node needs a NodeRecord, got {type(record).__name__}")
         keeper, call = self.keeper, self.connection.call
         deadline = self.connection.deadline(timeout)
         async with self.connection.locked(keeper.lock, deadline, "register node"):
+            # Under the lock: a registration under way holds it (every change of our keys does).
+            if update and keeper.node is None:
+                log.debug("update_node %s: no node record registered here (yet): nothing to replace", record.name)
+                return
+            if update and keeper.node is not None and keeper.node.name != record.name:
+                raise ValueError(f"update_node: node {record.name!r} is not registered here "
+                                 f"(node {keeper.node.name!r} is)")
             lost = keeper.lost & {record.subnet, record.subnet_v6}
             if lost:  # the caller's record was made before the keepalive found it taken
                 log.warning("node record %s: not naming subnet %s, lost", record.name, ", ".join(map(str, lost)))
@@ -136,13 +155,6 @@ class Registration:
             if old is not None and old.name != record.name:
                 old_key = node_key(self.prefix, old.name)
                 await call("remove old node name", lambda c: c.delete(old_key), deadline)
-
-    async def update_node(self, record: NodeRecord, *, timeout: float | None = None) -> None:
-        """Replace our registered node record (same name)."""
-        node = self.keeper.node
-        if node is None or node.name != getattr(record, "name", None):
-            raise ValueError(f"update_node: node {getattr(record, 'name', record)!r} is not registered here")
-        await self.register_node(record, timeout=timeout)
 
     async def remove_node(self, name: str, *, timeout: float | None = None) -> bool:
         """Delete ``<prefix>/nodes/<name>``; True if it existed."""
@@ -174,12 +186,19 @@ class Registration:
         got = await self.connection.call("list nodes", lambda c: c.get_prefix(prefix), self.connection.deadline(timeout))
         return self.parse_nodes(got)
 
-    def parse_nodes(self, kvs: Any) -> dict[str, NodeRecord]:
+    def parse_nodes(self, kvs: Any, known: dict[str, NodeRecord] | None = None) -> dict[str, NodeRecord]:
+        """The readable records among ``kvs``; an unreadable one keeps its node's record in
+        ``known`` (what the consumer has seen: a watch's new snapshot), as node_event does."""
         nodes: dict[str, NodeRecord] = {}
         for kv in kvs:
             record = self.parse_node_kv(kv.key, kv.value, kv.mod_revision, kv.create_revision)
             if record is not None:
                 nodes[record.name] = record
+            elif known:
+                with contextlib.suppress(RecordError):
+                    name = parse_node_key(self.prefix, kv.key)
+                    if name in known:
+                        nodes.setdefault(name, known[name])
         return nodes
 
     def parse_node_kv(self, key: bytes, value: bytes, mod_revision: int, create_revision: int = 0) -> NodeRecord | None:
@@ -203,11 +222,12 @@ class Registration:
             return NodeEvent("delete", name=name) if nodes.pop(name, None) is not None else None
         record = self.parse_node_kv(key, value, mod_revision, create_revision)
         if record is None:
-            # The record we knew became unreadable: to the consumer it is gone.
-            with contextlib.suppress(RecordError):
-                name = parse_node_key(self.prefix, key)
-                if nodes.pop(name, None) is not None:
-                    return NodeEvent("delete", name=name)
+            # Unreadable (logged once): the consumer keeps the node's last good record, as
+            # flannel skips a malformed subnet event and agentd.resources keeps an object's
+            # last good version.  Taken for a delete, a bad `etcdctl put` cut a live node off
+            # on every other node (BGP Cease, its pods' routes withdrawn) until fixed; its own
+            # agent writes its record back (agentd.datastore.liveness), and only a delete --
+            # its lease gone with it -- removes the node.
             return None
         nodes[record.name] = record
         return NodeEvent("put", name=record.name, record=record)

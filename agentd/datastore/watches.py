@@ -65,7 +65,7 @@ class Watches:
         nodes: dict[str, NodeRecord] = {}
         async for ev in self.watch_prefix(nodes_prefix(self.prefix), "node watch"):
             if ev.kind == "snapshot":
-                nodes = registration.parse_nodes(ev.kvs)
+                nodes = registration.parse_nodes(ev.kvs, known=nodes)  # an unreadable one: its last good
                 yield NodeEvent("snapshot", nodes=dict(nodes))
                 continue
             kv = ev.kvs[0]

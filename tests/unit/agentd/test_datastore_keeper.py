@@ -492,6 +492,195 @@ async def test_our_subnet_record_put_back_with_stale_backend_data_is_rewritten()
     assert etcd.calls[calls:] == ["transaction"]  # the read only
 
 
+# --- our keys edited by hand (etcdctl put: lease 0; --ignore-lease: still ours) -------------------
+
+UNREADABLE_SUBNET = [b'{"node": "A", "public_ip": 5}', b"not json", b""]
+
+
+@pytest.mark.parametrize("edited_lease", ["ours", "none"])
+@pytest.mark.parametrize("value", UNREADABLE_SUBNET + [dataclasses.replace(lease_of("A"), public_ip="192.0.2.9").to_json()])
+async def test_our_subnet_key_edited_by_hand_is_rewritten_not_lost(edited_lease, value, caplog):
+    """Our subnet key given another value by hand, under our lease (`etcdctl put
+    --ignore-lease`) or under none (a plain `etcdctl put`).  An unreadable one counted as
+    "another node's": the keeper gave a working subnet up (on_subnet_lost: the agent exits, and
+    takes a new subnet when restarted -- every pod recreated) and, under lease 0, the key never
+    went.  No agent writes under our lease but us, nor under none: the key, unreadable or
+    naming us, is ours whatever it holds, and the keepalive writes it back."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lost: list[SubnetLease] = []
+    keeper.subnet_lost_callback = lambda: lost.append
+    etcd.leases.add(0x42)
+    keeper.lease_id, keeper.node, keeper.subnet = 0x42, node("A"), lease_of("A", 0x42)
+    etcd._put(node_key(PREFIX, "A"), keeper.node.to_json(), 0x42)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x42)
+    etcd._put(subnet_key(PREFIX, X), value, 0x42 if edited_lease == "ours" else 0)
+
+    with caplog.at_level("WARNING", logger="agentd.datastore"):
+        async with keeper.lock:
+            await keeper._restore_keys(etcd)
+
+    assert lost == [] and keeper.subnets == {4: lease_of("A", 0x42)} and keeper.lost == set()
+    kv = etcd.kvs[subnet_key(PREFIX, X)]
+    assert (kv.value, kv.lease) == (lease_of("A").to_json(), 0x42)
+    assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).subnet == X
+    assert keeper.node is not None and keeper.node.subnet == X
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "rewritten" in said[0] and "ERROR" not in [r.levelname for r in caplog.records], said
+    calls = len(etcd.calls)
+    async with keeper.lock:  # and the round after it writes nothing
+        await keeper._restore_keys(etcd)
+    assert etcd.calls[calls:] == ["transaction"]
+
+
+@pytest.mark.parametrize(("value", "lease"), [(b"not json", 0x99), (lease_of("B").to_json(), 0),
+                                              (lease_of("B").to_json(), 0x42)])
+async def test_our_subnet_key_naming_another_node_or_unreadable_under_another_lease_is_lost(value, lease):
+    """Not ours, as before: an unreadable value under another agent's lease, and a record
+    naming another node under any lease (its claim, or an assignment by hand: a flannel
+    reservation names its node so)."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lost: list[SubnetLease] = []
+    keeper.subnet_lost_callback = lambda: lost.append
+    etcd.leases.update({0x42, 0x99})
+    keeper.lease_id, keeper.node, keeper.subnet = 0x42, node("A"), lease_of("A", 0x42)
+    etcd._put(node_key(PREFIX, "A"), keeper.node.to_json(), 0x42)
+    etcd._put(subnet_key(PREFIX, X), value, lease)
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+    assert [lease.subnet for lease in lost] == [X]
+    assert etcd.kvs[subnet_key(PREFIX, X)].value == value
+
+
+@pytest.mark.parametrize("edited_lease", ["ours", "none"])
+@pytest.mark.parametrize("value", [
+    b'{"name": "A", "address": "192.0.2.1", "asn": "64512", "subnet": "10.244.1.0/24", "route_reflector": false}',
+    b"not json",
+    dataclasses.replace(node("A"), address=IPv4Address("192.0.2.9")).to_json(),  # readable, not as we are
+    dataclasses.replace(node("A"), asn=64999).to_json(),
+])
+async def test_our_node_record_edited_by_hand_is_rewritten(edited_lease, value):
+    """Our node record given another value by hand.  Under lease 0 (a plain `etcdctl put`) an
+    unreadable one counted as "held under another etcd lease: another agent with our name?"
+    and was left alone for good -- the key never expires, and every other node took the
+    unreadable put for a delete (BGP Cease, our pods' routes withdrawn).  Under our lease or
+    none it is ours: written back as we publish it, under our lease."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    etcd.leases.add(0x42)
+    keeper.lease_id, keeper.node, keeper.subnet = 0x42, node("A"), lease_of("A", 0x42)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x42)
+    etcd._put(node_key(PREFIX, "A"), value, 0x42 if edited_lease == "ours" else 0)
+
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+
+    kv = etcd.kvs[node_key(PREFIX, "A")]
+    assert (kv.value, kv.lease) == (node("A").to_json(), 0x42)
+    calls = len(etcd.calls)
+    async with keeper.lock:  # and the round after it writes nothing
+        await keeper._restore_keys(etcd)
+    assert etcd.calls[calls:] == ["transaction"]
+
+
+async def test_our_node_record_taken_over_from_lease_0_is_taken_again_after_another_edit():
+    """A record found under no lease and taken over once: one found under lease 0 again is a
+    second edit by hand, not another agent writing under that lease (none runs under lease 0)."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    etcd.leases.add(0x42)
+    keeper.lease_id, keeper.node = 0x42, node("A")
+    for _ in range(2):
+        etcd._put(node_key(PREFIX, "A"), node("A").to_json(), 0)
+        async with keeper.lock:
+            await keeper._restore_keys(etcd)
+        assert etcd.kvs[node_key(PREFIX, "A")].lease == 0x42
+
+
+# --- update_node and the first registration ---------------------------------------------------
+
+
+class SlowPuts(FakeEtcd):
+    """A put is answered once ``answer`` is set (etcd slow at start-up: a leader election)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+        self.put_waiting = asyncio.Event()
+
+    async def put(self, key: bytes, value: bytes, lease: int | None = None):
+        self.put_waiting.set()
+        await self.answer.wait()
+        return await super().put(key, value, lease)
+
+
+async def test_update_node_during_the_first_registration_is_put_after_it():
+    """The VXLAN device's MAC changed (udev) while the agent's first register_node was still
+    waiting for etcd: update_node checked the registration before taking the keeper's lock,
+    found none and raised (the agent's _published swallowed it); etcd kept the older record,
+    with the old vtep_mac, and nothing corrected it.  It waits for the registration now."""
+    etcd = SlowPuts()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    registration = Registration(conn, keeper, PREFIX)
+    r1 = dataclasses.replace(node("A"), backend={"vtep_mac": "aa:aa:aa:aa:aa:01"})
+    r2 = dataclasses.replace(r1, backend={"vtep_mac": "aa:aa:aa:aa:aa:02"})
+    first = asyncio.ensure_future(registration.register_node(r1))
+    await etcd.put_waiting.wait()  # the registration's put is with etcd
+    second = asyncio.ensure_future(registration.update_node(r2))
+    etcd.answer.set()
+    try:
+        await first
+        await second
+    finally:
+        await keeper.stop()
+    assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).backend == {"vtep_mac": "aa:aa:aa:aa:aa:02"}
+    assert keeper.node == r2
+
+
+async def test_update_node_with_nothing_registered_writes_nothing_and_another_name_is_refused():
+    """Before the first registration (a backend coming up during start-up: the registration
+    that follows carries its data) or after the node's removal, there is nothing to replace."""
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    registration = Registration(conn, keeper, PREFIX)
+    await registration.update_node(node("A"))
+    assert etcd.kvs == {} and keeper.node is None and etcd.calls == []
+    keeper.node = node("A")
+    with pytest.raises(ValueError, match="not registered here"):
+        await registration.update_node(node("B"))
+    assert etcd.calls == []
+
+
+async def test_a_failed_publication_of_node_data_is_logged(caplog):
+    """Agent._published dropped whatever update_node or set_subnet_backend_data raised ("errors
+    are logged by the datastore": they were not)."""
+    from agentd.daemon.agent import Agent
+
+    async def fails() -> None:
+        raise ValueError("update_node: node 'B' is not registered here")
+
+    async def works() -> None:
+        return None
+
+    agent = SimpleNamespace(_publishing=set())
+    with caplog.at_level("DEBUG", logger="agentd"):
+        for job in (fails(), works()):
+            task = asyncio.ensure_future(job)
+            agent._publishing.add(task)
+            await asyncio.gather(task, return_exceptions=True)
+            Agent._published(agent, task)  # type: ignore[arg-type]
+        cancelled = asyncio.ensure_future(works())
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        Agent._published(agent, cancelled)  # type: ignore[arg-type]
+    assert agent._publishing == set()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert len(said) == 1 and said[0][0] == "ERROR" and "not registered here" in said[0][1], said
+
+
 async def test_a_silent_member_holds_the_keys_restore_no_longer_than_the_refresh():
     """Only the refresh had the keepalive's short timeout: with lease_ttl = 2 a read of the
     restore that got no answer outlived the lease.  (request_timeout is 50 ms here, to keep

@@ -158,14 +158,41 @@ def test_watch_events_become_node_events_for_what_the_consumer_knows():
     nodes: dict[str, NodeRecord] = {}
     assert registration.node_event(key, n1.to_json(), 5, "put", nodes) == NodeEvent("put", name="n1", record=n1)
     assert nodes == {"n1": n1}
-    # It became unreadable: to the consumer it is gone (once).
-    assert registration.node_event(key, b"{not json", 6, "put", nodes) == NodeEvent("delete", name="n1")
+    # It became unreadable (a bad `etcdctl put`): the consumer keeps its last good record --
+    # taken for a delete, it cut a live node off (BGP Cease, its routes withdrawn).
+    assert registration.node_event(key, b"{not json", 6, "put", nodes) is None
     assert registration.node_event(key, b"{not json", 7, "put", nodes) is None
-    assert registration.node_event(key, b"", 8, "delete", nodes) is None  # not known: nothing to say
-    nodes["n1"] = n1
-    assert registration.node_event(key, b"", 9, "delete", nodes) == NodeEvent("delete", name="n1")
+    assert nodes == {"n1": n1}
+    assert registration.node_event(key, b"", 8, "delete", nodes) == NodeEvent("delete", name="n1")  # only a delete
+    assert registration.node_event(key, b"", 9, "delete", nodes) is None  # not known: nothing to say
     assert registration.node_event(b"/agentd/nodes/", b"", 10, "delete", nodes) is None  # not a node key
 
+
+
+async def test_a_node_watch_keeps_the_last_good_record_of_an_unreadable_one_across_snapshots():
+    """A new snapshot (after a compaction) with n1's record unreadable: n1 as last seen, not
+    gone; n3, never seen readable, is left out (nothing good to keep)."""
+    from agentd.datastore.watches import KeyValue, PrefixEvent, Watches
+
+    conn = connection()
+    registration = Registration(conn, LeaseKeeper(conn, PREFIX, 30), PREFIX)
+    watches = Watches(conn, registration, PREFIX)
+    n1, n2 = record("n1"), record("n2", "10.244.2.0/24")
+
+    def kv(name: str, value: bytes, revision: int) -> KeyValue:
+        return KeyValue(node_key(PREFIX, name), value, revision, 0x42)
+
+    async def prefix_events(prefix: bytes, what: str = ""):
+        yield PrefixEvent("snapshot", 5, [kv("n1", n1.to_json(), 5)])
+        yield PrefixEvent("put", 6, [kv("n1", b"{not json", 6)])
+        yield PrefixEvent("snapshot", 9, [kv("n1", b"{not json", 6), kv("n2", n2.to_json(), 8),
+                                          kv("n3", b"{not json", 9)])
+        yield PrefixEvent("delete", 10, [kv("n1", b"", 10)])
+
+    watches.watch_prefix = prefix_events  # type: ignore[method-assign]
+    got = [ev async for ev in watches.watch_nodes()]
+    assert got == [NodeEvent("snapshot", nodes={"n1": n1}), NodeEvent("snapshot", nodes={"n1": n1, "n2": n2}),
+                   NodeEvent("delete", name="n1")]
 
 def test_the_facade_exposes_its_parts_and_their_calls():
     ds = Datastore("http://127.0.0.1:2379", lease_ttl=9)
