@@ -444,8 +444,9 @@ def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any
         )  # fmt: skip
     except pod_endpoints.EndpointError as e:
         raise CniError(INTERNAL, f"pod identity: {e}") from None
-    except OSError as e:
-        raise CniError(IO_FAILURE, f"cannot write the endpoint file for {namespace}/{name}: {e.strerror or e}") from None
+    except OSError as e:  # (endpoints/ or its .programmed a symlink: refused)
+        where = f"{e.filename}: " if e.filename else ""
+        raise CniError(IO_FAILURE, f"cannot write the endpoint file for {namespace}/{name}: {where}{e.strerror or e}") from None
     wait = netconf.get("policyTimeout", pod_endpoints.DEFAULT_WAIT)
     if wait and not pod_endpoints.wait_programmed(_data_dir(netconf), args.container_id, wait):
         print(f"agentd-cni: the agent has not programmed network policy for {namespace}/{name} within {wait:g} s "
@@ -484,7 +485,7 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
         # A state file load_state could not use (empty or damaged: a crash, a full disk) names
         # nothing to undo; this DEL has done what it can, so it goes, or it would stay for ever.
         _remove_unusable_state(data_dir, args.container_id)
-        pod_endpoints.remove(data_dir, args.container_id)
+        _remove_endpoint(data_dir, args.container_id)
         return
     try:
         invoke_delegate(stored, args, env, timeout=timeout)
@@ -506,7 +507,16 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
     # failed above leaves the pod as it was until the runtime retries.  A DEL stopped between
     # the delegate (address released) and here leaves a stale file; the agent gives the address
     # to the newer of two files claiming it (PolicyEngine.conflicts).
-    pod_endpoints.remove(data_dir, args.container_id)
+    _remove_endpoint(data_dir, args.container_id)
+
+
+def _remove_endpoint(data_dir: str, container_id: str) -> None:
+    try:
+        pod_endpoints.remove(data_dir, container_id)
+    except OSError as e:  # endpoints/ or its .programmed a symlink (refused), an I/O error
+        where = e.filename or pod_endpoints.endpoints_dir(data_dir)
+        raise CniError(IO_FAILURE, f"cannot remove the endpoint file of container {container_id}: {where}: "
+                                   f"{e.strerror or e}") from None
 
 
 def _current_delegate_config(netconf: dict[str, Any]) -> dict[str, Any] | None:
@@ -706,31 +716,44 @@ TEMP_MAX_AGE = 600.0  # seconds: a temporary file this old is no write still goi
 
 def sweep_temp_files(data_dir: str, now: float, max_age: float = TEMP_MAX_AGE) -> list[str]:
     """Remove the temporary files a crash left in ``data_dir`` and its endpoint directory:
-    regular files named as this plugin's temporary files, not changed for ``max_age``
-    seconds before ``now``.  DEL runs it (any container's DEL: the one whose ADD crashed may
-    never come).  Never fails: what it cannot list or remove stays.  Returns the paths removed.
+    regular files named as this plugin's temporary files, not changed for ``max_age`` seconds
+    before ``now``.  DEL runs it (any container's DEL: the one whose ADD
+    crashed may never come).  Never fails: what it cannot list or remove stays.  Returns the
+    paths removed.  Names are looked at and removed in each directory as opened (the endpoint
+    directory never through a symlink in its place).
 
     Only temporary files: a state or endpoint file whose DEL never came (a node rebooted with
     its sandboxes gone, a runtime that lost its DEL) stays, as does its host-local lease --
     nothing here can tell a container that is gone from one that is not."""
-    removed = []
-    for directory in (data_dir, pod_endpoints.endpoints_dir(data_dir)):
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        for name in names:
-            if not _TEMP_RE.fullmatch(name):
-                continue
-            path = os.path.join(directory, name)
+    removed: list[str] = []
+    try:
+        data_fd = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return removed
+    opened = [(data_fd, data_dir)]
+    try:
+        for sub in (pod_endpoints.SUBDIR,):
+            with contextlib.suppress(OSError):
+                opened.append((pod_endpoints.open_directory(sub, data_fd), os.path.join(data_dir, sub)))
+        for dir_fd, directory in opened:
             try:
-                st = os.lstat(path)
-                if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < max_age:
-                    continue
-                os.unlink(path)
+                names = os.listdir(dir_fd)
             except OSError:
                 continue
-            removed.append(path)
+            for name in names:
+                if not _TEMP_RE.fullmatch(name):
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < max_age:
+                        continue
+                    os.unlink(name, dir_fd=dir_fd)
+                except OSError:
+                    continue
+                removed.append(os.path.join(directory, name))
+    finally:
+        for dir_fd, _ in opened:
+            os.close(dir_fd)
     if removed:
         print(f"agentd-cni: removed {len(removed)} temporary file(s) left by a crash: {', '.join(removed)}",
               file=sys.stderr)

@@ -1158,9 +1158,9 @@ def test_the_state_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatc
         events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
         real_fsync(fd)
 
-    def replace(src, dst):
+    def replace(src, dst, **dir_fds):
         events.append(("replace", os.path.basename(dst)))
-        real_replace(src, dst)
+        real_replace(src, dst, **dir_fds)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
@@ -1182,9 +1182,9 @@ def test_an_endpoint_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypa
         events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
         real_fsync(fd)
 
-    def replace(src, dst):
+    def replace(src, dst, **dir_fds):
         events.append(("replace", os.path.basename(dst)))
-        real_replace(src, dst)
+        real_replace(src, dst, **dir_fds)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
@@ -1248,6 +1248,121 @@ def test_the_temporary_file_sweep_goes_by_the_time_passed_in(tmp_path):
     assert cni.sweep_temp_files(str(tmp_path), 1000.0 + cni.TEMP_MAX_AGE) == [str(tmp)]
     assert not tmp.exists()
     assert cni.sweep_temp_files(str(tmp_path / "none"), 1e12) == []  # no directory: nothing to do
+
+
+# --- what root's plugin acts on: nothing another user could have written (review s55 r1) -----
+#
+# An agent of a user of its own owns dataDir (it makes it, docs/operations.md) and endpoints/.
+
+POD_ARGS = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web"
+
+
+def _delegate_seeing(monkeypatch, calls):
+    """A fake delegate recording (command, the config's type) and answering ADD as bridge does."""
+    def invoke(conf, args, env, timeout):
+        calls.append((args.command, conf["type"]))
+        if args.command == "ADD":
+            return {"cniVersion": "1.0.0", "interfaces": [{"name": "cni0"}, {"name": "veth1", "mac": "bb"},
+                                                          {"name": "eth0", "sandbox": args.netns}],
+                    "ips": [{"address": "10.244.3.7/24", "interface": 2}]}  # fmt: skip
+        return None
+
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
+
+
+def _endpoint(cid: str = "c0ffee01"):
+    from agentd.cni import endpoints as eps
+
+    return eps.Endpoint(container_id=cid, namespace="default", name="web", labels={}, ports=[], ips=["10.244.3.7"],
+                        interface="veth1", mac="aa:bb:cc:dd:ee:ff", bridge="cni0", ifname="eth0")
+
+
+def test_a_symlink_at_endpoints_is_refused_and_nothing_is_done_where_it_points(tmp_path, monkeypatch):
+    """Review s55 r1 #2: the agent's user owns dataDir and may put a symlink where endpoints/
+    was (to /etc/cni/net.d, whose *.json the runtime reads as network configs).  Root's plugin
+    writes, locks, reads and unlinks in endpoints/ only as a directory opened without following
+    a symlink: ADD and DEL fail (IO_FAILURE) and the symlink's target is left as it was."""
+    from agentd.cni import endpoints as eps
+
+    calls = []
+    _delegate_seeing(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    data = tmp_path / "state"
+    data.mkdir()
+    netd = tmp_path / "net.d"
+    netd.mkdir()
+    (data / eps.SUBDIR).symlink_to(netd)
+    with pytest.raises(NotADirectoryError):
+        eps.write(str(data), _endpoint())
+    assert os.listdir(netd) == []
+    _assert_error(_run(_env(CNI_ARGS=POD_ARGS), conf), 5, "endpoint file")
+    assert os.listdir(netd) == []
+    (netd / "c0ffee01.json").write_text(_endpoint().to_json())  # a file of that name there
+    assert eps.read(str(data), "c0ffee01") is None  # (CHECK reads it)
+    with pytest.raises(NotADirectoryError):
+        eps.remove(str(data), "c0ffee01")
+    _assert_error(_run(_env("DEL"), conf), 5, "endpoint file", str(data / eps.SUBDIR))
+    old = _file(netd / ".c0ffee01.abcd1234", 1000.0)  # a name the sweep removes in endpoints/
+    assert cni.sweep_temp_files(str(data), 1e12) == []
+    assert sorted(os.listdir(netd)) == [old.name, "c0ffee01.json"]
+
+
+def test_a_symlink_at_programmed_is_refused_and_nothing_is_unlinked_where_it_points(tmp_path):
+    """endpoints/.programmed is in a directory of the agent's user's too: a symlink there to the
+    plugin's state directory would have ADD unlink the container's state file (its DEL would
+    then undo with the current config)."""
+    from agentd.cni import endpoints as eps
+
+    data = tmp_path / "state"
+    cni.save_state(str(data), "c0ffee01", {"type": "bridge"}, "eth0")
+    (data / eps.SUBDIR).mkdir()
+    (data / eps.SUBDIR / eps.PROGRAMMED).symlink_to(data)
+    with pytest.raises(NotADirectoryError):
+        eps.write(str(data), _endpoint())
+    with pytest.raises(NotADirectoryError):
+        eps.remove(str(data), "c0ffee01")
+    assert cni.load_state(str(data), "c0ffee01") == {"type": "bridge"}
+
+
+def test_a_lock_root_did_not_make_is_not_given_away_nor_waited_on(tmp_path, caplog):
+    """endpoints/.lock is in the agent's user's directory: root makes it LOCK_MODE and gives it
+    to that user only when it is an empty regular file of one link (not a hard link to a file of
+    root's elsewhere, nor a file of root's moved there); a FIFO in its place is never opened
+    for a wait (ADD and DEL go on without the lock)."""
+    import stat as stat_mod
+
+    from agentd.cni import endpoints as eps
+
+    directory = tmp_path / eps.SUBDIR
+    directory.mkdir()
+    elsewhere = tmp_path / "shadow"
+    elsewhere.write_text("")
+    os.chmod(elsewhere, 0o644)
+    os.link(elsewhere, directory / eps.LOCK)
+    eps.write(str(tmp_path), _endpoint())
+    assert stat_mod.S_IMODE(os.stat(elsewhere).st_mode) == 0o644
+    os.unlink(directory / eps.LOCK)
+    moved = directory / eps.LOCK
+    moved.write_text(_endpoint().to_json())  # a file of root's the user moved in: not empty
+    os.chmod(moved, 0o644)
+    eps.remove(str(tmp_path), "c0ffee01")
+    assert stat_mod.S_IMODE(os.stat(moved).st_mode) == 0o644
+    os.unlink(moved)
+    os.mkfifo(moved, 0o600)
+    eps.write(str(tmp_path), _endpoint())  # no wait on the FIFO
+    assert eps.read(str(tmp_path), "c0ffee01") is not None
+    eps.remove(str(tmp_path), "c0ffee01")
+    assert "no regular file" in caplog.text
+
+
+def test_a_fifo_in_an_endpoint_files_place_is_no_endpoint_file_and_no_wait(tmp_path):
+    from agentd.cni import endpoints as eps
+
+    (tmp_path / eps.SUBDIR).mkdir()
+    os.mkfifo(tmp_path / eps.SUBDIR / "c0ffee01.json")
+    assert eps.read(str(tmp_path), "c0ffee01") is None
 
 
 # --- a pod's labels: bounded ----------------------------------------------------------------
