@@ -539,20 +539,6 @@ def _replace(dir_fd: int, ep: Endpoint) -> None:
     replace_at(dir_fd, ep.container_id + SUFFIX, ep.to_json().encode(), 0o644, f".{ep.container_id}.")
 
 
-def fsync_directory(directory: str) -> None:
-    """Sync a directory (a rename in it), where the file system can; never raises."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a directory; the file itself is on disk
-    finally:
-        os.close(fd)
-
-
 def _unmark(dir_fd: int, container_id: str, directory: str) -> None:
     """Remove the container's acknowledgement from endpoints/.programmed (``dir_fd`` endpoints/;
     ``directory`` it, for messages); none (or no .programmed) is nothing to do, a .programmed
