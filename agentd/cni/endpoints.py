@@ -41,7 +41,6 @@ import logging
 import os
 import secrets
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -307,50 +306,107 @@ class Busy(Exception):
 
 _reported: set[str] = set()  # lock files this process could not open, logged once
 
+# Opening a directory the agent's user may own (endpoints/ and what is in it) never goes
+# through a symlink in its place: root's plugin would write, lock and unlink in whatever
+# directory the symlink names (/etc/cni/net.d, its own state directory).  Each is opened once,
+# and what is done in it is done relative to that descriptor.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Files there: never through a symlink, and never waiting on a FIFO put in a file's place.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
-def _open_lock(directory: str) -> int | None:
-    """A read-only fd of ``directory/.lock``, created (LOCK_MODE) if missing; None without it.
+
+def open_directory(name: str | os.PathLike[str], dir_fd: int | None = None, *, shown: str | None = None) -> int:
+    """A descriptor of the directory ``name`` (relative to ``dir_fd``), never of what a symlink
+    in its place names.  NotADirectoryError (its ``filename`` ``shown``, else ``name``) for a
+    symlink or anything else that is no directory; FileNotFoundError without one."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as err:
+        if err.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise NotADirectoryError(errno.ENOTDIR, "a symlink or no directory: refused", shown or os.fspath(name)) from None
+        raise
+
+
+@contextlib.contextmanager
+def _endpoints(data_dir: str | os.PathLike[str], missing_ok: bool = False) -> Iterator[int | None]:
+    """endpoints/ of ``data_dir``, open (:func:`open_directory`: a symlink is refused); None
+    if it is not there and ``missing_ok``."""
+    try:
+        fd = open_directory(endpoints_dir(data_dir))
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _open_lock(dir_fd: int, directory: str) -> int | None:
+    """A read-only fd of ``.lock`` in the directory ``dir_fd`` (``directory``, for messages),
+    created (LOCK_MODE) if missing; None without it.
 
     Read-only: closing a file opened for writing would wake the agent's inotify watch.  The
     file is LOCK_MODE and, when root makes or finds it (the plugin under the runtime), owned by
     the directory's owner -- the agent's user when the agent runs as one of its own -- so that
     whichever of the two makes it first, both can open it and no one else can (flock needs
-    only a read-only fd: a file others can read is one they can hold)."""
+    only a read-only fd: a file others can read is one they can hold).  Only an empty regular
+    file of one link is given away or made LOCK_MODE: the directory's owner could have put
+    another file of root's there (a hard link, one it moved in), and root must not hand it
+    over; one that is no regular file is not used (a FIFO: never waited on)."""
     path = os.path.join(directory, LOCK)
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
         try:
-            fd = os.open(path, flags)
+            fd = os.open(LOCK, _FILE_FLAGS, dir_fd=dir_fd)
         except FileNotFoundError:
-            fd = os.open(path, flags | os.O_CREAT, LOCK_MODE)
+            fd = os.open(LOCK, _FILE_FLAGS | os.O_CREAT, LOCK_MODE, dir_fd=dir_fd)
     except FileNotFoundError:
-        return None  # no directory: nothing to guard
+        return None  # the directory went: nothing to guard
     except OSError as err:
         if path not in _reported:
             _reported.add(path)
             log.warning("cannot open %s (%s): going on without it", path, err.strerror or err)
         return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        if path not in _reported:
+            _reported.add(path)
+            log.warning("%s is no regular file: going on without it", path)
+        return None
+    if st.st_nlink != 1 or st.st_size != 0:
+        return fd  # a lock to hold, not a file of root's to give away
     with contextlib.suppress(OSError):  # (without CAP_CHOWN: it stays whose it is)
-        st, owner = os.fstat(fd), os.stat(directory)
+        owner = os.fstat(dir_fd)
         if os.geteuid() == 0 and (st.st_uid, st.st_gid) != (owner.st_uid, owner.st_gid):
             os.fchown(fd, owner.st_uid, owner.st_gid)
     with contextlib.suppress(OSError):  # (not its owner: it stays as it is)
-        if stat.S_IMODE(os.fstat(fd).st_mode) != LOCK_MODE:  # one an earlier version made 0644
+        if stat.S_IMODE(st.st_mode) != LOCK_MODE:  # one an earlier version made 0644
             os.fchmod(fd, LOCK_MODE)
     return fd
 
 
 @contextlib.contextmanager
-def _locked(data_dir: str | os.PathLike[str], exclusive: bool) -> Iterator[None]:
+def _locked(data_dir: str | os.PathLike[str], exclusive: bool, dir_fd: int | None = None) -> Iterator[None]:
     """Hold ``endpoints/.lock``: agentd-cni shared while it writes or removes a container's files
     (plugins for different containers do not wait for each other), the agent exclusive while
     it checks that a file is still the one it read and acts on it (relabel, acknowledge).
+    ``dir_fd``: endpoints/ as the caller opened it (else it is opened here).
 
     Neither waits for long: the agent tries AGENT_LOCK_TRIES times and raises Busy (the caller
     skips this round); the plugin waits up to PLUGIN_LOCK_WAIT, then goes on without it,
     logged.  Without the directory there is nothing to guard; a lock file that cannot be opened
     is gone without (logged once)."""
-    fd = _open_lock(endpoints_dir(data_dir))
+    own = None
+    if dir_fd is None:
+        with contextlib.suppress(FileNotFoundError):
+            own = dir_fd = open_directory(endpoints_dir(data_dir))
+    fd = _open_lock(dir_fd, endpoints_dir(data_dir)) if dir_fd is not None else None
     try:
         if fd is not None:
             if exclusive:
@@ -378,6 +434,8 @@ def _locked(data_dir: str | os.PathLike[str], exclusive: bool) -> Iterator[None]
     finally:
         if fd is not None:
             os.close(fd)  # releases the lock
+        if own is not None:
+            os.close(own)
 
 
 DIR_MODE = 0o755  # dataDir, endpoints/ and endpoints/.programmed: see _make_dir
@@ -389,7 +447,9 @@ def _make_dir(directory: str | os.PathLike[str], *, parents_owner: bool = True) 
     runtime, and whichever makes a directory first, both must be able to use it.  So when
     root makes it (the plugin) and ``parents_owner``, it is given its parent's owner, as the
     lock is (_open_lock): endpoints/ dataDir's, the agent's user's when the agent made
-    dataDir.  An existing directory is left as it is.
+    dataDir.  An existing directory is left as it is -- but with ``parents_owner`` (endpoints/,
+    endpoints/.programmed: names in a directory the agent's user may own) it must be one, not a
+    symlink to one (NotADirectoryError); dataDir and its parents are the operator's paths.
 
     The mode and owner are set through a descriptor opened with O_NOFOLLOW: a user owning
     the parent could put a symlink in the new directory's place, and root must not chmod or
@@ -398,14 +458,18 @@ def _make_dir(directory: str | os.PathLike[str], *, parents_owner: bool = True) 
     try:
         os.mkdir(directory, DIR_MODE)
     except FileExistsError:
+        if parents_owner:
+            os.close(open_directory(directory))
         return
     except FileNotFoundError:
         _make_dir(os.path.dirname(directory), parents_owner=False)
         try:
             os.mkdir(directory, DIR_MODE)
         except FileExistsError:
+            if parents_owner:
+                os.close(open_directory(directory))
             return
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = open_directory(directory)
     try:
         if parents_owner and os.geteuid() == 0:
             with contextlib.suppress(OSError):  # (without CAP_CHOWN: it stays root's)
@@ -419,7 +483,8 @@ def _make_dir(directory: str | os.PathLike[str], *, parents_owner: bool = True) 
 
 def make_data_dir(data_dir: str | os.PathLike[str]) -> None:
     """The plugin's dataDir, DIR_MODE (not only root's: the agent reads endpoints/ in it), if
-    it is not there; its owner is whoever makes it.  The state files in it stay 0600."""
+    it is not there; its owner is whoever makes it.  The plugin keeps its state files in a
+    directory of its own in it (agentd.cni.plugin.STATE_SUBDIR: root's, 0700)."""
     _make_dir(data_dir, parents_owner=False)
 
 
@@ -428,43 +493,67 @@ def make_dirs(data_dir: str | os.PathLike[str]) -> None:
     dataDir, endpoints/ and endpoints/.programmed, DIR_MODE and the agent's own (its user's,
     when it runs as one), so that the plugin finds them and does not make them root's.  The
     ones there already are left as they are.  OSError (its ``filename`` the directory) if one
-    cannot be made."""
+    cannot be made, or endpoints/ or .programmed is there but no directory (a symlink)."""
     make_data_dir(data_dir)
     _make_dir(endpoints_dir(data_dir))
     _make_dir(os.path.join(endpoints_dir(data_dir), PROGRAMMED))
 
 
-def _replace(directory: str, ep: Endpoint) -> None:
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{ep.container_id}.")
+_TEMP_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"  # tempfile's, which sweep_temp_files knows
+
+
+def replace_at(dir_fd: int, name: str, data: bytes, mode: int, prefix: str) -> None:
+    """Write ``name`` in the directory ``dir_fd`` whole: a new temporary file (``prefix`` and 8
+    characters, as mkstemp names them), ``mode`` whatever the umask, fsynced before it takes the
+    name (else a crash can leave the name with no content), then the directory fsynced (the
+    rename itself).  Never through a symlink: the temporary file is made O_EXCL, the rename is
+    of names in ``dir_fd``."""
+    for _ in range(100):
+        tmp = prefix + "".join(secrets.choice(_TEMP_CHARS) for _ in range(8))
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dir_fd)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temporary file name", prefix)
     try:
-        # Readable by the agent when it runs as a user of its own (docs/operations.md): the
-        # plugin runs as root under the container runtime.  Nothing secret in it.
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(ep.to_json())
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
             f.flush()
-            # On disk before it takes the name (as the plugin's state file): else a crash can
-            # leave the name with no content, an endpoint file never readable (its pod unknown
-            # to policy).
             os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(directory, ep.container_id + SUFFIX))
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
-    fsync_directory(directory)  # the rename itself
+    with contextlib.suppress(OSError):
+        os.fsync(dir_fd)  # some file systems cannot sync a directory; the file itself is on disk
 
 
-def fsync_directory(directory: str) -> None:
-    """Sync a directory (a rename in it), where the file system can; never raises."""
+def _replace(dir_fd: int, ep: Endpoint) -> None:
+    # Readable by the agent when it runs as a user of its own (docs/operations.md): the plugin
+    # runs as root under the container runtime.  Nothing secret in it.
+    replace_at(dir_fd, ep.container_id + SUFFIX, ep.to_json().encode(), 0o644, f".{ep.container_id}.")
+
+
+def _unmark(dir_fd: int, container_id: str, directory: str) -> None:
+    """Remove the container's acknowledgement from endpoints/.programmed (``dir_fd`` endpoints/;
+    ``directory`` it, for messages); none (or no .programmed) is nothing to do, a .programmed
+    that is no directory (a symlink) is refused."""
     try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
+        fd = open_directory(PROGRAMMED, dir_fd, shown=os.path.join(directory, PROGRAMMED))
+    except FileNotFoundError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a directory; the file itself is on disk
+        os.unlink(container_id, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        if err.errno != errno.ENAMETOOLONG:  # no such file can exist
+            raise
     finally:
         os.close(fd)
 
@@ -473,14 +562,14 @@ def write(data_dir: str | os.PathLike[str], ep: Endpoint) -> None:
     """ADD's side: the container's endpoint file, new (with a generation of its own: see
     file_ident()).  An acknowledgement left for the same container ID (a DEL that never came, or
     one that came and an agent acknowledged the old file since) goes first: ADD waits for the
-    agent to acknowledge this file."""
+    agent to acknowledge this file.  endpoints/ (and .programmed) must be directories, not
+    symlinks: NotADirectoryError."""
     directory = endpoints_dir(data_dir)
     _make_dir(directory)
     ep = replace(ep, generation=secrets.token_hex(8))
-    with _locked(data_dir, exclusive=False):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(_programmed(data_dir, ep.container_id))
-        _replace(directory, ep)
+    with _endpoints(data_dir) as fd, _locked(data_dir, exclusive=False, dir_fd=fd):
+        _unmark(fd, ep.container_id, directory)
+        _replace(fd, ep)
 
 
 def file_ident(generation: str, st: os.stat_result) -> str:
@@ -494,23 +583,31 @@ def file_ident(generation: str, st: os.stat_result) -> str:
 def read(data_dir: str | os.PathLike[str], container_id: str) -> Endpoint | None:
     """The container's endpoint file; None if it is not there or not readable as one."""
     try:
-        with open(os.path.join(endpoints_dir(data_dir), container_id + SUFFIX), encoding="utf-8") as f:
+        with _endpoints(data_dir) as dir_fd:
+            fd = os.open(container_id + SUFFIX, _FILE_FLAGS, dir_fd=dir_fd)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
             return Endpoint.from_json(f.read())
     except (OSError, ValueError, TypeError):
         return None
 
 
 def remove(data_dir: str | os.PathLike[str], container_id: str) -> None:
-    """DEL's side: the container's endpoint file and its acknowledgement go (none: nothing to do)."""
-    with _locked(data_dir, exclusive=False):
-        for path in (os.path.join(endpoints_dir(data_dir), container_id + SUFFIX), _programmed(data_dir, container_id)):
+    """DEL's side: the container's endpoint file and its acknowledgement go (none: nothing to do).
+    endpoints/ (and .programmed) must be directories, not symlinks: NotADirectoryError."""
+    with _endpoints(data_dir, missing_ok=True) as fd:
+        if fd is None:
+            return
+        with _locked(data_dir, exclusive=False, dir_fd=fd):
             try:
-                os.unlink(path)
-            except (FileNotFoundError, NotADirectoryError):
+                os.unlink(container_id + SUFFIX, dir_fd=fd)
+            except FileNotFoundError:
                 pass
             except OSError as err:
                 if err.errno != errno.ENAMETOOLONG:  # no such file can exist
                     raise
+            _unmark(fd, container_id, endpoints_dir(data_dir))
 
 
 def _programmed(data_dir: str | os.PathLike[str], container_id: str) -> str:
@@ -622,16 +719,19 @@ def relabel(data_dir: str | os.PathLike[str], ep: Endpoint, labels: dict[str, st
     lock."""
     new = replace(ep, labels=dict(labels))
     path = os.path.join(endpoints_dir(data_dir), ep.container_id + SUFFIX)
-    with _locked(data_dir, exclusive=True):  # DEL removes, ADD writes, under the shared lock
-        now = _ident(data_dir, ep.container_id)
-        if now is None or (ep.ident and now != ep.ident):
+    with _endpoints(data_dir, missing_ok=True) as fd:
+        if fd is None:
             return None
-        _replace(endpoints_dir(data_dir), new)
-        if ep.written:  # the file keeps the time its pod was attached (see Endpoint.written)
-            with contextlib.suppress(OSError):
-                os.utime(path, ns=(ep.written, ep.written))
-        with contextlib.suppress(OSError):  # a file without a generation: its ident is the new inode's
-            new = replace(new, ident=file_ident(new.generation, os.stat(path)))
+        with _locked(data_dir, exclusive=True, dir_fd=fd):  # DEL removes, ADD writes, under the shared lock
+            now = _ident(data_dir, ep.container_id)
+            if now is None or (ep.ident and now != ep.ident):
+                return None
+            _replace(fd, new)
+            if ep.written:  # the file keeps the time its pod was attached (see Endpoint.written)
+                with contextlib.suppress(OSError):
+                    os.utime(path, ns=(ep.written, ep.written))
+            with contextlib.suppress(OSError):  # a file without a generation: its ident is the new inode's
+                new = replace(new, ident=file_ident(new.generation, os.stat(path)))
     return new
 
 
@@ -649,7 +749,8 @@ class DirectoryWatch:
         self._fd: int | None = None
 
     def start(self) -> bool:
-        _make_dir(self.directory)
+        with contextlib.suppress(NotADirectoryError):  # a symlink (agentd-cni refuses it): read as it is
+            _make_dir(self.directory)
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)

@@ -6,14 +6,15 @@ config for the reference ``bridge`` plugin with ``host-local`` IPAM
 (:func:`agentd.cni.netconf.delegate_config`), runs that plugin from ``CNI_PATH`` with the same
 environment, and passes its result through.
 
-* ADD stores the delegate config in ``<dataDir>/<CNI_CONTAINERID>`` *before* running the
-  delegate, so the runtime's clean-up DEL after a failed ADD still knows what to undo, with the
-  ``CNI_IFNAME`` it was for (key ``agentdIfname``, never passed on).  A container has one
-  agentd interface: an ADD for a second ``CNI_IFNAME`` (Multus attaching agentd twice) is
-  refused, and its clean-up DEL leaves the first attachment alone.  A state file that does not
-  name its interface (an older agentd-cni's, or a damaged one) belongs to the interface its
-  endpoint file names; with no endpoint file either, ADD is refused for any interface and DEL
-  takes the file as its own (see :func:`attached_ifname`).
+* ADD stores the delegate config in ``<dataDir>/.state/<CNI_CONTAINERID>`` (a directory only
+  root writes: see STATE_SUBDIR) *before* running the delegate, so the runtime's clean-up DEL
+  after a failed ADD still knows what to undo, with the ``CNI_IFNAME`` it was for (key
+  ``agentdIfname``, never passed on).  A container has one agentd interface: an ADD for a
+  second ``CNI_IFNAME`` (Multus attaching agentd twice) is refused, and its clean-up DEL leaves
+  the first attachment alone.  A state file that does not name its interface (an older
+  agentd-cni's, or a damaged one) belongs to the interface its endpoint file names; with no
+  endpoint file either, ADD is refused for any interface and DEL takes the file as its own (see
+  :func:`attached_ifname`).
 * DEL runs the delegate with exactly the stored config (the subnet file may have changed since),
   then removes it.  DEL is idempotent: with no stored config it falls back to a config built from
   the current subnet file (so host-local still releases the address), and with no subnet file
@@ -26,7 +27,8 @@ environment, and passes its result through.
   address and succeeds).  If the delegate rejects the stored config (an ADD with a broken
   config), DEL retries with the current config, so fixing the config ends the runtime's DEL
   retries.  DEL also removes the temporary files a crash left in dataDir
-  (:func:`sweep_temp_files`); a state file whose DEL never comes stays.
+  (:func:`sweep_temp_files`); a state file whose DEL never comes stays.  A state file an
+  older agentd-cni kept in dataDir itself is still found (see :func:`find_state`).
 * CHECK runs the delegate with the stored config plus the runtime's ``prevResult``, then checks
   what the delegate cannot know: the pod's addresses are inside the node's subnets as the
   subnet file gives them now (a node that lost its lease has another), and the pod's endpoint
@@ -55,7 +57,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -444,8 +445,9 @@ def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any
         )  # fmt: skip
     except pod_endpoints.EndpointError as e:
         raise CniError(INTERNAL, f"pod identity: {e}") from None
-    except OSError as e:
-        raise CniError(IO_FAILURE, f"cannot write the endpoint file for {namespace}/{name}: {e.strerror or e}") from None
+    except OSError as e:  # (endpoints/ or its .programmed a symlink: refused)
+        where = f"{e.filename}: " if e.filename else ""
+        raise CniError(IO_FAILURE, f"cannot write the endpoint file for {namespace}/{name}: {where}{e.strerror or e}") from None
     wait = netconf.get("policyTimeout", pod_endpoints.DEFAULT_WAIT)
     if wait and not pod_endpoints.wait_programmed(_data_dir(netconf), args.container_id, wait):
         print(f"agentd-cni: the agent has not programmed network policy for {namespace}/{name} within {wait:g} s "
@@ -481,10 +483,11 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
                     raise
                 print(f"agentd-cni: DEL of container {args.container_id}: {e.msg}; no config stored, "
                       "so nothing to undo", file=sys.stderr)
-        # A state file load_state could not use (empty or damaged: a crash, a full disk) names
-        # nothing to undo; this DEL has done what it can, so it goes, or it would stay for ever.
-        _remove_unusable_state(data_dir, args.container_id)
-        pod_endpoints.remove(data_dir, args.container_id)
+        # A state file load_state could not use (empty or damaged: a crash, a full disk; or one
+        # another user could have put there) names nothing to undo; this DEL has done what it
+        # can, so it goes, or it would stay for ever.
+        remove_state(data_dir, args.container_id)
+        _remove_endpoint(data_dir, args.container_id)
         return
     try:
         invoke_delegate(stored, args, env, timeout=timeout)
@@ -506,7 +509,16 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
     # failed above leaves the pod as it was until the runtime retries.  A DEL stopped between
     # the delegate (address released) and here leaves a stale file; the agent gives the address
     # to the newer of two files claiming it (PolicyEngine.conflicts).
-    pod_endpoints.remove(data_dir, args.container_id)
+    _remove_endpoint(data_dir, args.container_id)
+
+
+def _remove_endpoint(data_dir: str, container_id: str) -> None:
+    try:
+        pod_endpoints.remove(data_dir, container_id)
+    except OSError as e:  # endpoints/ or its .programmed a symlink (refused), an I/O error
+        where = e.filename or pod_endpoints.endpoints_dir(data_dir)
+        raise CniError(IO_FAILURE, f"cannot remove the endpoint file of container {container_id}: {where}: "
+                                   f"{e.strerror or e}") from None
 
 
 def _current_delegate_config(netconf: dict[str, Any]) -> dict[str, Any] | None:
@@ -609,10 +621,172 @@ def load_subnet_file(path: str) -> SubnetFile:
 
 
 # --- stored delegate configs (flannel's "scratch netconf") -----------------------------------
+#
+# Root runs what a state file names (DEL, CHECK), so no other user may be able to write one.
+# dataDir need not be root's: an agent of a user of its own makes it (docs/operations.md), and
+# its user may rename, replace and unlink what is in it.  So the state files are in a directory
+# of the plugin's own in dataDir, STATE_SUBDIR: made by the plugin (root's, 0700), and trusted
+# only while it is still a directory (not a symlink), the plugin's user's (root's, under the
+# runtime), writable by no group or other user -- else every command fails (IO_FAILURE) until
+# the operator has seen to it.  Its name begins with a dot: no container ID can be it.
+#
+# An agentd-cni before it kept a container's state file in dataDir itself, dataDir/<ID>.  A DEL
+# or CHECK of such a container still finds it there (when there is none in STATE_SUBDIR), but
+# uses it only when no other user could have put it there: dataDir the plugin's user's and
+# writable by no group or other user (how older plugins made it; and how the agent makes it
+# when it runs as root) and the file a regular one (opened without following a symlink, never
+# waiting on a FIFO), the plugin's user's, writable by no group or other user, of one link.
+# Otherwise -- dataDir of an agent's own user, as the previous agentd-cni left it -- the file is
+# taken as none (a warning on stderr): DEL undoes with the current config, as for a container
+# with nothing stored, and removes it.
+
+STATE_SUBDIR = ".state"
+STATE_DIR_MODE = 0o700
+STATE_MODE = 0o600
+_STATE_HINT = ("it holds the delegate configs agentd-cni runs as root: only root may write it "
+               "(chown root:root, chmod 0700; docs/operations.md)")
+
+
+def state_dir(data_dir: str) -> str:
+    return os.path.join(data_dir, STATE_SUBDIR)
 
 
 def state_path(data_dir: str, container_id: str) -> str:
+    return os.path.join(state_dir(data_dir), container_id)
+
+
+def old_state_path(data_dir: str, container_id: str) -> str:
+    """Where an agentd-cni before STATE_SUBDIR kept the container's state file."""
     return os.path.join(data_dir, container_id)
+
+
+def private_problem(st: os.stat_result, euid: int, *, directory: bool) -> str:
+    """Why a state directory (``directory``) or state file with this lstat/fstat result may hold
+    what another user than ``euid`` (the plugin's: root, under the runtime) wrote; "" if it
+    cannot: a directory (a regular file of one link: no hard link to a file elsewhere), owned
+    by ``euid``, writable by no group or other user.  A symlink is neither."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != euid:
+        return f"is owned by uid {st.st_uid}, not {euid}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by its group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    if not directory and st.st_nlink != 1:
+        return f"has {st.st_nlink} links"
+    return ""
+
+
+def _open_data_dir(data_dir: str) -> int | None:
+    """dataDir, open (the operator's path: a symlink to it is followed); None if it is not there."""
+    try:
+        return os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise CniError(IO_FAILURE, f"cannot open dataDir {data_dir}: {e.strerror or e}") from None
+
+
+def _open_state_dir(data_fd: int, data_dir: str, *, create: bool) -> int | None:
+    """STATE_SUBDIR of dataDir (``data_fd``), open and checked (see above); None if it is not
+    there (``create``: made, STATE_DIR_MODE).  CniError (IO_FAILURE) for one another user could
+    have written in."""
+    path = state_dir(data_dir)
+    made = False
+    if create:
+        try:
+            os.mkdir(STATE_SUBDIR, STATE_DIR_MODE, dir_fd=data_fd)
+            made = True
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise CniError(IO_FAILURE, f"cannot make {path}: {e.strerror or e}") from None
+    try:
+        fd = pod_endpoints.open_directory(STATE_SUBDIR, data_fd, shown=path)
+    except FileNotFoundError:
+        if create:
+            raise CniError(IO_FAILURE, f"{path} went as it was made") from None
+        return None
+    except NotADirectoryError:
+        raise CniError(IO_FAILURE, f"{path} is a symlink or no directory: refused", _STATE_HINT) from None
+    except OSError as e:
+        raise CniError(IO_FAILURE, f"cannot open {path}: {e.strerror or e}") from None
+    try:
+        if made:
+            os.fchmod(fd, STATE_DIR_MODE)  # mkdir's mode is masked by the umask
+        problem = private_problem(os.fstat(fd), os.geteuid(), directory=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem:
+        os.close(fd)
+        raise CniError(IO_FAILURE, f"the state directory {path} {problem}: refused", _STATE_HINT)
+    return fd
+
+
+@dataclass(frozen=True)
+class StoredState:
+    """A container's state file as found: ``data`` its content, or None when it is not to be
+    used (``why``: another user could have put it there)."""
+
+    path: str
+    data: bytes | None
+    why: str = ""
+
+
+def find_state(data_dir: str, container_id: str) -> StoredState | None:
+    """The container's state file: in STATE_SUBDIR, else where an older agentd-cni kept it
+    (see above); None if there is none (a directory of the ID's name, an ID too long for a
+    file name, no dataDir: none either).  CniError (IO_FAILURE) for a state directory another
+    user could have written in, or a file that cannot be read."""
+    data_fd = _open_data_dir(data_dir)
+    if data_fd is None:
+        return None
+    try:
+        state_fd = _open_state_dir(data_fd, data_dir, create=False)
+        if state_fd is not None:
+            try:
+                found = _read_state_file(state_fd, container_id, state_path(data_dir, container_id), "")
+            finally:
+                os.close(state_fd)
+            if found is not None:
+                return found
+        problem = private_problem(os.fstat(data_fd), os.geteuid(), directory=True)
+        where = f"dataDir {data_dir} {problem}: another user could have put it there" if problem else ""
+        return _read_state_file(data_fd, container_id, old_state_path(data_dir, container_id), where)
+    finally:
+        os.close(data_fd)
+
+
+def _read_state_file(dir_fd: int, container_id: str, path: str, where: str) -> StoredState | None:
+    """The state file ``container_id`` in the directory ``dir_fd`` (``path``), if it is one;
+    ``where``: why the directory cannot be trusted ("" if it can)."""
+    try:
+        fd = os.open(container_id, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:  # no file can have this name: nothing was stored
+            return None
+        if e.errno == errno.ELOOP:
+            return StoredState(path, None, "it is a symlink")
+        raise CniError(IO_FAILURE, f"cannot read stored delegate config {path}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return None  # a directory: an ID that names one ("endpoints": only DEL takes such IDs)
+        problem = private_problem(st, os.geteuid(), directory=False)
+        if problem or where:
+            return StoredState(path, None, f"it {problem}" if problem else where)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return StoredState(path, f.read())
+    except OSError as e:
+        raise CniError(IO_FAILURE, f"cannot read stored delegate config {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
 
 
 IFNAME_KEY = "agentdIfname"  # in the stored config: the CNI_IFNAME it was stored for
@@ -622,45 +796,47 @@ def save_state(data_dir: str, container_id: str, conf: dict[str, Any], ifname: s
     path = state_path(data_dir, container_id)
     if ifname is not None:
         conf = dict(conf, **{IFNAME_KEY: ifname})
-    tmp = None
     try:
-        # 0755, not root's alone: the agent, maybe of a user of its own, reads endpoints/ in it.
-        # The state files stay 0600 (mkstemp's).
+        # dataDir 0755, not root's alone: the agent, maybe of a user of its own, reads endpoints/
+        # in it.  The state files are in STATE_SUBDIR, STATE_MODE.
         pod_endpoints.make_data_dir(data_dir)
-        fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=f".{container_id}.")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(conf, f)
-            f.flush()
-            # On disk before it takes the name: else a crash can leave the name with no content
-            # (an empty state file, which names nothing to undo).
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        data_fd = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            state_fd = _open_state_dir(data_fd, data_dir, create=True)
+            assert state_fd is not None
+            try:
+                pod_endpoints.replace_at(state_fd, container_id, json.dumps(conf).encode(), STATE_MODE,
+                                         f".{container_id}.")
+            finally:
+                os.close(state_fd)
+        finally:
+            os.close(data_fd)
     except OSError as e:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
         raise CniError(IO_FAILURE, f"cannot store delegate config {path}: {e.strerror or e}") from None
-    pod_endpoints.fsync_directory(data_dir)  # the rename itself
+
+
+def _trusted(found: StoredState | None) -> bytes | None:
+    """The content of a state file found, if it is one to use; a warning on stderr if not."""
+    if found is None:
+        return None
+    if found.data is None:
+        print(f"agentd-cni: not using the stored delegate config {found.path}: {found.why}", file=sys.stderr)
+    return found.data
 
 
 def load_state(data_dir: str, container_id: str) -> dict[str, Any] | None:
-    """The stored delegate config, or None if there is none (or it is unreadable as a config)."""
-    path = state_path(data_dir, container_id)
+    """The stored delegate config, or None if there is none (or it is unreadable as a config, or
+    one another user could have put there)."""
+    found = find_state(data_dir, container_id)
+    data = _trusted(found)
+    if found is None or data is None:
+        return None
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None  # a directory: an ID that names one (only DEL takes such IDs)
-    except OSError as e:
-        if e.errno == errno.ENAMETOOLONG:  # no file can have this name: nothing was stored
-            return None
-        raise CniError(IO_FAILURE, f"cannot read stored delegate config {path}: {e.strerror or e}") from None
-    try:
-        conf = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        conf = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError):
         conf = None
     if not isinstance(conf, dict) or not isinstance(conf.get("type"), str):
-        print(f"agentd-cni: ignoring corrupt stored delegate config {path}", file=sys.stderr)
+        print(f"agentd-cni: ignoring corrupt stored delegate config {found.path}", file=sys.stderr)
         return None
     conf.pop(IFNAME_KEY, None)
     return conf
@@ -668,11 +844,13 @@ def load_state(data_dir: str, container_id: str) -> dict[str, Any] | None:
 
 def stored_ifname(data_dir: str, container_id: str) -> str | None:
     """The ``CNI_IFNAME`` the container's stored config is for; None without one (nothing
-    stored, or stored by a plugin before it kept the name)."""
+    stored, or stored by a plugin before it kept the name, or a file not to be used)."""
+    found = find_state(data_dir, container_id)
+    if found is None or found.data is None:
+        return None
     try:
-        with open(state_path(data_dir, container_id), encoding="utf-8") as f:
-            conf = json.loads(f.read())
-    except (OSError, ValueError):
+        conf = json.loads(found.data)
+    except (ValueError, RecursionError):
         return None
     ifname = conf.get(IFNAME_KEY) if isinstance(conf, dict) else None
     return ifname if isinstance(ifname, str) else None
@@ -705,32 +883,45 @@ TEMP_MAX_AGE = 600.0  # seconds: a temporary file this old is no write still goi
 
 
 def sweep_temp_files(data_dir: str, now: float, max_age: float = TEMP_MAX_AGE) -> list[str]:
-    """Remove the temporary files a crash left in ``data_dir`` and its endpoint directory:
-    regular files named as this plugin's temporary files, not changed for ``max_age``
-    seconds before ``now``.  DEL runs it (any container's DEL: the one whose ADD crashed may
-    never come).  Never fails: what it cannot list or remove stays.  Returns the paths removed.
+    """Remove the temporary files a crash left in ``data_dir``, its state directory and its
+    endpoint directory: regular files named as this plugin's temporary files, not changed for
+    ``max_age`` seconds before ``now``.  DEL runs it (any container's DEL: the one whose ADD
+    crashed may never come).  Never fails: what it cannot list or remove stays.  Returns the
+    paths removed.  Names are looked at and removed in each directory as opened (the state and
+    endpoint directories never through a symlink in their place).
 
     Only temporary files: a state or endpoint file whose DEL never came (a node rebooted with
     its sandboxes gone, a runtime that lost its DEL) stays, as does its host-local lease --
     nothing here can tell a container that is gone from one that is not."""
-    removed = []
-    for directory in (data_dir, pod_endpoints.endpoints_dir(data_dir)):
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        for name in names:
-            if not _TEMP_RE.fullmatch(name):
-                continue
-            path = os.path.join(directory, name)
+    removed: list[str] = []
+    try:
+        data_fd = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return removed
+    opened = [(data_fd, data_dir)]
+    try:
+        for sub in (STATE_SUBDIR, pod_endpoints.SUBDIR):
+            with contextlib.suppress(OSError):
+                opened.append((pod_endpoints.open_directory(sub, data_fd), os.path.join(data_dir, sub)))
+        for dir_fd, directory in opened:
             try:
-                st = os.lstat(path)
-                if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < max_age:
-                    continue
-                os.unlink(path)
+                names = os.listdir(dir_fd)
             except OSError:
                 continue
-            removed.append(path)
+            for name in names:
+                if not _TEMP_RE.fullmatch(name):
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < max_age:
+                        continue
+                    os.unlink(name, dir_fd=dir_fd)
+                except OSError:
+                    continue
+                removed.append(os.path.join(directory, name))
+    finally:
+        for dir_fd, _ in opened:
+            os.close(dir_fd)
     if removed:
         print(f"agentd-cni: removed {len(removed)} temporary file(s) left by a crash: {', '.join(removed)}",
               file=sys.stderr)
@@ -738,28 +929,35 @@ def sweep_temp_files(data_dir: str, now: float, max_age: float = TEMP_MAX_AGE) -
 
 
 def _state_file_exists(data_dir: str, container_id: str) -> bool:
-    """Whether the container has a state file (a regular file; a directory of that name, an ID
-    such as "endpoints", is none)."""
-    try:
-        return stat.S_ISREG(os.lstat(state_path(data_dir, container_id)).st_mode)
-    except OSError:  # none, or no file can have this name
-        return False
-
-
-def _remove_unusable_state(data_dir: str, container_id: str) -> None:
-    """Remove the container's state file when there is one that load_state found unusable."""
-    if _state_file_exists(data_dir, container_id):
-        remove_state(data_dir, container_id)
+    """Whether the container has a state file to use (a regular file, damaged or not; a
+    directory of that name, an ID such as "endpoints", is none, and so is a file another user
+    could have put there: see find_state)."""
+    found = find_state(data_dir, container_id)
+    return found is not None and found.data is not None
 
 
 def remove_state(data_dir: str, container_id: str) -> None:
-    path = state_path(data_dir, container_id)
+    """The container's state file goes, from the state directory and from dataDir itself (an
+    older agentd-cni's place; a file there that was not used goes too).  None is nothing to
+    do; one that cannot be removed is a warning (the delegate's DEL succeeded: harmless)."""
+    data_fd = _open_data_dir(data_dir)
+    if data_fd is None:
+        return
+    opened = [(data_fd, old_state_path(data_dir, container_id))]
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # the delegate's DEL succeeded; a leftover file is harmless
-        print(f"agentd-cni: cannot remove {path}: {e.strerror or e}", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            opened.append((pod_endpoints.open_directory(STATE_SUBDIR, data_fd), state_path(data_dir, container_id)))
+        for dir_fd, path in opened:
+            try:
+                os.unlink(container_id, dir_fd=dir_fd)
+            except (FileNotFoundError, IsADirectoryError):
+                pass  # a directory: an ID that names one, no state file
+            except OSError as e:
+                if e.errno != errno.ENAMETOOLONG:  # no file can have this name
+                    print(f"agentd-cni: cannot remove {path}: {e.strerror or e}", file=sys.stderr)
+    finally:
+        for dir_fd, _ in opened:
+            os.close(dir_fd)
 
 
 # --- running the delegate ------------------------------------------------------------------

@@ -146,14 +146,18 @@ def make_plugin_dirs(cfg: Config) -> None:
     """``[cni] data_dir``, its endpoints/ and endpoints/.programmed (agentd.cni.endpoints), the
     agent's own and 0755, if they are not there: made by agentd-cni first, under the container
     runtime, they would be root's, and an agent of its own user (docs/operations.md) could
-    not acknowledge a pod or hold the lock in them.  One that cannot be made is logged (pods
-    are still attached).  Called before the subnet file is written."""
+    not acknowledge a pod or hold the lock in them.  Nothing root's plugin acts on is the
+    agent's: it keeps its state files in data_dir/.state, root's, 0700, which it makes itself
+    (agentd.cni.plugin.STATE_SUBDIR).  One that cannot be made (or an endpoints/ that is a
+    symlink) is logged (pods are still attached).  Called before the subnet file is written."""
     try:
         pod_endpoints.make_dirs(cfg.cni.data_dir)
     except OSError as err:
         log.error("cannot make %s (%s): the agent may not see the pods agentd-cni attaches, or not tell it they "
-                  "are programmed for network policy (their ADD waits policyTimeout); make [cni] data_dir %s "
-                  "the agent's user's", err.filename or cfg.cni.data_dir, err.strerror or err, cfg.cni.data_dir)
+                  "are programmed for network policy (their ADD waits policyTimeout); make %s the agent's "
+                  "user's (a directory, %s 0755; not %s, which only root may write)", err.filename or cfg.cni.data_dir,
+                  err.strerror or err, pod_endpoints.endpoints_dir(cfg.cni.data_dir), cfg.cni.data_dir,
+                  f"{cfg.cni.data_dir}/.state")
 
 
 def _conflist_settings(cfg: Config) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import pytest
 import agentd
 from agentd.cni import endpoints
 from agentd.cni import netconf as cni_config
+from agentd.cni import plugin as cni_plugin
 from agentd.cni.netconf import SubnetFile
 from agentd.lab import netns
 from agentd.lab.netns import Netns
@@ -51,6 +52,10 @@ class Node:
     @property
     def state_dir(self) -> Path:
         return self.dir / "cni-state"
+
+    def stored(self, container_id: str) -> Path:
+        """The container's state file (its delegate config): in the plugin's own directory."""
+        return self.state_dir / cni_plugin.STATE_SUBDIR / container_id
 
     @property
     def leases(self) -> Path:
@@ -223,7 +228,7 @@ def test_a_second_agentd_interface_is_refused_and_its_clean_up_leaves_the_first(
     assert code != 0 and out["code"] == 7 and "already has an agentd interface (eth0)" in out["msg"], (out, err)
     assert "net1" not in _links(pod)
     assert node.cni("DEL", "pod-a", pod, ifname="net1")[:2] == (0, None)
-    assert (node.state_dir / "pod-a").exists() and (node.leases / ip).exists()
+    assert node.stored("pod-a").exists() and (node.leases / ip).exists()
     assert node.cni("CHECK", "pod-a", pod, node.plugin_conf(prevResult=res))[:2] == (0, None)
     _ping(node.ns, ip)
     code, out, _ = node.cni("CHECK", "pod-a", pod, node.plugin_conf(prevResult=res), ifname="net1")
@@ -235,14 +240,14 @@ def test_del_removes_veth_address_and_stored_config_and_is_idempotent(node, netn
     res = node.add("pod-a", pod)
     ip = res["ips"][0]["address"].split("/")[0]
     assert (node.leases / ip).exists()
-    assert (node.state_dir / "pod-a").exists()
+    assert node.stored("pod-a").exists()
 
     code, out, err = node.cni("DEL", "pod-a", pod)
     assert (code, out) == (0, None), err
     assert _host_veth(res) not in _links(node.ns)
     assert "eth0" not in _links(pod)
     assert not (node.leases / ip).exists()
-    assert not (node.state_dir / "pod-a").exists()
+    assert not node.stored("pod-a").exists()
 
     # Again, and once more without CNI_NETNS (the runtime may have removed the namespace).
     assert node.cni("DEL", "pod-a", pod)[:2] == (0, None)
@@ -263,13 +268,13 @@ def test_del_after_the_pod_namespace_is_gone_frees_the_address(node, netns_facto
     code, out, err = node.cni("DEL", "pod-a", None, netns_path=path)
     assert (code, out) == (0, None), err
     assert not (node.leases / ip).exists()
-    assert not (node.state_dir / "pod-a").exists()
+    assert not node.stored("pod-a").exists()
 
 
 def test_del_uses_the_config_stored_by_add(node, netns_factory):
     pod_a, pod_b, pod_c = netns_factory("pa"), netns_factory("pb"), netns_factory("pc")
     results = {cid: node.add(cid, pod) for cid, pod in (("pod-a", pod_a), ("pod-b", pod_b), ("pod-c", pod_c))}
-    stored = json.loads((node.state_dir / "pod-a").read_text())
+    stored = json.loads(node.stored("pod-a").read_text())
     assert stored["ipam"]["subnet"] == str(SUBNET) and stored["mtu"] == MTU
 
     # The agent moved to another subnet: DEL still undoes what ADD did.
@@ -288,7 +293,7 @@ def test_del_uses_the_config_stored_by_add(node, netns_factory):
         assert not (node.leases / ip).exists()
         assert "eth0" not in _links(pod)
         assert _host_veth(results[cid]) not in _links(node.ns)
-    assert os.listdir(node.state_dir) == []
+    assert os.listdir(node.state_dir) == [cni_plugin.STATE_SUBDIR] and os.listdir(node.stored("")) == []
 
 
 def test_add_after_subnet_change_moves_the_bridge(node, netns_factory):
@@ -338,13 +343,13 @@ def test_del_recovers_from_a_config_the_delegate_rejects(node, netns_factory):
     code, out, _ = node.cni("ADD", "pod-a", pod, bad)
     assert code != 0 and out["code"] == 999 and "invalid VLAN ID 5000" in out["msg"]
     # ADD stored its delegate config first, so the runtime's clean-up DEL knows what to undo ...
-    assert json.loads((node.state_dir / "pod-a").read_text())["vlan"] == 5000
+    assert json.loads(node.stored("pod-a").read_text())["vlan"] == 5000
     # ... but the bridge rejects it on DEL too, as long as the config is broken,
     code, out, _ = node.cni("DEL", "pod-a", pod, bad)
     assert code != 0 and "invalid VLAN ID 5000" in out["msg"]
     # and once the config is fixed, DEL succeeds and forgets the stored one.
     assert node.cni("DEL", "pod-a", pod)[:2] == (0, None)
-    assert not (node.state_dir / "pod-a").exists()
+    assert not node.stored("pod-a").exists()
     assert [p.name for p in node.leases.iterdir() if p.name[0].isdigit()] == []
 
 
@@ -398,7 +403,7 @@ def test_conflist_chain_runs_like_a_runtime_runs_it(node, netns_factory):
             assert (code, out) == (0, None), (command, conf["type"], err)
     assert "eth0" not in _links(pod)
     assert ifb not in _links(node.ns)
-    assert not (node.state_dir / "pod-a").exists()
+    assert not node.stored("pod-a").exists()
 
 
 def test_executable_answers_version_and_rejects_bad_env(node):
@@ -436,16 +441,42 @@ def test_delegates_found_in_the_agents_bin_dir_after_cni_path(node, netns_factor
 # An agent of a user of its own (docs/operations.md's User=agentd drop-in) in [cni] data_dir
 # (argv[1]), as uid and gid 65534: argv[2] "make" makes its directories as write_cni_files does;
 # "use" reads the endpoint files, acknowledges the one pod and writes labels into its file.
+# What that user could do against root's plugin (review s55 r1): "replace state" tries to
+# replace the one pod's state file (and, failing, puts a directory of its own with that file in
+# the state directory's place); "old state" leaves a state file where an older plugin kept them;
+# "symlink endpoints" puts a symlink to argv[3] in endpoints/' place.
 OWN_USERS_AGENT = r'''
-import logging, sys
+import json, logging, os, sys
 logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
 from agentd.cni import endpoints
-data_dir, what = sys.argv[1:]
+data_dir, what = sys.argv[1:3]
+crafted = json.dumps({"type": "tuning", "sysctl": {"net.ipv4.ip_forward": "0"}})
 if what == "make":
     endpoints.make_dirs(data_dir)
 elif what == "make data_dir":
-    import os
     os.mkdir(data_dir, 0o755)
+elif what == "replace state":
+    private = os.path.join(data_dir, ".state")
+    for attempt in (lambda: os.unlink(os.path.join(private, "own-1")),
+                    lambda: open(os.path.join(private, "own-1.new"), "w"), lambda: os.listdir(private)):
+        try:
+            attempt()
+        except PermissionError:
+            pass
+        else:
+            raise SystemExit("the state directory let uid 65534 in")
+    os.rename(private, private + ".root")  # its own data_dir: allowed
+    os.mkdir(private, 0o700)
+    with open(os.path.join(private, "own-1"), "w") as f:
+        f.write(crafted)
+elif what == "old state":
+    with open(os.path.join(data_dir, "own-2"), "w") as f:
+        f.write(crafted)
+    os.chmod(os.path.join(data_dir, "own-2"), 0o600)
+elif what == "symlink endpoints":
+    ep = os.path.join(data_dir, "endpoints")
+    os.rename(ep, ep + ".x")
+    os.symlink(sys.argv[3], ep)
 else:
     (ep,) = endpoints.read_all(data_dir).values()
     assert endpoints.acknowledge(data_dir, {(ep.container_id, ep.ident)}, set()) == {(ep.container_id, ep.ident)}
@@ -455,13 +486,13 @@ else:
 NOBODY = 65534
 
 
-def _own_users_agent(data_dir: Path, what: str) -> subprocess.CompletedProcess:
+def _own_users_agent(data_dir: Path, what: str, *more: str) -> subprocess.CompletedProcess:
     # This venv's interpreter may live where another user cannot go: the same code runs on
     # Debian's python3 with the checkout and the venv's packages (as test_cli_lab does).
     path = f"{Path(agentd.__file__).parents[1]}:{sysconfig.get_paths()['purelib']}"
     return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "env",
-                           f"PYTHONPATH={path}", "/usr/bin/python3", "-c", OWN_USERS_AGENT, str(data_dir), what], check=False,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+                           f"PYTHONPATH={path}", "/usr/bin/python3", "-c", OWN_USERS_AGENT, str(data_dir), what, *more],
+                          check=False, capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
 @pytest.mark.parametrize("agent_made", ["make", "make data_dir"])
@@ -470,7 +501,9 @@ def test_an_agent_of_its_own_user_uses_what_roots_plugin_made(node, netns_factor
     of its own user could read the endpoint files but not acknowledge a pod (every ADD waited
     policyTimeout), write labels back, or open the lock.  The agent makes data_dir, endpoints/
     and endpoints/.programmed first (write_cni_files); where only data_dir is its user's, the
-    plugin gives endpoints/ and the lock data_dir's owner.  The state file stays root's, 0600."""
+    plugin gives endpoints/ and the lock data_dir's owner.  The state file stays root's, 0600,
+    in a directory of root's alone (review s55 r1: in data_dir, the agent's user's, that user
+    could replace it and choose what root runs on DEL)."""
     top = Path(tempfile.mkdtemp(prefix="agentd-cni-own-user-"))  # tmp_path's parents are root's, 0700
     try:
         top.chmod(0o755)
@@ -490,7 +523,10 @@ def test_an_agent_of_its_own_user_uses_what_roots_plugin_made(node, netns_factor
         assert owner(".") == (NOBODY, NOBODY, 0o755)
         assert owner(endpoints.SUBDIR) == (NOBODY, NOBODY, 0o755)
         assert owner(f"{endpoints.SUBDIR}/{endpoints.LOCK}") == (NOBODY, NOBODY, 0o600)
-        assert owner("own-1") == (0, 0, 0o600)  # the delegate's config: root's plugin alone reads it
+        # The delegate's config, what root runs at DEL: root's plugin alone reads and writes it.
+        assert owner(cni_plugin.STATE_SUBDIR) == (0, 0, 0o700)
+        assert owner(f"{cni_plugin.STATE_SUBDIR}/own-1") == (0, 0, 0o600)
+        assert not os.path.lexists(data_dir / "own-1")
         assert owner(f"{endpoints.SUBDIR}/own-1{endpoints.SUFFIX}") == (0, 0, 0o644)
         used = _own_users_agent(data_dir, "use")
         assert (used.returncode, used.stdout.strip(), used.stderr) == (0, "own-1", ""), used.stderr
@@ -498,5 +534,56 @@ def test_an_agent_of_its_own_user_uses_what_roots_plugin_made(node, netns_factor
         assert endpoints.read(data_dir, "own-1").labels == {"app": "relabelled"}
         code, out, err = node.cni("DEL", "own-1", pod, conf)
         assert (code, out) == (0, None), err
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_the_agents_own_user_cannot_choose_what_roots_plugin_runs_or_where_it_writes(node, netns_factory):
+    """Review s55 r1 #1 and #2, with the agent's user really another uid: it cannot change the
+    state directory root's plugin keeps the delegate configs in, and one of its own in that
+    place is refused (DEL fails, naming it, and runs nothing) until root's is back; a state file
+    it leaves where an older plugin kept them is not run (DEL undoes with the current config);
+    a symlink it puts at endpoints/ is refused by ADD, nothing written where it points."""
+    top = Path(tempfile.mkdtemp(prefix="agentd-cni-own-user-"))
+    try:
+        top.chmod(0o755)
+        os.chown(top, NOBODY, NOBODY)
+        data_dir = top / "cni"
+        assert _own_users_agent(data_dir, "make").returncode == 0
+        pod = netns_factory("ownuser")
+        conf = node.plugin_conf(dataDir=str(data_dir), policyTimeout=0)
+        code, out, err = node.cni("ADD", "own-1", pod, conf, cni_args="IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web")
+        assert code == 0, (out, err)
+        ip = out["ips"][0]["address"].split("/")[0]
+
+        tampered = _own_users_agent(data_dir, "replace state")
+        assert tampered.returncode == 0, tampered.stderr
+        code, out, err = node.cni("DEL", "own-1", pod, conf)
+        assert code == 1 and out["code"] == 5 and "refused" in out["msg"], (out, err)
+        assert f"{data_dir / cni_plugin.STATE_SUBDIR} is owned by uid {NOBODY}, not 0" in out["msg"], out
+        assert "eth0" in _links(pod) and (node.leases / ip).exists()  # nothing undone, nothing run
+        shutil.rmtree(data_dir / cni_plugin.STATE_SUBDIR)  # the operator puts root's back
+        os.rename(data_dir / f"{cni_plugin.STATE_SUBDIR}.root", data_dir / cni_plugin.STATE_SUBDIR)
+        code, out, err = node.cni("DEL", "own-1", pod, conf)
+        assert (code, out) == (0, None), err
+        assert "eth0" not in _links(pod) and not (node.leases / ip).exists()
+
+        assert _own_users_agent(data_dir, "old state").returncode == 0
+        code, out, err = node.cni("DEL", "own-2", pod, conf)
+        assert (code, out) == (0, None), err
+        assert "not using the stored delegate config" in err and "tuning" not in err, err
+        assert not os.path.lexists(data_dir / "own-2")
+
+        netd = top / "net.d"  # stands for /etc/cni/net.d: root's
+        netd.mkdir(mode=0o755)
+        assert _own_users_agent(data_dir, "symlink endpoints", str(netd)).returncode == 0
+        code, out, err = node.cni("ADD", "own-3", pod, conf, cni_args="IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web")
+        assert code == 1 and out["code"] == 5 and "a symlink or no directory: refused" in out["msg"], (out, err)
+        assert os.listdir(netd) == []
+        code, out, err = node.cni("DEL", "own-3", pod, conf)  # the runtime's clean-up: the delegate's part done
+        assert code == 1 and out["code"] == 5, (out, err)
+        assert os.listdir(netd) == [] and not (data_dir / cni_plugin.STATE_SUBDIR / "own-3").exists()
+        os.unlink(data_dir / endpoints.SUBDIR)
+        assert node.cni("DEL", "own-3", pod, conf)[:2] == (0, None)
     finally:
         shutil.rmtree(top, ignore_errors=True)

@@ -234,7 +234,7 @@ def test_add_stores_delegate_config_before_running_delegate(tmp_path, monkeypatc
     monkeypatch.setattr(cni, "invoke_delegate", invoke)
     _assert_error(_run(_env(), conf), 11, "boom")
     assert seen == [cni_config.delegate_config(conf, SF)]
-    stored = json.loads((tmp_path / "state" / "c0ffee01").read_text())
+    stored = json.loads((tmp_path / "state" / cni.STATE_SUBDIR / "c0ffee01").read_text())
     assert stored == dict(cni_config.delegate_config(conf, SF), agentdIfname="eth0")
     assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == cni_config.delegate_config(conf, SF)
 
@@ -269,7 +269,7 @@ def test_a_second_agentd_interface_is_refused_and_its_del_leaves_the_first(tmp_p
     # (before the delegate would run) and the runtime's clean-up DEL for it undoes nothing.
     cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
     conf = _conf(tmp_path)
-    state = tmp_path / "state" / "c0ffee01"
+    state = tmp_path / "state" / cni.STATE_SUBDIR / "c0ffee01"
     cni.save_state(str(tmp_path / "state"), "c0ffee01", cni_config.delegate_config(conf, SF), "eth0")
     before = state.read_text()
     _assert_error(_run(_env(CNI_IFNAME="net1"), conf), 7, "already has an agentd interface (eth0)", "net1")
@@ -876,10 +876,12 @@ def test_a_data_dir_the_plugin_makes_lets_an_agent_of_its_own_user_in(tmp_path, 
     finally:
         os.umask(umask)
     state = tmp_path / "state"
+    private = cni.STATE_SUBDIR
     modes = {p: stat_mod.S_IMODE((state / p).stat().st_mode)
-             for p in (".", "c0ffee01", eps.SUBDIR, f"{eps.SUBDIR}/c0ffee01{eps.SUFFIX}", f"{eps.SUBDIR}/{eps.LOCK}")}
-    assert modes == {".": 0o755, "c0ffee01": 0o600, eps.SUBDIR: 0o755, f"{eps.SUBDIR}/c0ffee01{eps.SUFFIX}": 0o644,
-                     f"{eps.SUBDIR}/{eps.LOCK}": 0o600}  # fmt: skip
+             for p in (".", private, f"{private}/c0ffee01", eps.SUBDIR, f"{eps.SUBDIR}/c0ffee01{eps.SUFFIX}",
+                       f"{eps.SUBDIR}/{eps.LOCK}")}  # fmt: skip
+    assert modes == {".": 0o755, private: 0o700, f"{private}/c0ffee01": 0o600, eps.SUBDIR: 0o755,
+                     f"{eps.SUBDIR}/c0ffee01{eps.SUFFIX}": 0o644, f"{eps.SUBDIR}/{eps.LOCK}": 0o600}  # fmt: skip
 
 
 def _fake_delegate(monkeypatch, calls):
@@ -919,7 +921,8 @@ def test_the_longest_container_id_is_added_and_deleted(tmp_path, monkeypatch):
     assert _run(_env(CNI_CONTAINERID=cid, CNI_ARGS=args), conf)[0] == 0
     assert (tmp_path / "state" / "endpoints" / (cid + ".json")).exists()
     assert _run(_env("DEL", CNI_CONTAINERID=cid), conf) == (0, None)
-    assert calls == [("ADD", cid), ("DEL", cid)] and sorted(os.listdir(tmp_path / "state")) == ["endpoints"]
+    assert calls == [("ADD", cid), ("DEL", cid)] and sorted(os.listdir(tmp_path / "state")) == [cni.STATE_SUBDIR, "endpoints"]
+    assert os.listdir(tmp_path / "state" / cni.STATE_SUBDIR) == []
 
 
 @pytest.mark.parametrize("container_id", ["a" * 300, "endpoints"])
@@ -942,12 +945,14 @@ def test_del_of_an_id_no_state_file_can_have_succeeds(tmp_path, monkeypatch, con
 
 def test_del_of_a_state_file_named_endpoints_lets_the_endpoint_directory_be_made(tmp_path, monkeypatch):
     """An older plugin stored the config of a container named "endpoints" before the endpoint
-    directory existed: its DEL removes it, and pods' endpoint files can be written again."""
+    directory existed (in dataDir itself, where it kept state files): its DEL removes it, and
+    pods' endpoint files can be written again."""
     calls = []
     _fake_delegate(monkeypatch, calls)
     cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
     conf = _conf(tmp_path, policyTimeout=0)
-    cni.save_state(str(tmp_path / "state"), "endpoints", cni_config.delegate_config(conf, SF), "eth0")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "endpoints").write_text(json.dumps(cni_config.delegate_config(conf, SF)))
     assert _run(_env("DEL", CNI_CONTAINERID="endpoints"), conf) == (0, None)
     assert not (tmp_path / "state" / "endpoints").exists()
     assert _run(_env(CNI_ARGS="K8S_POD_NAMESPACE=default;K8S_POD_NAME=web"), conf)[0] == 0
@@ -1158,9 +1163,9 @@ def test_the_state_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatc
         events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
         real_fsync(fd)
 
-    def replace(src, dst):
+    def replace(src, dst, **dir_fds):
         events.append(("replace", os.path.basename(dst)))
-        real_replace(src, dst)
+        real_replace(src, dst, **dir_fds)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
@@ -1182,9 +1187,9 @@ def test_an_endpoint_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypa
         events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
         real_fsync(fd)
 
-    def replace(src, dst):
+    def replace(src, dst, **dir_fds):
         events.append(("replace", os.path.basename(dst)))
-        real_replace(src, dst)
+        real_replace(src, dst, **dir_fds)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
@@ -1248,6 +1253,276 @@ def test_the_temporary_file_sweep_goes_by_the_time_passed_in(tmp_path):
     assert cni.sweep_temp_files(str(tmp_path), 1000.0 + cni.TEMP_MAX_AGE) == [str(tmp)]
     assert not tmp.exists()
     assert cni.sweep_temp_files(str(tmp_path / "none"), 1e12) == []  # no directory: nothing to do
+
+
+# --- what root's plugin acts on: nothing another user could have written (review s55 r1) -----
+#
+# An agent of a user of its own owns dataDir (it makes it, docs/operations.md) and endpoints/.
+# The plugin runs as root: "another user" below is any but the test's (os.geteuid()), and
+# where the test needs a directory of another user it says the plugin runs as another uid.
+
+CRAFTED = {"type": "tuning", "sysctl": {"net.ipv4.ip_forward": "0"}}  # what that user would have root run
+POD_ARGS = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web"
+
+
+def _delegate_seeing(monkeypatch, calls):
+    """A fake delegate recording (command, the config's type) and answering ADD as bridge does."""
+    def invoke(conf, args, env, timeout):
+        calls.append((args.command, conf["type"]))
+        if args.command == "ADD":
+            return {"cniVersion": "1.0.0", "interfaces": [{"name": "cni0"}, {"name": "veth1", "mac": "bb"},
+                                                          {"name": "eth0", "sandbox": args.netns}],
+                    "ips": [{"address": "10.244.3.7/24", "interface": 2}]}  # fmt: skip
+        return None
+
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
+
+
+def _as_another_uid(monkeypatch):
+    """The plugin runs as a uid other than the owner of what the test made (the test's user)."""
+    euid = os.geteuid()
+    monkeypatch.setattr(cni.os, "geteuid", lambda: euid + 1)
+
+
+def _stat(mode: int, uid: int = 0, nlink: int = 1) -> os.stat_result:
+    return os.stat_result((mode, 1, 1, nlink, uid, 0, 0, 0, 0, 0))
+
+
+@pytest.mark.parametrize(("st", "directory", "problem"), [
+    (_stat(0o40700), True, ""),
+    (_stat(0o40755), True, ""),  # readable by others: nothing in it is (0600)
+    (_stat(0o40700, uid=4242), True, "owned by uid 4242, not 0"),
+    (_stat(0o40770), True, "writable by its group or others (mode 0770)"),
+    (_stat(0o40703), True, "writable by its group or others (mode 0703)"),
+    (_stat(0o120777), True, "is a symlink"),
+    (_stat(0o100600), True, "is not a directory"),
+    (_stat(0o100600), False, ""),
+    (_stat(0o100644), False, ""),
+    (_stat(0o100600, uid=4242), False, "owned by uid 4242, not 0"),
+    (_stat(0o100620), False, "writable by its group or others (mode 0620)"),
+    (_stat(0o100600, nlink=2), False, "has 2 links"),  # a hard link to root's file elsewhere
+    (_stat(0o120777), False, "is a symlink"),
+    (_stat(0o10600), False, "is not a regular file"),  # a FIFO
+    (_stat(0o40700), False, "is not a regular file"),
+])  # fmt: skip
+def test_what_the_plugin_trusts_is_its_users_alone_by_its_stat(st, directory, problem):
+    """The state directory and a state file are trusted only when no other user than the
+    plugin's (root, uid 0, under the runtime) can have written them."""
+    got = cni.private_problem(st, 0, directory=directory)
+    assert (problem in got if problem else got == ""), got
+
+
+def test_add_keeps_the_state_file_in_a_directory_only_the_plugins_user_writes(tmp_path, monkeypatch):
+    """Review s55 r1 #1: dataDir is the agent's user's when the agent runs as one (0755): a
+    state file there could be unlinked and replaced by that user, and root's DEL would run
+    what the new one says.  ADD stores it in dataDir/.state, the plugin's own, 0700; DEL uses
+    and removes it."""
+    import stat as stat_mod
+
+    calls = []
+    _delegate_seeing(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    (tmp_path / "state").mkdir(mode=0o755)  # the agent's, made first
+    assert _run(_env(CNI_ARGS=POD_ARGS), conf)[0] == 0
+    private = tmp_path / "state" / cni.STATE_SUBDIR
+    assert not (tmp_path / "state" / "c0ffee01").exists()
+    st = os.lstat(private)
+    assert stat_mod.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat_mod.S_IMODE(st.st_mode) == 0o700
+    st = os.lstat(private / "c0ffee01")
+    assert stat_mod.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat_mod.S_IMODE(st.st_mode) == 0o600
+    assert _run(_env("DEL"), conf) == (0, None)
+    assert calls == [("ADD", "bridge"), ("DEL", "bridge")] and os.listdir(private) == []
+
+
+@pytest.mark.parametrize("tampered", ["a symlink", "group-writable", "writable by others", "another user's", "a file"])
+def test_a_state_directory_another_user_could_write_in_is_refused(tmp_path, monkeypatch, tampered):
+    """The state directory is used only while it is the plugin's user's alone: a symlink to a
+    directory of that user's (or its own directory in its place), or one another user may
+    write in, fails ADD, DEL and CHECK (IO_FAILURE, naming it), and nothing in it is run."""
+    calls = []
+    _delegate_seeing(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    data = tmp_path / "state"
+    data.mkdir(mode=0o755)
+    private = data / cni.STATE_SUBDIR
+    if tampered == "a symlink":
+        (tmp_path / "mine").mkdir(mode=0o700)
+        (tmp_path / "mine" / "c0ffee01").write_text(json.dumps(CRAFTED))
+        os.chmod(tmp_path / "mine" / "c0ffee01", 0o600)
+        private.symlink_to(tmp_path / "mine")
+    elif tampered == "a file":
+        private.write_text(json.dumps(CRAFTED))
+    else:
+        private.mkdir(mode=0o700)
+        (private / "c0ffee01").write_text(json.dumps(CRAFTED))
+        os.chmod(private / "c0ffee01", 0o600)
+        if tampered == "another user's":
+            _as_another_uid(monkeypatch)
+        else:
+            os.chmod(private, 0o770 if tampered == "group-writable" else 0o702)
+    prev = {"cniVersion": "1.0.0", "ips": [{"address": "10.244.3.7/24"}]}
+    for command, c in (("ADD", conf), ("CHECK", _conf(tmp_path, prevResult=prev)), ("DEL", conf)):
+        out = _assert_error(_run(_env(command, CNI_ARGS=POD_ARGS), c), 5, str(private), "refused")
+        assert "chown root:root" in out["details"], out
+    assert calls == []  # neither the crafted config nor any other ran
+
+
+@pytest.mark.parametrize("placed", ["dataDir group-writable", "dataDir another user's", "a symlink", "a hard link",
+                                    "writable by others", "a FIFO"])
+def test_an_older_plugins_state_file_another_user_could_have_placed_is_not_used(tmp_path, monkeypatch, capsys, placed):
+    """An agentd-cni before .state kept the state file in dataDir itself; a DEL after the upgrade
+    still looks there, but uses a file only when no other user could have put it there: dataDir
+    the plugin's user's and writable by no group or other user, the file a regular file (not
+    followed through a symlink; a FIFO never waited on) of that user's, of one link, writable by
+    no group or other user.  Otherwise DEL undoes with the current config (as with nothing
+    stored), says so, and removes the name; CHECK finds nothing stored."""
+    calls = []
+    _delegate_seeing(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    data = tmp_path / "state"
+    data.mkdir(mode=0o755)
+    old = data / "c0ffee01"
+    elsewhere = tmp_path / "elsewhere"  # a file of the plugin's user's the other user cannot change
+    elsewhere.write_text(json.dumps(CRAFTED))
+    os.chmod(elsewhere, 0o600)
+    if placed == "a symlink":
+        old.symlink_to(elsewhere)
+    elif placed == "a hard link":
+        os.link(elsewhere, old)
+    elif placed == "a FIFO":
+        os.mkfifo(old, 0o600)
+    else:
+        old.write_text(json.dumps(CRAFTED))
+        os.chmod(old, 0o666 if placed == "writable by others" else 0o600)
+        if placed == "dataDir group-writable":
+            os.chmod(data, 0o775)
+        elif placed == "dataDir another user's":
+            _as_another_uid(monkeypatch)
+    prev = {"cniVersion": "1.0.0", "ips": [{"address": "10.244.3.7/24"}]}
+    _assert_error(_run(_env("CHECK", CNI_ARGS=POD_ARGS), _conf(tmp_path, prevResult=prev)), 3, "c0ffee01")
+    capsys.readouterr()
+    assert _run(_env("DEL"), conf) == (0, None)
+    assert calls == [("DEL", "bridge")]  # the current config, not the one placed
+    assert "not using the stored delegate config" in capsys.readouterr().err
+    assert not os.path.lexists(old) and json.loads(elsewhere.read_text()) == CRAFTED
+
+
+def test_an_older_plugins_state_file_no_other_user_could_have_placed_still_serves_its_del(tmp_path, monkeypatch):
+    """The upgrade: a container an older agentd-cni added, its state file in dataDir itself
+    (the plugin's user's, 0700 as older plugins made it), is undone with that config, though
+    another container's ADD has made .state since; both places are left without it."""
+    calls = []
+    _delegate_seeing(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    data = tmp_path / "state"
+    data.mkdir(mode=0o700)
+    stored = dict(cni_config.delegate_config(conf, SF), type="bridge-of-old")
+    (data / "c0ffee01").write_text(json.dumps(stored))
+    os.chmod(data / "c0ffee01", 0o600)
+    assert _run(_env(CNI_CONTAINERID="other", CNI_ARGS=POD_ARGS), conf)[0] == 0
+    assert cni.load_state(str(data), "c0ffee01") == stored
+    assert _run(_env("DEL"), conf) == (0, None)
+    assert calls == [("ADD", "bridge"), ("DEL", "bridge-of-old")]
+    assert not (data / "c0ffee01").exists() and os.listdir(data / cni.STATE_SUBDIR) == ["other"]
+
+
+def _endpoint(cid: str = "c0ffee01"):
+    from agentd.cni import endpoints as eps
+
+    return eps.Endpoint(container_id=cid, namespace="default", name="web", labels={}, ports=[], ips=["10.244.3.7"],
+                        interface="veth1", mac="aa:bb:cc:dd:ee:ff", bridge="cni0", ifname="eth0")
+
+
+def test_a_symlink_at_endpoints_is_refused_and_nothing_is_done_where_it_points(tmp_path, monkeypatch):
+    """Review s55 r1 #2: the agent's user owns dataDir and may put a symlink where endpoints/
+    was (to /etc/cni/net.d, whose *.json the runtime reads as network configs).  Root's plugin
+    writes, locks, reads and unlinks in endpoints/ only as a directory opened without following
+    a symlink: ADD and DEL fail (IO_FAILURE) and the symlink's target is left as it was."""
+    from agentd.cni import endpoints as eps
+
+    calls = []
+    _delegate_seeing(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    data = tmp_path / "state"
+    data.mkdir()
+    netd = tmp_path / "net.d"
+    netd.mkdir()
+    (data / eps.SUBDIR).symlink_to(netd)
+    with pytest.raises(NotADirectoryError):
+        eps.write(str(data), _endpoint())
+    assert os.listdir(netd) == []
+    _assert_error(_run(_env(CNI_ARGS=POD_ARGS), conf), 5, "endpoint file")
+    assert os.listdir(netd) == []
+    (netd / "c0ffee01.json").write_text(_endpoint().to_json())  # a file of that name there
+    assert eps.read(str(data), "c0ffee01") is None  # (CHECK reads it)
+    with pytest.raises(NotADirectoryError):
+        eps.remove(str(data), "c0ffee01")
+    _assert_error(_run(_env("DEL"), conf), 5, "endpoint file", str(data / eps.SUBDIR))
+    old = _file(netd / ".c0ffee01.abcd1234", 1000.0)  # a name the sweep removes in endpoints/
+    assert cni.sweep_temp_files(str(data), 1e12) == []
+    assert sorted(os.listdir(netd)) == [old.name, "c0ffee01.json"]
+
+
+def test_a_symlink_at_programmed_is_refused_and_nothing_is_unlinked_where_it_points(tmp_path):
+    """endpoints/.programmed is in a directory of the agent's user's too: a symlink there to the
+    plugin's state directory would have ADD unlink the container's state file (its DEL would
+    then undo with the current config)."""
+    from agentd.cni import endpoints as eps
+
+    data = tmp_path / "state"
+    cni.save_state(str(data), "c0ffee01", {"type": "bridge"}, "eth0")
+    (data / eps.SUBDIR).mkdir()
+    (data / eps.SUBDIR / eps.PROGRAMMED).symlink_to(data / cni.STATE_SUBDIR)
+    with pytest.raises(NotADirectoryError):
+        eps.write(str(data), _endpoint())
+    with pytest.raises(NotADirectoryError):
+        eps.remove(str(data), "c0ffee01")
+    assert cni.load_state(str(data), "c0ffee01") == {"type": "bridge"}
+
+
+def test_a_lock_root_did_not_make_is_not_given_away_nor_waited_on(tmp_path, caplog):
+    """endpoints/.lock is in the agent's user's directory: root makes it LOCK_MODE and gives it
+    to that user only when it is an empty regular file of one link (not a hard link to a file of
+    root's elsewhere, nor a file of root's moved there); a FIFO in its place is never opened
+    for a wait (ADD and DEL go on without the lock)."""
+    import stat as stat_mod
+
+    from agentd.cni import endpoints as eps
+
+    directory = tmp_path / eps.SUBDIR
+    directory.mkdir()
+    elsewhere = tmp_path / "shadow"
+    elsewhere.write_text("")
+    os.chmod(elsewhere, 0o644)
+    os.link(elsewhere, directory / eps.LOCK)
+    eps.write(str(tmp_path), _endpoint())
+    assert stat_mod.S_IMODE(os.stat(elsewhere).st_mode) == 0o644
+    os.unlink(directory / eps.LOCK)
+    moved = directory / eps.LOCK
+    moved.write_text(_endpoint().to_json())  # a file of root's the user moved in: not empty
+    os.chmod(moved, 0o644)
+    eps.remove(str(tmp_path), "c0ffee01")
+    assert stat_mod.S_IMODE(os.stat(moved).st_mode) == 0o644
+    os.unlink(moved)
+    os.mkfifo(moved, 0o600)
+    eps.write(str(tmp_path), _endpoint())  # no wait on the FIFO
+    assert eps.read(str(tmp_path), "c0ffee01") is not None
+    eps.remove(str(tmp_path), "c0ffee01")
+    assert "no regular file" in caplog.text
+
+
+def test_a_fifo_in_an_endpoint_files_place_is_no_endpoint_file_and_no_wait(tmp_path):
+    from agentd.cni import endpoints as eps
+
+    (tmp_path / eps.SUBDIR).mkdir()
+    os.mkfifo(tmp_path / eps.SUBDIR / "c0ffee01.json")
+    assert eps.read(str(tmp_path), "c0ffee01") is None
 
 
 # --- a pod's labels: bounded ----------------------------------------------------------------

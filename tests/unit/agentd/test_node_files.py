@@ -13,6 +13,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Network
 import pytest
 from agent_config import agent_cfg
 
+from agentd.cni import endpoints
 from agentd.cni.netconf import read_subnet_file
 from agentd.daemon import node_files
 from agentd.daemon.agent import Agent
@@ -123,7 +124,21 @@ def test_a_data_dir_that_cannot_be_made_is_logged_and_the_subnet_file_written(tm
         node_files.write_cni_files(cfg, CLUSTER, {4: _lease()}, 1450)
     assert read_subnet_file(cfg.cni.subnet_file).subnet == S
     assert f"cannot make {tmp_path / 'lib' / 'cni'} (Not a directory)" in caplog.text
-    assert "make [cni] data_dir" in caplog.text
+    assert f"make {tmp_path / 'lib' / 'cni' / endpoints.SUBDIR} the agent's user's" in caplog.text
+    assert f"not {tmp_path / 'lib' / 'cni' / '.state'}, which only root may write" in caplog.text
+
+
+def test_a_symlink_at_endpoints_is_logged_and_the_agent_makes_nothing_root_acts_on(tmp_path, caplog):
+    """The agent makes data_dir, endpoints/ and .programmed, never the plugin's state directory
+    (root's alone); an endpoints/ that is a symlink (which agentd-cni refuses) is logged."""
+    cfg = agent_cfg(tmp_path, **{"cni.write_conflist": False, "cni.data_dir": str(tmp_path / "cni")})
+    node_files.write_cni_files(cfg, CLUSTER, {4: _lease()}, 1450)
+    assert sorted(os.listdir(tmp_path / "cni")) == [endpoints.SUBDIR]
+    os.rename(tmp_path / "cni" / endpoints.SUBDIR, tmp_path / "elsewhere")
+    (tmp_path / "cni" / endpoints.SUBDIR).symlink_to(tmp_path / "elsewhere")
+    with caplog.at_level(logging.ERROR, logger="agentd"):
+        node_files.write_cni_files(cfg, CLUSTER, {4: _lease()}, 1450)
+    assert f"cannot make {tmp_path / 'cni' / endpoints.SUBDIR} (a symlink or no directory: refused)" in caplog.text
 
 
 class _Datastore:

@@ -250,6 +250,22 @@ def test_an_upgrade_that_opens_notes_the_older_podcfgs_value_and_removes_the_old
     assert flags & podpath.CFG_ON and before == 0
 
 
+def test_an_open_after_one_killed_with_the_old_pin_set_aside_notes_the_operators_value(monkeypatch, tmp_path):
+    """An agent killed between setting the older agentd_podcfg aside and its load left
+    agentd_podcfg_old alone (the operator's be_liberal 0 noted in it; 1 now, the older agent
+    set it).  The next open settles that pin first: its new map notes 0, not the 1 it finds,
+    and the aside pin (the only record of the 0) goes only then (review s55 r1 #3)."""
+    fp = podpath.PodFastPath(tmp_path / "bpf")
+    fp.dir.mkdir(parents=True)
+    kernel = Kernel(monkeypatch, fp.dir)
+    monkeypatch.setattr(podpath, "open_checked", lambda _path, _check: Obj())
+    kernel.pin(podpath.CONFIG_ASIDE, _config_info(len(NOTED_ZERO)), {bytes(4): NOTED_ZERO})
+    fp.open()
+    _flags, _ms, before = podpath.CONFIG_NOTE.unpack_from(kernel.new[podpath.CONFIG][bytes(4)])
+    assert not (fp.dir / podpath.CONFIG_ASIDE).exists()
+    assert before == 0, f"the new map notes be_liberal {before}, not the operator's 0"
+
+
 def test_a_handed_over_connections_end_comes_after_its_start_the_old_programs_recorded(monkeypatch, tmp_path):
     # agentd_podrecs is adopted with what the old programs wrote while no agent ran: the
     # START of a connection still in the replaced agentd_podconns among it.
