@@ -211,6 +211,10 @@ CASES = [
     pytest.param(update(MANDATORY + bytes((0xC0, 8, len(mp_reach()) + 1)) + mp_reach()), Reset(3, 1), id="rfc7606-3j-framing-error-may-hide-mp-reach"),
     pytest.param(update(MANDATORY + bytes((0xC0, 8, len(mp_unreach()) + 1)) + mp_unreach()), Reset(3, 1), id="rfc7606-3j-framing-error-may-hide-mp-unreach"),
     pytest.param(update(mp_reach() + MANDATORY + bytes((0xC0, 8, 7)) + mp_unreach(withdrawn=b"")), Reset(3, 1), id="rfc7606-3j-framing-error-after-mp-reach-may-hide-mp-unreach"),
+    # After an MP_UNREACH_NLRI: the room left is weighed against the shortest MP_REACH_NLRI (8
+    # octets: header, AFI, SAFI, next hop length 0, reserved), both sides of that boundary.
+    pytest.param(update(mp_unreach(withdrawn=b"\x30\x20\x01\x0d\xb8\x00\x02") + MANDATORY + bytes((0xC0, 8, len(mp_reach()) + 1)) + mp_reach()), Reset(3, 1), id="rfc7606-3j-framing-error-after-mp-unreach-may-hide-mp-reach"),
+    pytest.param(update(mp_unreach(withdrawn=b"\x30\x20\x01\x0d\xb8\x00\x02") + MANDATORY + bytes((0xC0, 8, 9)) + bytes(8)), Reset(3, 1), id="rfc7606-3j-framing-error-after-mp-unreach-room-for-mp-reach"),
     # ---------------------------------------------------------------- UPDATE: treat-as-withdraw / attribute-discard
     # RFC 7606 §5.2 once the attributes were framed: the NLRI fields were all parsed, so the
     # error withdraws nothing and the session stays (FRR after CVE-2023-47235).
@@ -260,6 +264,7 @@ CASES = [
     pytest.param(update(MANDATORY + b"\x80\x04\x09\x00\x00\x00\x05"), Outcome(TAW, 3, 1), id="rfc7606-4-attribute-overruns-total-length"),
     # Both MP attributes framed before the overrun (a third would be a repeat): every NLRI was located.
     pytest.param(update(mp_reach() + mp_unreach(withdrawn=b"\x30\x20\x01\x0d\xb8\x00\x02") + MANDATORY + bytes((0xC0, 8, 30)) + bytes(12)), Outcome(TAW, 3, 1), id="rfc7606-4-framing-error-after-both-mp-attributes"),
+    pytest.param(update(mp_unreach(withdrawn=b"\x30\x20\x01\x0d\xb8\x00\x02") + MANDATORY + bytes((0xC0, 8, 8)) + bytes(7)), Outcome(TAW, 3, 1), id="rfc7606-4-framing-error-after-mp-unreach-no-room-for-mp-reach"),
     pytest.param(update(MANDATORY + b"\x90\x04\x00"), Outcome(TAW, 3, 1), id="rfc7606-4-extended-header-truncated"),
     pytest.param(update(MANDATORY + MED + attr(0x80, 4, b"\x00\x00\x00\x09")), Outcome(DISCARD, 3, 1, attr(0x80, 4, b"\x00\x00\x00\x09")), id="rfc7606-3g-duplicate-med-discarded"),
     pytest.param(update(ORIGIN + AS_PATH2 + NEXT_HOP + attr(0xC0, 17, b"\x02\x01\x00\x00")), Outcome(DISCARD, 3, 5, attr(0xC0, 17, b"\x02\x01\x00\x00"), 17), OLD, id="rfc6793-6-as4-path-length-4-discarded"),
