@@ -218,7 +218,10 @@ class RouteState:
                     # and a conflict whose destination or desired route changed.
                     if full or dst not in conflicts or dst in retry:
                         adds.append(want)
-                elif have is not want and not same_route(want, have):
+                elif have is not want and not same_route(want, have) and (
+                        full or dst not in conflicts or dst in retry):
+                    # A conflict beside our route at the key (an IPv6 route to be added beside
+                    # it, another daemon's route in the way) is re-tried as above.
                     change(want, have)
             if may_delete:
                 deletes.extend(have for dst, have in kernel.items() if dst not in desired)

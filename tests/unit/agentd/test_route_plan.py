@@ -110,6 +110,28 @@ def test_conflicts_are_retried_on_full_resyncs_or_when_their_route_changes():
     assert state.dirty == {A.dst}
 
 
+def test_a_conflict_beside_our_route_at_its_key_is_retried_like_any_other():
+    """An IPv6 route to go beside ours at its key (needs_beside) that another daemon's route
+    blocked: our route stays, and the change is re-tried only on full resyncs, or when the
+    desired route or the key changed, not at every set_desired of the same set."""
+    device, gateway = Route(V6, dev="eth0"), Route(V6, gateway=HOP2, dev="eth0")
+    state = adopted(device)
+    state.set_desired([gateway])
+    assert full_plan(state).besides == [(gateway, [device])]
+    state.record([], [(V6, "BIRD's gateway route there")])
+    state.set_desired([gateway])
+    work = state.take_work(state.needs_full(False))
+    assert work.dsts is None and state.plan(work.dsts, work.full, work.retry).besides == []
+    assert full_plan(state).besides == [(gateway, [device])]
+    other = Route(V6, gateway=HOP3, dev="eth0")
+    state.set_desired([other])  # its desired route changed: at once
+    work = state.take_work(state.needs_full(False))
+    assert state.plan(work.dsts, work.full, work.retry).besides == [(other, [device])]
+    state.other_route_removed(V6)  # the route in the way went
+    work = state.take_work(state.needs_full(False))
+    assert state.plan(work.dsts, work.full, work.retry).besides == [(other, [device])]
+
+
 def test_destinations_nobody_wants_forget_their_failures():
     state = RouteState()
     state.set_desired([A, B])
