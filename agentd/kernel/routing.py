@@ -446,7 +446,8 @@ class RouteProgrammer:
                 return
             dst = f"{socket.inet_ntop(msg.family, msg.dst or ZERO_ADDRESS[msg.family])}/{msg.dst_len}"
             if mtype == nl.RTM_NEWROUTE and mflags & nl.NLM_F_REPLACE:
-                state.other_route_replaced(dst, msg.priority or 0)
+                if not msg.tos and not msg.src_len:  # else another key than any Route of ours
+                    state.other_route_replaced(dst, msg.priority or 0)
             elif mtype == nl.RTM_DELROUTE:
                 if msg.family == socket.AF_INET6 and msg.multipath is not None and msg.nh_id is None and not msg.tos:
                     # A delete naming no gateway (``ip -6 route del DST proto static``, BIRD's

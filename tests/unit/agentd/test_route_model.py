@@ -53,7 +53,8 @@ bug 5 (a conflict kept after our own-protocol route took the key back), four mor
 (7a-7d) around one IPv6 key holding a gateway route and a route without one, and bug 8 (a
 gateway route to go beside our device route at a key holding another daemon's gateway
 route: sent again at every idle sync, or made its ECMP sibling; 8c, a route without a
-gateway put beside another daemon's such route, which a later replace of ours then took).
+gateway put beside another daemon's such route, which a later replace of ours then took),
+and bug 9 (another protocol's replace at another TOS taken for a replace of our route).
 """
 
 from __future__ import annotations
@@ -1131,6 +1132,22 @@ def test_bug8c_a_route_never_goes_beside_another_daemons_route_without_a_gateway
         m.kernel.others_delete(theirs)
         m.sync(False)
         assert [e.oif for e in m.kernel.leaf(key)] == [IFINDEX["eth1"]] and m.p.conflicts == {}
+
+
+def test_bug9_another_protocols_replace_at_another_tos_leaves_our_route_known():
+    # Another protocol replaced its TOS route for our destination (another key): the monitor
+    # took it for a replace of our route (dst and metric alike), and the programmer forgot
+    # ours, which then stayed when nobody wanted it (found by test_route_programmer_model_random).
+    theirs = entry_of_route(Route(X, kind="blackhole"), table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BOOT, tos=0x10)
+    with scenario() as m:
+        m.set_desired([Route(X, dev="eth0")])
+        m.sync(False)
+        m.others_add(theirs, False)
+        m.others_add(theirs._replace(mtu=1300), True)
+        m.deliver_events()
+        assert m.p.programmed() == [Route(X, dev="eth0")]
+        m.set_desired([])
+        m.sync(False)  # a) own routes nobody wants
 
 
 # --- after lost monitor events ------------------------------------------------------------------
