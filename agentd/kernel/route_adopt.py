@@ -137,8 +137,10 @@ def classify_existing(
     route_of: Callable[[nl.RouteMessage], Route | None],
 ) -> Existing:
     """Whose route holds the key of each of ``routes``, from the table's ``messages``.
-    Ours wins over another protocol's route with the same key (only one can be there, but
-    a dump may hold both for a moment)."""
+    Ours wins over another protocol's route with the same key (IPv4 has one route per key,
+    but a dump may hold both for a moment; an IPv6 key a list of them), and of ours at an
+    IPv6 key one as ECMP-able as the route (a gateway route, or one without), the one a
+    replace by it takes."""
     wanted = {route_key(route): route for route in routes}
     holders: dict[Route, nl.RouteMessage] = {}
     for msg in messages:
@@ -146,7 +148,10 @@ def classify_existing(
             continue
         key = (msg.family, msg.dst or ZERO_ADDRESS[msg.family], msg.dst_len, msg.priority or 0)
         route = wanted.get(key)
-        if route is not None and (route not in holders or msg.protocol == protocol):
+        if route is None or msg.protocol != protocol and route in holders:
+            continue
+        held = holders.get(route)
+        if held is None or held.protocol != protocol or gateway_route(held) != (route.gateway is not None):
             holders[route] = msg
     result = Existing([], {}, [], [])
     for route in routes:
@@ -164,3 +169,39 @@ def classify_existing(
             result.conflicts.append((route.dst, f"{route.dst}: table {table} already has a proto {name} route "
                                                 "with this destination and metric; left alone"))
     return result
+
+
+def gateway_route(msg: nl.RouteMessage) -> bool:
+    """Does the kernel route have a next hop through a gateway (next hops, RTA_VIA, a nexthop
+    object: Linux's rt6_qualify_for_ecmp, roughly)?"""
+    return msg.gateway is not None or msg.multipath is not None or msg.via is not None or msg.nh_id is not None
+
+
+def others_at_keys(routes: list[Route], messages: Iterable[nl.RouteMessage], *, table: int,
+                   protocol: int) -> list[tuple[str, str]]:
+    """IPv6 routes of ours to be added beside our route at their key
+    (agentd.kernel.route_plan.needs_beside) whose key holds another protocol's route, from
+    the table's ``messages``: conflicts, one per destination, left alone as an add meeting
+    another daemon's route is.  Beside their gateway route, a gateway route of ours would be
+    its ECMP sibling, one multipath route (fib6_add_rt2node), our next hop carrying their
+    traffic; beside one without a gateway, ours would come after theirs in the key's list,
+    and a later replace of ours (it takes the first route as ECMP-able as the new one) take
+    theirs.  Their key, as an IPv4 key another protocol's route holds.  (Where theirs has
+    our next hop, the add would meet EEXIST.)"""
+    wanted = {route_key(route): route for route in routes}
+    conflicts: dict[str, str] = {}
+    for msg in messages:
+        if (msg.protocol == protocol or msg.table != table or msg.tos or msg.src_len or msg.flags & RTM_F_CLONED
+                or msg.family not in ZERO_ADDRESS):
+            continue
+        route = wanted.get((msg.family, msg.dst or ZERO_ADDRESS[msg.family], msg.dst_len, msg.priority or 0))
+        if route is None:
+            continue
+        name = PROTOCOL_NAMES.get(msg.protocol, str(msg.protocol))
+        if route.gateway is not None and gateway_route(msg):
+            conflicts[route.dst] = (f"{route.dst}: table {table} already has a proto {name} gateway route with this "
+                                    "destination and metric, which ours would join as an ECMP next hop; left alone")
+        elif route.dst not in conflicts:
+            conflicts[route.dst] = (f"{route.dst}: table {table} already has a proto {name} route with this "
+                                    "destination and metric; left alone")
+    return list(conflicts.items())

@@ -66,7 +66,9 @@ def needs_beside(want: Route, old_gateway: str | None) -> bool:
     take the first gateway route at the key, another daemon's one beside ours if it is there,
     else the first route at the key, whoever's: it is added beside ours too (appended; or it
     meets a route with its next hop, EEXIST), and ours deleted by gateway ``::`` and device
-    (route_model.stray_of_own)."""
+    (route_model.stray_of_own).  Either way it goes in only where no other daemon's route is
+    at the key (agentd.kernel.routing reads the table first: route_adopt.others_at_keys);
+    else it is a conflict, re-tried as others are, and ours stays."""
     return (want.gateway is None) != (old_gateway is None) and ":" in want.dst
 
 
@@ -218,7 +220,10 @@ class RouteState:
                     # and a conflict whose destination or desired route changed.
                     if full or dst not in conflicts or dst in retry:
                         adds.append(want)
-                elif have is not want and not same_route(want, have):
+                elif have is not want and not same_route(want, have) and (
+                        full or dst not in conflicts or dst in retry):
+                    # A conflict beside our route at the key (an IPv6 route to be added beside
+                    # it, another daemon's route in the way) is re-tried as above.
                     change(want, have)
             if may_delete:
                 deletes.extend(have for dst, have in kernel.items() if dst not in desired)

@@ -7,6 +7,12 @@ What it owns: exactly the routes in its table that carry its route protocol numb
   the table and either finds its own route there (then replaces it) or reports a conflict
   for that destination and does not touch it;
 * NLM_F_REPLACE is used only where the kernel state says our own route holds that key;
+* an IPv6 route that no replace can put in the place of ours at its key is added beside
+  ours (NLM_F_CREATE alone: agentd.kernel.route_plan.needs_beside), and only where a read of
+  the table finds no other daemon's route at the key: a gateway route of ours beside theirs
+  would be its ECMP sibling (one multipath route), and one without a gateway, behind theirs
+  in the key's list, would have a later replace of ours take theirs.  Else it is a conflict,
+  as an add meeting their route is;
 * deletes name our protocol, and the kernel then deletes only a route of that protocol;
   an IPv6 multipath route is one route per next hop, each with its protocol (another daemon
   may append its next hop to ours): an IPv6 gateway route of ours is deleted by its gateway
@@ -39,7 +45,7 @@ from ipaddress import IPv4Network, IPv6Network, ip_network
 
 from agentd.kernel import netlink as nl
 from agentd.kernel import netlink_links as links
-from agentd.kernel.route_adopt import adopt, classify_existing
+from agentd.kernel.route_adopt import adopt, classify_existing, others_at_keys
 from agentd.kernel.route_model import (
     ADD,
     BESIDE,
@@ -54,7 +60,7 @@ from agentd.kernel.route_model import (
     SyncResult,
 )
 from agentd.kernel.route_netlink import RouteNetlink, open_netlink_sockets
-from agentd.kernel.route_plan import RouteState, dst_of
+from agentd.kernel.route_plan import RouteState, dst_of, needs_beside
 
 log = logging.getLogger("agentd.routing")  # the logger name predates the kernel package
 
@@ -287,6 +293,13 @@ class RouteProgrammer:
         beside_exists: list[tuple[Route, int, str | None]] = []
         unsure: set[str] = set()  # destinations whose new route the kernel did not take outright
         held: list[Route] = []
+        if besides:
+            # Never beside another daemon's route at an IPv6 key: it is theirs.
+            blocked = await self._others_at_keys(besides)
+            if blocked:
+                conflicts += blocked
+                dsts = {dst for dst, _reason in blocked}
+                besides = [(want, olds) for want, olds in besides if want.dst not in dsts]
         for code, targets in ((ADD, adds), (BESIDE, [want for want, _old in besides]), (REPLACE, replaces),
                               (DELETE, deletes)):
             if code == DELETE and unsure:
@@ -315,8 +328,10 @@ class RouteProgrammer:
                     vanished.append(target)  # gone since we looked: add it instead
                 else:
                     failed.append((dst_of(target), nl.describe_error(err, message)))
+        again: tuple = ((), (), (), (), ())  # the adds below that go beside ours after all
         if exists or vanished or beside_exists:
             own: list[Route] = []
+            beside: list[tuple[Route, list]] = []
             if exists or beside_exists:
                 messages = await self.netlink.dump_table({route.family for route in exists}
                                                          | {route.family for route, _err, _msg in beside_exists})
@@ -330,11 +345,20 @@ class RouteProgrammer:
                     f, c = self._classify_beside(beside_exists, messages)
                     failed += f
                     conflicts += c
+                # Our IPv6 route found at the key is not as ECMP-able as the one wanted: a
+                # replace could take another daemon's route there (route_plan.needs_beside).
+                # It goes beside ours, as the plan would have sent it.
+                beside = [(route, [found.adopted[route.dst]]) for route in own if route.dst in found.adopted
+                          and needs_beside(route, found.adopted[route.dst].gateway)]
+                if beside:
+                    own = [route for route in own if not any(route is want for want, _old in beside)]
             for code, targets in ((REPLACE, own), (ADD, vanished)):
                 for target, err, message in await self._execute(code, targets, outcome):
                     failed.append((target.dst, nl.describe_error(err, message)))
+            if beside:
+                again = await self._apply([], [], [], beside)
         if held:  # deleted unless their replacement failed (in, adopted, or another daemon's route there)
-            kept = {dst for dst, _reason in failed}
+            kept = {dst for dst, _reason in (*failed, *again[3])}
             for target, err, message in await self._execute(DELETE, [t for t in held if t.dst not in kept], outcome):
                 failed.append((target.dst, nl.describe_error(err, message)))
         for reason in self.state.record(failed, conflicts):
@@ -343,7 +367,18 @@ class RouteProgrammer:
         self.counters.routes_added += len(outcome.added)
         self.counters.routes_replaced += len(outcome.replaced)
         self.counters.routes_removed += len(outcome.removed)
-        return tuple(outcome.added), tuple(outcome.replaced), tuple(outcome.removed), tuple(failed), tuple(conflicts)
+        added, replaced, removed, more_failed, more_conflicts = again
+        return (tuple(outcome.added) + added, tuple(outcome.replaced) + replaced, tuple(outcome.removed) + removed,
+                tuple(failed) + more_failed, tuple(conflicts) + more_conflicts)
+
+    async def _others_at_keys(self, besides: list[tuple[Route, list]]) -> list[tuple[str, str]]:
+        """The IPv6 routes to be added beside ours at their key whose key holds another
+        daemon's route: conflicts (route_adopt.others_at_keys), sent nothing; our routes
+        there stay and carry the traffic.  Costs a read of the table, in the rare reconciles
+        that turn an IPv6 route of ours with a gateway into one without, or the other way."""
+        routes = [want for want, _olds in besides]
+        messages = await self.netlink.dump_table({route.family for route in routes})
+        return others_at_keys(routes, messages, table=self.table, protocol=self.protocol)
 
     def _classify_beside(self, results: list[tuple[Route, int, str | None]],
                          messages: list[nl.RouteMessage]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -411,7 +446,8 @@ class RouteProgrammer:
                 return
             dst = f"{socket.inet_ntop(msg.family, msg.dst or ZERO_ADDRESS[msg.family])}/{msg.dst_len}"
             if mtype == nl.RTM_NEWROUTE and mflags & nl.NLM_F_REPLACE:
-                state.other_route_replaced(dst, msg.priority or 0)
+                if not msg.tos and not msg.src_len:  # else another key than any Route of ours
+                    state.other_route_replaced(dst, msg.priority or 0)
             elif mtype == nl.RTM_DELROUTE:
                 if msg.family == socket.AF_INET6 and msg.multipath is not None and msg.nh_id is None and not msg.tos:
                     # A delete naming no gateway (``ip -6 route del DST proto static``, BIRD's

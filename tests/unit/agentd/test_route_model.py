@@ -14,8 +14,10 @@ whatever route holds the key, whoever owns it, and without NLM_F_CREATE fails EN
 delete names table, dst, tos and protocol, an absent or zero priority matches any, the
 lowest-priority match goes, none -> ESRCH; a gateway route without a device gets eth0.
 IPv6 keeps a list of routes per key (the fib6 leaf, in insertion order; no two gateway
-routes in it here: nobody appends): NLM_F_CREATE without NLM_F_EXCL adds beside them (EEXIST
-for a duplicate next hop: same gateway and device), a delete takes the first match (one
+routes in it here: nobody appends, and the programmer never adds a gateway route beside
+another, which Linux would make its ECMP sibling -- the stand-in asserts it): NLM_F_CREATE
+without NLM_F_EXCL adds beside them (EEXIST for a duplicate next hop: same gateway and
+device), a delete takes the first match (one
 naming a gateway matches only that gateway, ``::`` a route without one: ip6_route_del
 compares it with fib_nh_gw6), and
 NLM_F_REPLACE takes the first route as ECMP-able as the new one (rt6_qualify_for_ecmp: a
@@ -33,10 +35,13 @@ overlapping destinations and metrics, in our table and others), link flaps, moni
 overruns, restarts and full resyncs:
 
 a) after each sync our routes in the table are exactly the desired set, except destinations
-   whose key another protocol's route holds (those are reported as conflicts);
+   whose key another protocol's route holds (those are reported as conflicts; for IPv6 also
+   one where the desired route would go beside ours and another protocol's route is there:
+   see RouteModel.blocked);
 b) routes of other protocols, and all routes in other tables, are never changed or deleted;
 c) a second sync with an unchanged desired set sends no requests (a full resync only
-   re-tries the adds of conflicting routes, which fail EEXIST and change nothing);
+   re-tries the adds of conflicting routes, which fail EEXIST and change nothing, or are
+   not sent after a read of the table);
 d) no gap: a desired destination that has a route of ours when a sync (or a start) begins
    has one after every single request; an own route that already is the desired one is
    never touched (adoption at start).
@@ -44,8 +49,12 @@ d) no gap: a desired destination that has a route of ours when a sync (or a star
 The full model found four bugs, and three more around bug 4 (4b-4d: two routes of ours for
 one destination; 4b and 4c turned up in the model once bug 4's xfail was lifted); all are
 fixed and their minimal scenarios at the end are regression tests; the random run later found
-bug 5 (a conflict kept after our own-protocol route took the key back), and four more
-(7a-7d) around one IPv6 key holding a gateway route and a route without one.
+bug 5 (a conflict kept after our own-protocol route took the key back), four more
+(7a-7d) around one IPv6 key holding a gateway route and a route without one, and bug 8 (a
+gateway route to go beside our device route at a key holding another daemon's gateway
+route: sent again at every idle sync, or made its ECMP sibling; 8c, a route without a
+gateway put beside another daemon's such route, which a later replace of ours then took),
+and bug 9 (another protocol's replace at another TOS taken for a replace of our route).
 """
 
 from __future__ import annotations
@@ -243,7 +252,11 @@ class FakeKernel:
             return errno.EEXIST  # NLM_F_EXCL
         if any(e.gateway == entry.gateway and e.oif == entry.oif for e in leaf):
             return errno.EEXIST  # rt6_duplicate_nexthop, whoever's
-        assert not (ecmp_entry(entry) and any(ecmp_entry(e) for e in leaf)), "siblings are not modelled"
+        # Linux makes an IPv6 gateway route added beside another one its ECMP sibling: the
+        # programmer never adds one beside another daemon's (their route), nor beside one of its
+        # own (it replaces that), and nobody else here appends.
+        assert not (ecmp_entry(entry) and any(ecmp_entry(e) for e in leaf)), \
+            f"{entry.describe()} would be an ECMP sibling of {[e.describe() for e in leaf if ecmp_entry(e)]}"
         self.set_leaf(entry.key, [*leaf, entry])
         return 0
 
@@ -564,16 +577,18 @@ class RouteModel(RuleBasedStateMachine):
         return sorted((e for e in self.kernel.entries() if not self.ours(e)), key=entry_order)
 
     def blocked(self, want: Route) -> bool:
-        """Another protocol's route holds the key of this desired route in our table (and no
-        route of ours is there beside it), or, IPv6, another protocol's route with its next
-        hop (rt6_duplicate_nexthop: gateway and device) is there, beside which it cannot go
-        (our old routes at the key stay, and carry the traffic)."""
+        """Another protocol's route holds the key of this desired route in our table, and no
+        route of ours is there beside it, or, IPv6, none as ECMP-able as the desired one (a
+        gateway route, or one without), which a replace would take: the desired route would
+        go beside ours, and never goes beside another daemon's route (a gateway route would
+        be its ECMP sibling; their key, as for IPv4).  Our old routes at the key stay, and
+        carry the traffic."""
         leaf = self.kernel.leaf(key_of(want, self.table))
-        if any(e.protocol != OURS for e in leaf) and not any(e.protocol == OURS for e in leaf):
-            return True
+        if not any(e.protocol != OURS for e in leaf):
+            return False
+        mine = [e for e in leaf if e.protocol == OURS]
         hop = entry_of_route(want, table=self.table, protocol=OURS)
-        return hop.family == AF6 and any(e.protocol != OURS and (e.gateway, e.oif) == (hop.gateway, hop.oif)
-                                         for e in leaf)
+        return not mine or hop.family == AF6 and not any(ecmp_entry(e) == ecmp_entry(hop) for e in mine)
 
     def own_at(self, want: Route) -> list[Entry]:
         return [e for e in self.kernel.leaf(key_of(want, self.table)) if self.ours(e)]
@@ -929,31 +944,42 @@ def test_bug6_ipv6_gateway_route_becomes_one_no_replace_can_put_in_its_place(old
 
 @pytest.mark.parametrize("old_replace", [True, False], ids=["linux-4.1-4.18", "later"])
 def test_a_route_added_beside_ours_meeting_another_daemons_next_hop_is_a_conflict(old_replace):
-    # Another daemon's blackhole sits beside our IPv6 gateway route at its key (on 4.1-4.18
-    # what `ip -6 route replace blackhole` leaves).  Our desired route becomes a blackhole: the
-    # add beside ours meets EEXIST (rt6_duplicate_nexthop).  It was filed as a failure at
-    # every resync, the errors counter bumped each time; it is a conflict naming the owner,
-    # and our gateway route stays (it carries the traffic).
+    # Our desired IPv6 route becomes a blackhole: it goes beside our gateway route at its key.
+    # Another daemon's blackhole comes in there (on 4.1-4.18 what `ip -6 route replace
+    # blackhole` leaves) just after the programmer read the table: the add meets EEXIST
+    # (rt6_duplicate_nexthop).  It was filed as a failure at every resync, the errors counter
+    # bumped each time; it is a conflict naming the owner, and our gateway route stays (it
+    # carries the traffic).  Later syncs find their route in the table read and send nothing.
     gateway = Route("2001:db8::/64", gateway="2001:db8:ff::2", dev="eth0")
     blackhole = Route("2001:db8::/64", kind="blackhole")
     theirs = entry_of_route(blackhole, table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BIRD)
     with scenario(own=[gateway]) as m:
         m.kernel.old_replace = old_replace
         key = key_of(gateway, nl.RT_TABLE_MAIN)
-        m.kernel.set_leaf(key, [*m.kernel.leaf(key), theirs])
-        leaf = m.kernel.leaf(key)
+        read = m.p.netlink.dump_table
+
+        async def read_then_bird_comes(families):
+            messages = await read(families)
+            if theirs not in m.kernel.leaf(key):
+                m.kernel.set_leaf(key, [*m.kernel.leaf(key), theirs])
+            return messages
+
+        m.p.netlink.dump_table = read_then_bird_comes
         m.set_desired([blackhole])
-        for full in (False, True, True):
+        for full, sent in ((False, [("beside", errno.EEXIST)]), (True, []), (True, [])):
             n = len(m.kernel.requests)
             result = m.run(m.p.reconcile(full=full))
-            assert [(op, err) for op, _target, err in m.kernel.requests[n:]] == [("beside", errno.EEXIST)]
+            assert [(op, err) for op, _target, err in m.kernel.requests[n:]] == sent
             assert result.failed == () and [dst for dst, _reason in result.conflicts] == [blackhole.dst]
             assert "proto bird" in result.conflicts[0][1]
             assert m.p.failures == {} and list(m.p.conflicts) == [blackhole.dst]
-            assert m.kernel.leaf(key) == leaf
+            assert [e.protocol for e in m.kernel.leaf(key)] == [OURS, nl.RTPROT_BIRD]
+        del m.p.netlink.dump_table
         assert m.p.counters.errors == 0
         n = len(m.kernel.requests)
         m.run(m.p.reconcile())  # nothing changed: nothing sent
+        m.set_desired([blackhole])
+        m.run(m.p.reconcile())
         assert m.kernel.requests[n:] == []
         m.kernel.others_delete(theirs)  # it goes: the next full resync puts ours in its place
         m.run(m.p.reconcile(full=True))
@@ -1023,6 +1049,105 @@ def test_bug7d_own_route_added_beside_ours_at_its_ipv6_key_goes():
         gateway = _gateway_and_device_route_of_ours(m, "2001:db8::/64")
         m.sync(False)  # a) desired route is not in the kernel (two of ours at its key)
         assert [e.gateway for e in m.own_entries()] == [pton(AF6, gateway.gateway)]
+
+
+def _device_route_of_ours_beside_another_daemons_gateway_route(m: RouteModel, dst: str, gateway: str) -> tuple:
+    """Our IPv6 device route, and beside it at its key BIRD's gateway route through
+    ``gateway`` (what ``ip -6 route append DST via GW proto bird`` leaves: a route that is
+    not ECMP-able and one that is are no siblings).  Returns (its key, the leaf)."""
+    theirs = entry_of_route(Route(dst, gateway=gateway, dev="eth0"), table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BIRD)
+    key = theirs.key
+    m.kernel.set_leaf(key, [*m.kernel.leaf(key), theirs])
+    assert [(e.protocol, e.gateway is None) for e in m.kernel.leaf(key)] == [(OURS, True), (nl.RTPROT_BIRD, False)]
+    return key, m.kernel.leaf(key)
+
+
+@pytest.mark.parametrize("old_replace", [True, False], ids=["linux-4.1-4.18", "later"])
+@pytest.mark.parametrize("gateway", ["2001:db8:ff::2", "2001:db8:ff::3"], ids=["their-next-hop", "another-next-hop"])
+def test_bug8_a_gateway_route_never_goes_beside_another_daemons_gateway_route(old_replace, gateway):
+    # Our device route becomes a gateway route: it is added beside ours (needs_beside).  At
+    # the key is BIRD's gateway route.  (a) Through our next hop: the add met EEXIST, a
+    # conflict, and was sent again at every idle sync (set_desired of the same set).  (b)
+    # Through another one: the kernel makes the two one ECMP route, our next hop merged into
+    # BIRD's (the stand-in asserted "siblings are not modelled").  Both are conflicts now, the
+    # key left to BIRD (our device route stays), and retried on full resyncs and when the key
+    # changes.  Found by test_route_programmer_model_random.
+    # Then BIRD replaces its route: the monitor cannot say which route at the key went, the
+    # add of ours met EEXIST, the table read found our device route, and the replace by our
+    # gateway route took BIRD's (b); it goes beside ours, and is a conflict again.
+    dst = "2001:db8::/64"
+    want = Route(dst, gateway="2001:db8:ff::2", dev="eth0")
+    with scenario(own=[Route(dst, dev="eth0")]) as m:
+        m.kernel.old_replace = old_replace
+        key, leaf = _device_route_of_ours_beside_another_daemons_gateway_route(m, dst, gateway)
+        m.set_desired([want])
+        m.sync(False)  # c) a second sync sent the add again; (b) the stand-in's assert
+        assert list(m.p.conflicts) == [dst] and "proto bird" in m.p.conflicts[dst]
+        assert m.p.failures == {} and m.p.counters.errors == 0
+        reads = []
+        read = m.p.netlink.dump_table
+
+        async def counted(families):
+            reads.append(families)
+            return await read(families)
+
+        m.p.netlink.dump_table = counted
+        m.set_desired([want])
+        m.run(m.p.reconcile())
+        assert reads == [], "an idle sync re-tried the conflict (a table read)"
+        del m.p.netlink.dump_table
+        m.sync(True)
+        assert m.kernel.leaf(key) == leaf and list(m.p.conflicts) == [dst]
+        theirs = leaf[1]._replace(mtu=1300)
+        m.others_add(theirs, True)
+        m.sync(False)  # b) a sync changed routes that are not ours
+        assert m.kernel.leaf(key) == [leaf[0], theirs] and list(m.p.conflicts) == [dst]
+        m.kernel.others_delete(theirs)  # BIRD's route goes: ours takes the key at once
+        m.sync(False)
+        assert [e.gateway for e in m.kernel.leaf(key)] == [pton(AF6, want.gateway)] and m.p.conflicts == {}
+
+
+def test_bug8c_a_route_never_goes_beside_another_daemons_route_without_a_gateway():
+    # BIRD's `ip -6 route replace DST blackhole` on Linux 4.1-4.18 went beside our gateway
+    # route.  Our desired route became a device route: added beside ours, after BIRD's in the
+    # key's list, and our gateway route deleted.  Then it changed device: the replace by it
+    # took the first route without a gateway at the key, BIRD's blackhole (b).  A route of
+    # ours goes beside ours only where no other daemon's route is at the key: a conflict,
+    # our gateway route stays.  (Found while fixing bug 8.)
+    dst = "2001:db8::/64"
+    gateway = Route(dst, gateway="2001:db8:ff::2", dev="eth0")
+    theirs = entry_of_route(Route(dst, kind="blackhole"), table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BIRD)
+    with scenario(own=[gateway]) as m:
+        m.kernel.old_replace = True
+        m.upsert(gateway)
+        m.sync(False)
+        m.others_add(theirs, True)
+        key = theirs.key
+        leaf = m.kernel.leaf(key)
+        assert [e.protocol for e in leaf] == [OURS, nl.RTPROT_BIRD]
+        for dev in ("eth0", "eth1"):
+            m.upsert(Route(dst, dev=dev))
+            m.sync(False)  # b) a sync changed routes that are not ours
+            assert m.kernel.leaf(key) == leaf and list(m.p.conflicts) == [dst]
+        m.kernel.others_delete(theirs)
+        m.sync(False)
+        assert [e.oif for e in m.kernel.leaf(key)] == [IFINDEX["eth1"]] and m.p.conflicts == {}
+
+
+def test_bug9_another_protocols_replace_at_another_tos_leaves_our_route_known():
+    # Another protocol replaced its TOS route for our destination (another key): the monitor
+    # took it for a replace of our route (dst and metric alike), and the programmer forgot
+    # ours, which then stayed when nobody wanted it (found by test_route_programmer_model_random).
+    theirs = entry_of_route(Route(X, kind="blackhole"), table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BOOT, tos=0x10)
+    with scenario() as m:
+        m.set_desired([Route(X, dev="eth0")])
+        m.sync(False)
+        m.others_add(theirs, False)
+        m.others_add(theirs._replace(mtu=1300), True)
+        m.deliver_events()
+        assert m.p.programmed() == [Route(X, dev="eth0")]
+        m.set_desired([])
+        m.sync(False)  # a) own routes nobody wants
 
 
 # --- after lost monitor events ------------------------------------------------------------------

@@ -8,7 +8,12 @@ from __future__ import annotations
 import socket
 
 from agentd.kernel import netlink as nl
-from agentd.kernel.route_adopt import adopt, classify_existing, file_route
+from agentd.kernel.route_adopt import (
+    adopt,
+    classify_existing,
+    file_route,
+    others_at_keys,
+)
 from agentd.kernel.route_model import (
     ADD,
     BESIDE,
@@ -108,6 +113,28 @@ def test_conflicts_are_retried_on_full_resyncs_or_when_their_route_changes():
     assert state.plan(work.dsts, work.full, work.retry).adds == [A_OTHER_GW]
     state.other_route_removed(A.dst)  # the route in the way went
     assert state.dirty == {A.dst}
+
+
+def test_a_conflict_beside_our_route_at_its_key_is_retried_like_any_other():
+    """An IPv6 route to go beside ours at its key (needs_beside) that another daemon's route
+    blocked: our route stays, and the change is re-tried only on full resyncs, or when the
+    desired route or the key changed, not at every set_desired of the same set."""
+    device, gateway = Route(V6, dev="eth0"), Route(V6, gateway=HOP2, dev="eth0")
+    state = adopted(device)
+    state.set_desired([gateway])
+    assert full_plan(state).besides == [(gateway, [device])]
+    state.record([], [(V6, "BIRD's gateway route there")])
+    state.set_desired([gateway])
+    work = state.take_work(state.needs_full(False))
+    assert work.dsts is None and state.plan(work.dsts, work.full, work.retry).besides == []
+    assert full_plan(state).besides == [(gateway, [device])]
+    other = Route(V6, gateway=HOP3, dev="eth0")
+    state.set_desired([other])  # its desired route changed: at once
+    work = state.take_work(state.needs_full(False))
+    assert state.plan(work.dsts, work.full, work.retry).besides == [(other, [device])]
+    state.other_route_removed(V6)  # the route in the way went
+    work = state.take_work(state.needs_full(False))
+    assert state.plan(work.dsts, work.full, work.retry).besides == [(other, [device])]
 
 
 def test_destinations_nobody_wants_forget_their_failures():
@@ -221,6 +248,48 @@ def test_classify_existing_adopts_ours_and_reports_the_others():
     assert [dst for dst, _reason in result.conflicts] == [B.dst]
     assert "proto bird" in result.conflicts[0][1]
     assert [dst for dst, _reason in result.unexplained] == [C.dst]
+
+
+def test_classify_existing_finds_our_route_a_replace_takes_at_an_ipv6_key():
+    """One IPv6 key may hold a gateway route of ours and one without: the one as ECMP-able as
+    the wanted route is its holder (a replace by it takes that one), whatever the dump order."""
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.ifname[2] = "eth0"
+    gateway, device = Route(V6, gateway=HOP2, dev="eth0"), Route(V6, dev="eth0")
+    messages = [route_message(r, RTPROT_AGENTD)._replace(priority=1024) for r in (gateway, device)]
+    for order in (messages, messages[::-1]):
+        for want, holder in ((Route(V6, gateway=HOP3, dev="eth0"), gateway), (Route(V6, dev="eth0", mtu=1400), device)):
+            result = classify_existing([want], order, table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD,
+                                       route_of=netlink.route_of)
+            assert (result.own, result.adopted, result.conflicts) == ([want], {V6: holder}, [])
+
+
+def test_a_route_to_go_beside_ours_at_an_ipv6_key_another_daemon_holds_is_a_conflict():
+    """Beside their gateway route ours would be its ECMP sibling; beside one without, ours
+    would come after it, and a later replace of ours take theirs.  Another key (metric,
+    table), or our own route, are not in the way."""
+    gateway, blackhole = Route(V6, gateway=HOP2, dev="eth0"), Route(V6, kind="blackhole")
+    bird = nl.RTPROT_BIRD
+
+    def conflicts(routes, *messages):
+        return others_at_keys(routes, messages, table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+
+    def v6(route, protocol, **fields):
+        return route_message(route, protocol)._replace(priority=1024, **fields)
+
+    for theirs in (v6(Route(V6, gateway=HOP3), bird), multipath_message(V6, bird, [HOP3, HOP4]),
+                   v6(Route(V6, dev="eth0"), bird, nh_id=7)):
+        [(dst, reason)] = conflicts([gateway], theirs)
+        assert dst == V6 and "proto bird gateway route" in reason and "ECMP" in reason
+        [(dst, reason)] = conflicts([blackhole], theirs)
+        assert dst == V6 and "proto bird route" in reason
+    [(dst, reason)] = conflicts([gateway], v6(Route(V6, dev="eth0"), bird), multipath_message(V6, bird, [HOP3]))
+    assert "gateway route" in reason  # the ECMP sibling is the one named
+    [(dst, reason)] = conflicts([gateway], v6(blackhole, bird, type=nl.RTN_BLACKHOLE))
+    assert dst == V6 and "proto bird route" in reason
+    assert conflicts([gateway, blackhole], multipath_message(V6, bird, [HOP3], priority=100),
+                     multipath_message(V6, bird, [HOP3])._replace(table=100),
+                     multipath_message(V6, RTPROT_AGENTD, [HOP3]), v6(blackhole, RTPROT_AGENTD)) == []
 
 
 # --- the pure side of the netlink I/O --------------------------------------------------------
