@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,44 @@ def write_cni_files(cfg: Config, cluster: ClusterConfig, leases: Mapping[int, Su
                     kept_subnets_path(cfg), err.strerror or err)
     if cfg.cni.write_conflist:
         cni_config.write_conflist(cfg.cni.conf_dir, mtu=mtu, **_conflist_settings(cfg))
+        missing = missing_runtime_plugins(cfg.cni.bin_dir)
+        if missing:
+            log.warning("%s", missing)
+
+
+def runtime_plugins() -> tuple[str, ...]:
+    """The plugin types the conflist names (agentd-cni, then the chained portmap and bandwidth):
+    the container runtime runs each from its own CNI bin directory (containerd's ``bin_dir``,
+    default /opt/cni/bin) -- the conflist's ``binDir`` only tells agentd-cni where its
+    delegates are."""
+    return tuple(p["type"] for p in cni_config.conflist(subnet_file="/", data_dir="/")["plugins"])
+
+
+def _executable(path: str) -> bool:
+    try:
+        return os.path.isfile(path) and os.access(path, os.X_OK)
+    except (OSError, ValueError):
+        return False
+
+
+def missing_runtime_plugins(bin_dir: Sequence[str | os.PathLike[str]]) -> str | None:
+    """One line saying which of :func:`runtime_plugins` each directory of ``[cni] bin_dir``
+    lacks, when none holds them all (None: one does, or there is no directory to look in).
+    The runtime's directory is not known to the agent; an install that put them all in one
+    directory (docs/operations.md, Install) and named it in ``[cni] bin_dir`` is not warned
+    about.  Debian's containernetworking-plugins puts portmap and bandwidth in /usr/lib/cni,
+    an install of agentd-cni in /opt/cni/bin: the runtime then finds one or the other, and
+    every pod's ADD fails ("failed to find plugin")."""
+    wanted = runtime_plugins()
+    lacking = {d: [p for p in wanted if not _executable(os.path.join(d, p))]
+               for d in dict.fromkeys(os.fspath(d) for d in bin_dir)}
+    if not lacking or not all(lacking.values()):
+        return None
+    where = "; ".join(f"{d} lacks {', '.join(names)}" for d, names in lacking.items())
+    return (f"no directory of [cni] bin_dir holds all of the conflist's plugins {', '.join(wanted)} ({where}): the "
+            f"container runtime runs each from its own CNI bin directory (containerd's bin_dir, by default "
+            f"/opt/cni/bin) and fails every pod's ADD with one missing there; put them all in that directory and "
+            f"name it in [cni] bin_dir (docs/operations.md, Install)")
 
 
 def make_plugin_dirs(cfg: Config) -> None:

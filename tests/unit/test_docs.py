@@ -254,3 +254,79 @@ def test_what_runs_where_names_every_pin_of_the_pod_fast_path():
     (row,) = [line for line in _section(ops, "## What runs where").splitlines() if line.startswith("| pod fast path")]
     pins = row.rsplit("|", 2)[1]
     assert [name for name in maps + programs if f"`{name}`" not in pins] == []
+
+
+# ------------------------------------------------------------------ the CNI plugins' directory
+
+# Where a Debian package puts what it installs, of the plugins: containernetworking-plugins'
+# reference plugins are in /usr/lib/cni (Debian ships nothing in /opt).
+PACKAGE_PLACES = {"containernetworking-plugins": ("/usr/lib/cni", ("bridge", "host-local", "portmap", "bandwidth"))}
+
+
+def _conflists_plugins() -> tuple[str, ...]:
+    """Every plugin type a pod's ADD runs: the conflist's (agentd-cni and the chained ones), which
+    the runtime runs from its own CNI bin directory, and agentd-cni's delegate and its IPAM,
+    which agentd-cni looks for in the runtime's CNI_PATH (that same directory) first."""
+    from ipaddress import IPv4Network
+
+    from agentd.cni import netconf
+
+    doc = netconf.conflist(subnet_file="/run/agentd/subnet.env", data_dir="/var/lib/agentd/cni")
+    delegate = netconf.delegate_config(doc["plugins"][0] | {"name": doc["name"], "cniVersion": doc["cniVersion"]},
+                                       netconf.SubnetFile(IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"), 1450))
+    return (*[p["type"] for p in doc["plugins"]], delegate["type"], delegate["ipam"]["type"])
+
+
+def _placed(section: str) -> dict[str, set[str]]:
+    """What the shell commands of ``section``'s code blocks put where: directory -> file names,
+    from `apt-get install` (PACKAGE_PLACES) and `ln`, `cp` and `install` (not -d) -- a last
+    operand ending in / or after several sources is a directory, else the file's path.  A link
+    to a plugin in a package's directory must have that package installed before it."""
+    placed: dict[str, set[str]] = {}
+    for _n, line in _code_lines(section):
+        lexer = shlex.shlex(line, posix=True, punctuation_chars="|&;<>")
+        lexer.whitespace_split, lexer.commenters = True, "#"
+        command: list[str] = []
+        for word in [*lexer, ";"]:
+            if not SHELL_OPERATORS.match(word):
+                command.append(word)
+                continue
+            name, options = (command or [""])[0], [w for w in command[1:] if w.startswith("-")]
+            operands = [w for w in command[1:] if not w.startswith("-")]
+            if "-m" in options:  # install's mode takes the next word
+                operands = operands[1:]
+            if name == "apt-get" and operands[:1] == ["install"]:
+                for package in operands[1:]:
+                    if package in PACKAGE_PLACES:
+                        where, names = PACKAGE_PLACES[package]
+                        placed.setdefault(where, set()).update(names)
+            elif name in ("ln", "cp", "install") and "-d" not in options and len(operands) >= 2:
+                *sources, target = operands
+                for source in sources:
+                    folder, file = source.rsplit("/", 1) if source.startswith("/") else ("", source)
+                    if folder in {where for where, _names in PACKAGE_PLACES.values()}:
+                        assert file in placed.get(folder, ()), f"{line}: no package installed {source} before"
+                if target.endswith("/") or len(sources) > 1:
+                    placed.setdefault(target.rstrip("/"), set()).update(s.rsplit("/", 1)[-1] for s in sources)
+                else:
+                    folder, file = target.rsplit("/", 1)
+                    placed.setdefault(folder, set()).add(file)
+            command = []
+    return placed
+
+
+def test_the_installs_put_every_plugin_a_pods_add_runs_in_one_directory():
+    """The container runtime runs every plugin of the conflist (agentd-cni, then portmap and
+    bandwidth) from its own CNI bin directory; the conflist's binDir tells agentd-cni alone where
+    its delegates are.  README's install never put agentd-cni in a CNI directory (every ADD:
+    "failed to find plugin agentd-cni"); operations.md's linked it into /opt/cni/bin while
+    Debian's containernetworking-plugins has portmap and bandwidth in /usr/lib/cni (every ADD:
+    portmap not found).  Both installs must put all of them in one directory, the same one."""
+    wanted = set(_conflists_plugins())
+    assert {"agentd-cni", "portmap", "bandwidth", "bridge", "host-local"} <= wanted, wanted
+    found = {}
+    for doc, heading in (("README.md", "## Running it on hosts"), ("docs/operations.md", "## Install")):
+        placed = _placed(_section((ROOT / doc).read_text(), heading))
+        found[doc] = sorted(where for where, names in placed.items() if wanted <= names)
+        assert found[doc], f"{doc}: no directory gets all of {sorted(wanted)}: {placed}"
+    assert found["README.md"] == found["docs/operations.md"], found

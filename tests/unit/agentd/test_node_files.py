@@ -233,3 +233,42 @@ def test_a_leave_keeps_an_operators_file_of_that_name(tmp_path, text):
         node_files.remove_conflist(cfg)
     with open(path) as f:
         assert f.read() == text
+
+
+# ------------------------------------------------------------------ the runtime's plugins
+
+
+def _plugins(directory, *names, mode=0o755):
+    directory.mkdir(exist_ok=True)
+    for name in names:
+        (directory / name).write_text("#!/bin/sh\n")
+        (directory / name).chmod(mode)
+    return str(directory)
+
+
+def test_the_start_warns_when_no_bin_dir_holds_every_plugin_of_the_conflist(tmp_path, caplog):
+    """The runtime runs agentd-cni, portmap and bandwidth from its own CNI bin directory (the
+    conflist's binDir is agentd-cni's delegates' only): an install that put agentd-cni in
+    /opt/cni/bin and left Debian's portmap and bandwidth in /usr/lib/cni failed every ADD, and
+    nothing said so.  The agent says, in one line, what each directory lacks."""
+    opt = _plugins(tmp_path / "opt", "agentd-cni", "bridge")
+    lib = _plugins(tmp_path / "lib", "portmap", "bandwidth", "bridge", "host-local")
+    _plugins(tmp_path / "lib", "agentd-cni", mode=0o644)  # not executable: not found either
+    cfg = agent_cfg(tmp_path, **{"cni.bin_dir": f"{opt}:{lib}:{tmp_path / 'none'}"})
+    with caplog.at_level(logging.WARNING, logger="agentd"):
+        node_files.write_cni_files(cfg, CLUSTER, {4: _lease()}, 1450)
+    assert (tmp_path / "net.d" / "10-agentd.conflist").exists()  # never fatal
+    (line,) = [r.getMessage() for r in caplog.records if "bin_dir" in r.getMessage()]
+    assert (f"({opt} lacks portmap, bandwidth; {lib} lacks agentd-cni; {tmp_path / 'none'} lacks agentd-cni, "
+            "portmap, bandwidth)") in line
+    assert node_files.runtime_plugins() == ("agentd-cni", "portmap", "bandwidth")
+
+
+def test_no_warning_where_one_bin_dir_holds_them_all_or_no_conflist_is_written(tmp_path, caplog):
+    lib = _plugins(tmp_path / "lib", "portmap", "bandwidth")
+    opt = _plugins(tmp_path / "opt", "agentd-cni", "portmap", "bandwidth")
+    with caplog.at_level(logging.WARNING, logger="agentd"):
+        node_files.write_cni_files(agent_cfg(tmp_path, **{"cni.bin_dir": f"{lib}:{opt}"}), CLUSTER, {4: _lease()}, 1450)
+        node_files.write_cni_files(agent_cfg(tmp_path, **{"cni.bin_dir": lib, "cni.write_conflist": False}),
+                                   CLUSTER, {4: _lease()}, 1450)  # a Docker host: no CNI pods
+    assert "bin_dir" not in caplog.text
