@@ -80,7 +80,7 @@ from agentd.kernel import netlink_ct as ct
 from agentd.kernel import netlink_log as nflog
 from agentd.kernel.netlink_socket import NetlinkSocket
 
-from .model import Flow, Identity, Peer, direction_of, protocol_name
+from .model import SENDER_REASONS, Flow, Identity, Peer, direction_of, protocol_name
 from .ring import Batch, Deferred, DropLimiter, Entry, FlowRing
 
 log = logging.getLogger("agentd.flows")
@@ -1634,7 +1634,7 @@ class FlowRecorder:
             flow.service_ip, flow.service_port = service_at
         if meaning is not None:
             flow.policies, flow.default_deny = tuple(meaning.policies), meaning.default_deny
-        if (reason.startswith("spoofed") or reason == "ra-guard") and p.port:
+        if reason in SENDER_REASONS and p.port:
             # The source address names whom the packet pretends to be; the veth it came in
             # on names who sent it.
             on = d.pod_on(p.port)

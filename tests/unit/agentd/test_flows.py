@@ -526,7 +526,8 @@ def test_the_reason_filter_takes_what_the_recorder_gives_and_nothing_else():
     assert drop is not None and drop.reason == "unknown"
     assert FlowFilter.parse([("reason", "unknown")]).matches(drop)
     assert not FlowFilter.parse([("reason", "policy")]).matches(drop)
-    with pytest.raises(FilterError, match="'no-such' is not one of policy, spoofed, spoofed-mac, spoofed-arp, spoofed-nd, ra-guard, no-endpoints, "
+    with pytest.raises(FilterError, match="'no-such' is not one of policy, spoofed, spoofed-mac, spoofed-arp, spoofed-nd, ra-guard, isolated, "
+                                          "other-family, no-endpoints, "
                                           "no-local-endpoints, no-service-port, no-service, no-route, unknown"):
         FlowFilter.parse([("reason", "no-such")])  # nothing records it
 
@@ -2367,6 +2368,33 @@ def test_the_directory_gives_each_spoofing_drop_its_reason():
     for prefix in ("spoofed", "spoofed-mac", "spoofed-arp", "spoofed-nd", "ra-guard"):
         meaning = d.drop(prefix)
         assert meaning is not None and (meaning.reason, meaning.direction) == (prefix, "egress") and prefix in REASONS
+
+
+def test_the_bridges_isolation_drops_have_their_reason_direction_and_sender():
+    """What crosses the bridge unrouted to (isolated-in) or from (isolated-out) an isolated pod
+    -- broadcast, multicast, IPv6 but neighbour discovery -- is logged with its own prefix: a
+    record of reason ``isolated``, in the direction of the isolation, naming the pod on the port
+    it came in from; the other family's drops likewise (``other-family``)."""
+    from agentd.daemon.flow_directory import FlowDirectory
+    from agentd.flows.model import REASONS
+
+    class Directory(FlowDirectory):
+        def pod_on(self, ifindex):
+            return {7: ("vethclient", CLIENT)}.get(ifindex)
+
+    d = Directory(None, None, (None, None))
+    expected = {"isolated-in": ("isolated", "ingress"), "isolated-out": ("isolated", "egress"),
+                "other-family": ("other-family", "egress")}
+    for prefix, (reason, direction) in expected.items():
+        meaning = d.drop(prefix)
+        assert meaning is not None and (meaning.reason, meaning.direction) == (reason, direction) and reason in REASONS
+    r = FlowRecorder("node1", d, "/nonexistent", group=143, clock=lambda: 1000.0)
+    mdns = P.udp_datagram("10.244.1.2", "224.0.0.251", 5353, 5353, b"x")
+    flow = r.dropped(_decoded(_bridge_logged("isolated-out", 0x0800, mdns)))
+    assert flow is not None
+    j = flow.json()
+    assert (j["reason"], j["direction"], j["dst"]["ip"], j["sender"]["pod"]) == ("isolated", "egress", "224.0.0.251", "shop/client")
+    assert dict(r.drops) == {} and FlowFilter.parse([("reason", "isolated"), ("from-pod", "shop/client")]).matches(flow)
 
 
 def test_an_ipv6_address_and_port_are_printed_in_brackets():

@@ -580,3 +580,49 @@ def test_the_link_layer_address_check_logs_as_a_mac_check():
     lla_ports = rs.objects[("bridge", compiler.TABLE, "set", compiler.LLA_PORTS)]
     assert dict(lla_ports.elements) == {"veth0": ("jump", "lla/veth0")}  # type: ignore[union-attr]
     assert ("bridge", compiler.TABLE, "chain", "lla/veth1") not in rs.objects
+
+
+def _logged_drops(rs: Ruleset) -> list[tuple[str, str, str]]:
+    """The drop rules of ``rs`` that log nothing: neither with a log statement of their own nor
+    in a logged drop chain (DropLog.chain_rules: a limited log and drop, the suppressed counter,
+    the drop), but the output chain's drop of the node's own ICMP redirects to its pods (no
+    pod's packet: docs/observability.md)."""
+    unlogged = []
+    for obj in rs.objects.values():
+        if not isinstance(obj, NftChain):
+            continue
+        rules = [json.loads(r) for r in obj.rules]
+        for i, rule in enumerate(rules):
+            if not any("drop" in s for s in rule) or any("log" in s for s in rule):
+                continue
+            if i >= 2 and rules[i - 1] == [{"counter": compiler.SUPPRESSED}] and any("log" in s for s in rules[i - 2]) \
+                    and rules[i - 2][-len(rule):] == rule:
+                continue  # the limit's excess: logged up to the limit by the rule before
+            if obj.family == "inet" and obj.name == "output" and any(
+                    s.get("match", {}).get("right") in ("redirect", "nd-redirect") for s in rule):
+                continue
+            unlogged.append((obj.family, obj.name, json.dumps(rule)[:160]))
+    return unlogged
+
+
+def test_with_flow_records_every_drop_rule_is_logged():
+    """docs/observability.md: each drop rule of the agent's tables is preceded by a rate-limited
+    log rule -- the bridge's isolation drops (broadcast, multicast, IPv6 but neighbour discovery
+    to or from an isolated pod) and the other family's drops too, each its own prefix."""
+    from agentd.nft.expr import DropLog
+
+    for families in ((4,), (6,), (4, 6)):
+        eng = PolicyEngine(NODE, families=families, drop_log=DropLog(5))
+        for i, (name, v4, v6) in enumerate((("a", A4, A6), ("b", B4, B6))):
+            ips = tuple(ipaddress.ip_address(ip) for ip, v in ((v4, 4), (v6, 6)) if v in families)
+            eng.upsert_pod(Pod("x", name, NODE, ips, {"pod": name}),
+                           LocalPort(f"veth{i}", f"02:00:00:00:00:{i:02x}", "cni0", pod_mac=MAC_A if i == 0 else ""))
+        eng.upsert_policy(Policy.parse(kinds.validate(DENY_ALL)))
+        rs = eng.build()
+        assert _logged_drops(rs) == [], families
+        forward = rs.objects[("bridge", compiler.TABLE, "chain", "forward")]
+        jumps = [s["jump"]["target"] for r in forward.rules for s in json.loads(r) if "jump" in s]  # type: ignore[union-attr]
+        assert jumps == [compiler.ISOLATED_IN, compiler.ISOLATED_OUT]
+        for name in (compiler.ISOLATED_IN, compiler.ISOLATED_OUT):
+            first = json.loads(rs.objects[("bridge", compiler.TABLE, "chain", name)].rules[0])  # type: ignore[union-attr]
+            assert {"log": {"prefix": name, "group": 5}} in first
