@@ -479,10 +479,26 @@ class PolicyEngine:
     def denying(self, key: PodKey, direction: str) -> tuple[list[str], bool]:
         """The policies isolating local pod ``key`` in ``direction`` ("in", "out") -- a drop
         there means none of them allows the packet -- and whether that is a default deny
-        (none of them has a rule in that direction at all)."""
+        (none of them has a rule in that direction at all; never with no policy)."""
         attr = "ingress" if direction == "in" else "egress"
         chosen = [p for p in self.selecting(key) if getattr(p, attr) is not None]
-        return [f"{p.namespace}/{p.name}" for p in chosen], all(not getattr(p, attr) for p in chosen)
+        return [f"{p.namespace}/{p.name}" for p in chosen], bool(chosen) and all(not getattr(p, attr) for p in chosen)
+
+    def drop_explanations(self) -> dict[str, tuple[str, PodKey, tuple[str, ...], bool]]:
+        """Each local pod chain's drop log prefix -> (direction "in"/"out", the pod, the policies
+        isolating it that way, default deny), as the engine has them now: the agent keeps the
+        one of the build it last programmed, so that a drop the kernel logged is explained by
+        the policies its rules were built from, not by those of a change not programmed yet."""
+        out = {}
+        for key in self.local:
+            if key not in self.pods:
+                continue
+            for direction in ("in", "out"):
+                policies, default_deny = self.denying(key, direction)
+                if policies:  # (a pod chain in that direction)
+                    prefix = compiler.drop_prefix(compiler.pod_chain(direction, *key))
+                    out[prefix] = (direction, key, tuple(policies), default_deny)
+        return out
 
     def members(self, policy: Policy, rule: Rule) -> set[PodKey]:
         """The pods the selector peers of ``rule`` match."""
