@@ -77,7 +77,12 @@ def _pod_json(ident: Identity) -> dict[str, Any]:
 
 
 def protocol_name(number: int) -> str:
-    return PROTOCOLS.get(number, str(number))
+    """An IP protocol's name (or number); past 255 an EtherType (a logged frame that is no IP
+    nor ARP packet: no addresses), in hex."""
+    name = PROTOCOLS.get(number)
+    if name is not None:
+        return name
+    return str(number) if number <= 255 else f"0x{number:04x}"
 
 
 @dataclass(frozen=True, slots=True)

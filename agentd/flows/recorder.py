@@ -1488,13 +1488,17 @@ class FlowRecorder:
         if mtype != nflog.MSG_PACKET:
             return
         try:
-            packet = nflog.decode_packet(buf, start, end)
+            packet = nflog.decode_packet(buf, start, end, headerless=True)
         except nl.NetlinkDecodeError:
             # Counted malformed (by _read), not lost: its number, if it can be read, is passed.
             self._log_numbered(nflog.packet_seq(buf, start, end))
             raise
-        if packet is None:  # a payload the agent does not read: heard of all the same
-            self._log_numbered(nflog.packet_seq(buf, start, end))
+        assert packet is not None
+        if not packet.read and self.directory.drop(packet.prefix) is None:
+            # A payload the agent does not read, of a prefix it does not know: heard of all the
+            # same.  One of its own drops (a frame of another EtherType with a MAC not the pod's,
+            # a QinQ frame) is recorded without addresses: its reason, sender and EtherType.
+            self._log_numbered(packet.seq)
             return
         self.events += 1
         if packet.ct_malformed:  # recorded all the same, without the Service its conntrack entry would name

@@ -429,7 +429,9 @@ def test_a_logged_packet_the_agent_does_not_read_is_not_counted_lost():
             + nl.attr(nflog.NFULA_PAYLOAD, b"\x00" * 20))  # no IPv4 or IPv6 packet
     foreign = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, body, res_id=143)
     r._read(_Datagrams(_web_drop(40001, 1) + foreign, _web_drop(40002, 3)), r._on_log, "log")
-    assert len(r.ring) == 2 and r.lost.get("log", 0) == 0 and r.malformed == 0
+    # (its prefix is known: a record without addresses, as of a frame that is no IP packet)
+    assert len(r.ring) == 3 and r.lost.get("log", 0) == 0 and r.malformed == 0
+    assert [f.src.ip for f in list(r.ring)] == ["10.244.1.2", "", "10.244.1.2"]
 
 
 def test_one_unreadable_event_of_a_conntrack_datagram_is_skipped():
@@ -3986,3 +3988,37 @@ async def test_a_record_time_that_is_no_time_from_one_node_is_that_nodes_error_a
     assert [(json.loads(r)["node"], json.loads(r)["time"]) for r in records] == [
         ("node3", 108.0), ("node2", 108.5), ("node3", 109.0)]
     assert errors == {"node2": "node2 answered a record whose time is not a time"}
+
+
+def test_a_logged_drop_of_a_frame_that_is_no_ip_nor_arp_packet_is_recorded_all_the_same():
+    """A frame with a MAC not the pod's of another EtherType (the simplest poisoning of the
+    bridge's forwarding table) and a QinQ frame (its payload starts with the inner tag) are
+    logged by the kernel: each is a record of its prefix's reason, with the sender and the
+    EtherType, no addresses -- counted as drops, not silently discarded.  A payload the agent
+    cannot read of a prefix it does not know is heard of (its number), no record."""
+    from agentd.daemon.flow_directory import FlowDirectory
+
+    class Directory(FlowDirectory):
+        def pod_on(self, ifindex):
+            return {7: ("vethclient", CLIENT)}.get(ifindex)
+
+    r = FlowRecorder("node1", Directory(None, None, ()), "/nonexistent", group=143, clock=lambda: 1000.0)
+
+    def feed(prefix: str, hw: int, payload: bytes, seq: int) -> None:
+        body = (nl.attr(nflog.NFULA_PACKET_HDR, struct.pack("!HBx", hw, 0)) + nl.attr(nflog.NFULA_PREFIX, prefix.encode() + b"\0")
+                + nl.attr(nflog.NFULA_IFINDEX_PHYSINDEV, struct.pack("!I", 7)) + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", seq))
+                + nl.attr(nflog.NFULA_PAYLOAD, payload))  # fmt: skip
+        msg = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, 7, body)
+        for mtype, _f, _s, _p, start, end in nl.iter_messages(msg):
+            r._on_log(mtype, msg, start, end)
+
+    feed("spoofed-mac", 0x88B5, bytes(46), 1)
+    feed("spoofed", 0x8100, b"\x00\x05\x08\x00" + P.udp_datagram("10.244.1.2", "10.244.1.3", 1, 2, b"x"), 2)
+    feed("spoofed", 0x0800, P.udp_datagram("10.244.1.2", "10.244.1.3", 1, 2, b"x"), 3)
+    feed("someone-elses", 0x88B5, bytes(46), 4)
+    assert sum(r.drops.values()) == 3 and r.events == 3 and dict(r.lost) == {} and r.malformed == 0
+    records = [f.json() for f in list(r.ring)]
+    assert [(j["reason"], j["protocol"], j["src"]["ip"], j["sender"]["pod"]) for j in records] == [
+        ("spoofed-mac", "0x88b5", "", "shop/client"), ("spoofed", "0x8100", "", "shop/client"),
+        ("spoofed", "UDP", "10.244.1.2", "shop/client")]
+    assert "- -> -" in line(records[0])
