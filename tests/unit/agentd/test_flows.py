@@ -4022,3 +4022,34 @@ def test_a_logged_drop_of_a_frame_that_is_no_ip_nor_arp_packet_is_recorded_all_t
         ("spoofed-mac", "0x88b5", "", "shop/client"), ("spoofed", "0x8100", "", "shop/client"),
         ("spoofed", "UDP", "10.244.1.2", "shop/client")]
     assert "- -> -" in line(records[0])
+
+
+def test_an_address_two_records_of_another_node_claim_names_one_pod_whatever_their_order():
+    """Another node's stale endpoint file publishes a second record with a live pod's address:
+    that node's tables give it to the newer pod, and so does the name here -- whichever record
+    came last (a snapshot's etcd key order, an update of the stale one), and when the stale
+    record goes the address still names the live pod, not nobody."""
+    x = IPv4Address("10.244.1.7")
+    new = Pod("ns", "a-new", "node1", (x,), {}, created="2024-05-02T10:00:00Z")
+    stale = Pod("ns", "z-stale", "node1", (x,), {}, created="2024-05-01T09:00:00Z")
+    for order in ((new, stale), (stale, new), (new, stale, stale)):
+        engine = PolicyEngine("node2")
+        for i, pod in enumerate(order):
+            engine.upsert_pod(pod if i < 2 else Pod(**{**pod.__dict__, "labels": {"again": "1"}}))
+        assert engine.by_ip[str(x)] == ("ns", "a-new"), order
+        engine.remove_pod(("ns", "z-stale"))
+        assert engine.by_ip[str(x)] == ("ns", "a-new")
+        engine.upsert_pod(stale)
+        engine.remove_pod(("ns", "a-new"))  # the live pod goes: the other claimant has it
+        assert engine.by_ip[str(x)] == ("ns", "z-stale")
+        engine.remove_pod(("ns", "z-stale"))
+        assert str(x) not in engine.by_ip
+    # Without creation times: by name, in any order; a record moving off the address gives it back.
+    engine = PolicyEngine("node2")
+    engine.upsert_pod(Pod("ns", "b", "node1", (x,), {}))
+    engine.upsert_pod(Pod("ns", "a", "node1", (x,), {}))
+    assert engine.by_ip[str(x)] == ("ns", "b")
+    engine.upsert_pod(Pod("ns", "b", "node1", (IPv4Address("10.244.1.8"),), {}))
+    assert engine.by_ip[str(x)] == ("ns", "a") and engine.by_ip["10.244.1.8"] == ("ns", "b")
+    assert Pod.parse({"metadata": {"namespace": "ns", "name": "a", "creationTimestamp": "2024-05-02T10:00:00Z"},
+                      "spec": {"nodeName": "node1"}}).created == "2024-05-02T10:00:00Z"
