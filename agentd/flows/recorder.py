@@ -1615,7 +1615,10 @@ class FlowRecorder:
             # be (its source is the pod's own link-local address; the sender is named below).
             p = p._replace(src=p.claimed)
         now = p.time or self.clock()
-        folded = self.limiter.allow((p.prefix, p.src, p.dst, p.proto, p.dport), now)
+        # A drop naming its sender (spoofed*, ra-guard, ...) is folded only with the same
+        # sender's: two pods claiming one address to one destination are two records.
+        sender = p.port if reason in SENDER_REASONS else 0
+        folded = self.limiter.allow((p.prefix, p.src, p.dst, p.proto, p.dport, sender), now)
         d = self.directory
         src_id, dst_id = d.identity(p.src), d.identity(p.dst)
         direction = meaning.direction if meaning is not None and meaning.direction else direction_of(src_id, dst_id)

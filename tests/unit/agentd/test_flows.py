@@ -4053,3 +4053,26 @@ def test_an_address_two_records_of_another_node_claim_names_one_pod_whatever_the
     assert engine.by_ip[str(x)] == ("ns", "a") and engine.by_ip["10.244.1.8"] == ("ns", "b")
     assert Pod.parse({"metadata": {"namespace": "ns", "name": "a", "creationTimestamp": "2024-05-02T10:00:00Z"},
                       "spec": {"nodeName": "node1"}}).created == "2024-05-02T10:00:00Z"
+
+
+def test_the_drop_limiter_folds_a_senders_drops_only_with_that_senders():
+    """Two pods claiming one address to one destination (two keepalived pods' gratuitous ARP
+    for one floating IP) are two records, each naming its own sender: not one pod's drops
+    folded into the other's record.  A refusal has no sender: folded as ever."""
+    from agentd.daemon.flow_directory import FlowDirectory
+
+    class Directory(FlowDirectory):
+        def pod_on(self, ifindex):
+            return ({7: "vethX", 8: "vethY"}[ifindex], None)
+
+    r = FlowRecorder("node1", Directory(None, None, ()), "/nonexistent", group=143, agent_rate=1.0, agent_burst=1,
+                     clock=lambda: 1000.0)
+
+    def pkt(prefix: str, port: int, t: float) -> nflog.Packet:
+        return nflog.Packet(prefix, 7, t, 3, 0, None, "10.244.1.50", "10.96.0.10", 17, 5353, 53, physindev=port)
+
+    out = [r.dropped(pkt("spoofed", 7, 1000.0)), r.dropped(pkt("spoofed", 8, 1000.1)), r.dropped(pkt("spoofed", 8, 1000.2)),
+           r.dropped(pkt("spoofed", 7, 1001.5))]
+    assert [None if f is None else (f.sender_interface, f.suppressed) for f in out] == [
+        ("vethX", 0), ("vethY", 0), None, ("vethX", 0)]
+    assert r.dropped(pkt("no-endpoints", 7, 1000.0)) is not None and r.dropped(pkt("no-endpoints", 8, 1000.1)) is None
