@@ -37,7 +37,8 @@ drop is preceded by a rate-limited ``log group N prefix "<the chain's name>"`` r
 the agent hears the packet and maps the prefix back to the pod, the direction and the
 policies that isolate it), what the limit holds back is counted in the ``flow-log-suppressed``
 counter, and the spoofing drops log with prefix ``spoofed`` (``spoofed-mac``, ``spoofed-arp``,
-``spoofed-nd``; a pod's router advertisements and redirects ``ra-guard``), the isolation
+``spoofed-nd``; a pod's router advertisements and redirects ``ra-guard``; its VLAN-tagged
+frames ``vlan-tagged``), the isolation
 drops of what crosses the bridge unrouted ``isolated-in`` and ``isolated-out``, the other
 family's ``other-family`` (every drop but the node's own ICMP redirects to its pods).  With ``route_all``
 the bridge table hands every local pod's unicast up to the IP stack, not only isolated pods', so that
@@ -120,6 +121,7 @@ SPOOFED_MAC = "spoofed-mac"
 SPOOFED_ARP = "spoofed-arp"  # ARP from a pod port claiming an address not the pod's own
 SPOOFED_ND = "spoofed-nd"  # a neighbour advertisement from a pod port claiming an address not the pod's own
 RA_GUARD = "ra-guard"  # a router advertisement or redirect from a pod port: pods are no routers
+VLAN_TAGGED = "vlan-tagged"  # a VLAN-tagged frame from a pod port (its source is not what is wrong)
 # What crosses the bridge to (``isolated-in``) or from (``isolated-out``) an isolated pod
 # without being routed up, so without being judged (IPv4 broadcast and multicast, IPv6 other
 # than neighbour discovery): dropped, each direction through its own logged chain.
@@ -131,6 +133,7 @@ OTHER_FAMILY = "other-family"
 # agentd.daemon.flow_directory) and the counter it counts in (None: an anonymous one).
 BRIDGE_DROPS: dict[str, str | None] = {
     SPOOFED_PREFIX: SPOOFED, SPOOFED_MAC: SPOOFED, SPOOFED_ARP: SPOOFED, SPOOFED_ND: SPOOFED, RA_GUARD: SPOOFED,
+    VLAN_TAGGED: SPOOFED,
     ISOLATED_IN: None, ISOLATED_OUT: None, OTHER_FAMILY: None,
 }  # fmt: skip
 # A pod's new connection to an address the node has no route to (the kernel drops it when it
@@ -388,7 +391,8 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         # A VLAN tag hides the frame's type from every ``ether type`` match below (the kernel
         # reads the tag's type, 802.1Q), while the receiving pod treats VID 0 as untagged:
         # pods send no tagged frames.
-        [from_pod, match(payload("ether", "type"), {"set": ["8021q", "8021ad"]}), *_spoofed(log)],
+        # Its own drop chain and log prefix (``vlan-tagged``), counted in the spoofed counter.
+        [from_pod, match(payload("ether", "type"), {"set": ["8021q", "8021ad"]}), *_dropped(log, VLAN_TAGGED)],
     ]
     # The family the cluster has not leaves no pod, to be routed unjudged: dropped, not counted
     # as spoofed (a pod's kernel sends some of it unasked, such as MLD reports at link up).

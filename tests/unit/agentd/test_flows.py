@@ -528,8 +528,8 @@ def test_the_reason_filter_takes_what_the_recorder_gives_and_nothing_else():
     assert drop is not None and drop.reason == "unknown"
     assert FlowFilter.parse([("reason", "unknown")]).matches(drop)
     assert not FlowFilter.parse([("reason", "policy")]).matches(drop)
-    with pytest.raises(FilterError, match="'no-such' is not one of policy, spoofed, spoofed-mac, spoofed-arp, spoofed-nd, ra-guard, isolated, "
-                                          "other-family, no-endpoints, "
+    with pytest.raises(FilterError, match="'no-such' is not one of policy, spoofed, spoofed-mac, spoofed-arp, spoofed-nd, ra-guard, vlan-tagged, "
+                                          "isolated, other-family, no-endpoints, "
                                           "no-local-endpoints, no-service-port, no-service, no-route, unknown"):
         FlowFilter.parse([("reason", "no-such")])  # nothing records it
 

@@ -626,3 +626,23 @@ def test_with_flow_records_every_drop_rule_is_logged():
         for name in (compiler.ISOLATED_IN, compiler.ISOLATED_OUT):
             first = json.loads(rs.objects[("bridge", compiler.TABLE, "chain", name)].rules[0])  # type: ignore[union-attr]
             assert {"log": {"prefix": name, "group": 5}} in first
+
+
+def test_a_vlan_tagged_frame_from_a_pod_logs_as_its_own_reason_not_as_spoofed():
+    """A pod's tagged frame (a priority tag with its own address) claims no address of
+    another's: with flow records it goes through its own chain (``vlan-tagged``, the record's
+    reason), still counted in the one spoofed counter."""
+    from agentd.daemon.flow_directory import FlowDirectory
+    from agentd.nft.expr import DropLog
+
+    eng = PolicyEngine(NODE, families=(4, 6), drop_log=DropLog(5))
+    eng.upsert_pod(Pod("x", "a", NODE, (ipaddress.ip_address(A4), ipaddress.ip_address(A6)), {}),
+                   LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    rs = eng.build()
+    prerouting = rs.objects[("bridge", compiler.TABLE, "chain", "prerouting")]
+    tagged = [json.loads(r) for r in prerouting.rules if "8021q" in r]  # type: ignore[union-attr]
+    assert len(tagged) == 1 and tagged[0][-1] == {"jump": {"target": compiler.VLAN_TAGGED}}
+    logged = json.loads(rs.objects[("bridge", compiler.TABLE, "chain", compiler.VLAN_TAGGED)].rules[0])  # type: ignore[union-attr]
+    assert {"log": {"prefix": "vlan-tagged", "group": 5}} in logged and {"counter": "spoofed"} in logged
+    meaning = FlowDirectory(None, None, (None, None)).drop(compiler.VLAN_TAGGED)
+    assert meaning is not None and (meaning.reason, meaning.direction) == ("vlan-tagged", "egress")
