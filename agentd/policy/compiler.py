@@ -40,7 +40,8 @@ counter, and the spoofing drops log with prefix ``spoofed`` (``spoofed-mac``, ``
 ``spoofed-nd``; a pod's router advertisements and redirects ``ra-guard``; its VLAN-tagged
 frames ``vlan-tagged``), the isolation
 drops of what crosses the bridge unrouted ``isolated-in`` and ``isolated-out``, the other
-family's ``other-family`` (every drop but the node's own ICMP redirects to its pods).  With ``route_all``
+family's ``other-family`` (every drop but the node's own ICMP redirects to its pods and, in
+an IPv4-only cluster, the MLD messages a pod's kernel sends at link up).  With ``route_all``
 the bridge table hands every local pod's unicast up to the IP stack, not only isolated pods', so that
 conntrack sees every connection of the node's pods (the flows' connection records); so it does
 while Services translate on the node (``route_services``: an endpoint's reply to a client pod
@@ -152,6 +153,9 @@ PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
 
 _L4 = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
 ND_TYPES = ["nd-router-solicit", "nd-router-advert", "nd-neighbor-solicit", "nd-neighbor-advert"]
+# MLD's query, report, done and MLDv2 report (RFC 2710, 3810): what a pod's kernel sends of IPv6
+# unasked, where the cluster runs none, at every link up (its one drop left unlogged).
+MLD_TYPES = [130, 131, 132, 143]
 OTHER_FAMILY_ND = ["nd-router-solicit", "nd-neighbor-solicit", "nd-neighbor-advert"]  # what a pod may send of IPv6 where it has none
 
 
@@ -401,6 +405,9 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
     if 6 not in versions:  # an IPv4-only cluster: no IPv6 but neighbour discovery (RA guard included)
         ip6 = match(payload("ether", "type"), "ip6")
         prerouting += [[from_pod, ip6, match(meta("l4proto"), "ipv6-icmp", "!="), *_dropped(log, OTHER_FAMILY)],
+                       # The multicast listener messages a pod's kernel sends unasked at every
+                       # link up: dropped unlogged (a record of each pod's start says nothing).
+                       [from_pod, ip6, match(payload("icmpv6", "type"), {"set": MLD_TYPES}), DROP],
                        [from_pod, ip6, match(payload("icmpv6", "type"), {"set": OTHER_FAMILY_ND}, "!="),
                         *_dropped(log, OTHER_FAMILY)]]
     routed_up: list[list[dict[str, Any]]] = []

@@ -187,7 +187,7 @@ def test_the_family_an_ipv4_only_cluster_has_not_leaves_no_pod_but_neighbour_dis
     rs = engine((4,), DENY_ALL)
     assert run(rs, "bridge", "prerouting", ip_frame("veth0", "fd00::9", "2001:db8::1"))[0] == "drop"
     icmp = {("meta", "l4proto"): "ipv6-icmp"}
-    for kind, verdict in (("echo-request", "drop"), ("nd-router-advert", "drop"), ("nd-redirect", "drop"),
+    for kind, verdict in (("echo-request", "drop"), ("nd-router-advert", "drop"), ("nd-redirect", "drop"), (143, "drop"),
                           ("nd-neighbor-solicit", None), ("nd-neighbor-advert", None), ("nd-router-solicit", None)):  # fmt: skip
         frame = ip_frame("veth0", "fe80::1", "ff02::1", extra={**icmp, ("payload", "icmpv6", "type"): kind})
         assert run(rs, "bridge", "prerouting", frame)[0] == verdict, kind
@@ -586,7 +586,8 @@ def _logged_drops(rs: Ruleset) -> list[tuple[str, str, str]]:
     """The drop rules of ``rs`` that log nothing: neither with a log statement of their own nor
     in a logged drop chain (DropLog.chain_rules: a limited log and drop, the suppressed counter,
     the drop), but the output chain's drop of the node's own ICMP redirects to its pods (no
-    pod's packet: docs/observability.md)."""
+    pod's packet) and an IPv4-only cluster's drop of the MLD messages a pod's kernel sends at
+    link up (docs/observability.md)."""
     unlogged = []
     for obj in rs.objects.values():
         if not isinstance(obj, NftChain):
@@ -601,6 +602,8 @@ def _logged_drops(rs: Ruleset) -> list[tuple[str, str, str]]:
             if obj.family == "inet" and obj.name == "output" and any(
                     s.get("match", {}).get("right") in ("redirect", "nd-redirect") for s in rule):
                 continue
+            if obj.family == "bridge" and {"set": compiler.MLD_TYPES} in [s.get("match", {}).get("right") for s in rule]:
+                continue  # an IPv4-only cluster's pods' MLD messages at link up
             unlogged.append((obj.family, obj.name, json.dumps(rule)[:160]))
     return unlogged
 
