@@ -12,7 +12,8 @@ services agents already know, never a second copy.
   not known to be local: an address added since);
 * a drop prefix: a pod chain's (``pod-in/...``, ``pod-out/...``: the pod, the direction and
   the policies isolating it, :meth:`agentd.policy.agent.PolicyAgent.explain_drop`),
-  ``spoofed`` (``spoofed-mac``, ``spoofed-arp``, ``spoofed-nd``, ``ra-guard``), ``no-route`` (a pod's packet the kernel
+  ``spoofed`` (``spoofed-mac``, ``spoofed-arp``, ``spoofed-nd``, ``ra-guard``), ``vlan-tagged``, ``isolated-in`` and ``isolated-out``
+  (reason ``isolated``: unrouted traffic to or from an isolated pod), ``other-family``, ``no-route`` (a pod's packet the kernel
   has no route for), or a services refusal chain's (``no-endpoints``, ``no-local-endpoints``);
 * the pod on an interface (a spoofed packet's sender): the node's side of each local pod's
   veth, as agentd-cni's endpoint files name it (the policy agent's publisher).
@@ -31,12 +32,16 @@ from agentd.flows.model import Identity
 from agentd.kernel import netlink as nl
 from agentd.policy.agent import PolicyAgent
 from agentd.policy.compiler import (
+    ISOLATED_IN,
+    ISOLATED_OUT,
     NO_ROUTE,
+    OTHER_FAMILY,
     RA_GUARD,
     SPOOFED_ARP,
     SPOOFED_MAC,
     SPOOFED_ND,
     SPOOFED_PREFIX,
+    VLAN_TAGGED,
 )
 from agentd.services import compiler as services_compiler
 from agentd.services.agent import ServiceAgent
@@ -248,8 +253,12 @@ class FlowDirectory:
         return self._names
 
     def drop(self, prefix: str) -> DropMeaning | None:
-        if prefix in (SPOOFED_PREFIX, SPOOFED_MAC, SPOOFED_ARP, SPOOFED_ND, RA_GUARD):  # the bridge's: their prefix is the reason
+        if prefix in (SPOOFED_PREFIX, SPOOFED_MAC, SPOOFED_ARP, SPOOFED_ND, RA_GUARD, VLAN_TAGGED):  # the bridge's: their prefix is the reason
             return DropMeaning(prefix, "egress")
+        if prefix in (ISOLATED_IN, ISOLATED_OUT):  # crossing the bridge unrouted to or from an isolated pod
+            return DropMeaning("isolated", "ingress" if prefix == ISOLATED_IN else "egress")
+        if prefix == OTHER_FAMILY:  # a pod's packet of a family the cluster does not run
+            return DropMeaning(OTHER_FAMILY, "egress")
         if prefix == NO_ROUTE:  # a pod's packet the kernel drops for want of a route: always on its way out
             return DropMeaning(NO_ROUTE, "egress")
         reason = SERVICE_REFUSALS.get(prefix)

@@ -30,6 +30,10 @@ REASONS = {
     "spoofed-arp": "ARP sender address is not the pod's own",
     "spoofed-nd": "neighbour advertisement's target address is not the pod's own",
     "ra-guard": "router advertisement or redirect from a pod (pods are no routers)",
+    "vlan-tagged": "a VLAN-tagged frame from a pod (pods send no tagged frames)",
+    "isolated": "broadcast, multicast or IPv6 (not neighbour discovery) crossing the bridge to or from an isolated pod "
+                "unrouted, so unjudged by its policies (dropped)",
+    "other-family": "a pod's packet of an IP family the cluster does not run (nothing would judge it)",
     "no-endpoints": "Service has no endpoints (refused)",
     "no-local-endpoints": "Service has no endpoints on this node (traffic policy Local)",
     "no-service-port": "no Service has that port of the cluster IP (refused)",
@@ -37,6 +41,9 @@ REASONS = {
     "no-route": "no route to the destination (the kernel drops it)",
     "unknown": "a drop rule the agent does not know (its log prefix)",  # the recorder's word for the rest
 }
+# The drops whose record names who sent the packet (``sender``: the pod on the bridge port it came in on).
+SENDER_REASONS = frozenset({"spoofed", "spoofed-mac", "spoofed-arp", "spoofed-nd", "ra-guard", "vlan-tagged", "isolated",
+                            "other-family"})
 ARP = 0x0806  # not an IP protocol: its ether type, for the ARP packets the bridge drops (spoofed-arp)
 PROTOCOLS = {1: "ICMP", 6: "TCP", 17: "UDP", 58: "ICMPv6", 132: "SCTP", ARP: "ARP"}
 # Those whose records' ends hold ports (ICMP's hold its type and code: no port filter matches them).
@@ -72,7 +79,12 @@ def _pod_json(ident: Identity) -> dict[str, Any]:
 
 
 def protocol_name(number: int) -> str:
-    return PROTOCOLS.get(number, str(number))
+    """An IP protocol's name (or number); past 255 an EtherType (a logged frame that is no IP
+    nor ARP packet: no addresses), in hex."""
+    name = PROTOCOLS.get(number)
+    if name is not None:
+        return name
+    return str(number) if number <= 255 else f"0x{number:04x}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,7 +80,7 @@ from agentd.kernel import netlink_ct as ct
 from agentd.kernel import netlink_log as nflog
 from agentd.kernel.netlink_socket import NetlinkSocket
 
-from .model import Flow, Identity, Peer, direction_of, protocol_name
+from .model import SENDER_REASONS, Flow, Identity, Peer, direction_of, protocol_name
 from .ring import Batch, Deferred, DropLimiter, Entry, FlowRing
 
 log = logging.getLogger("agentd.flows")
@@ -1488,13 +1488,17 @@ class FlowRecorder:
         if mtype != nflog.MSG_PACKET:
             return
         try:
-            packet = nflog.decode_packet(buf, start, end)
+            packet = nflog.decode_packet(buf, start, end, headerless=True)
         except nl.NetlinkDecodeError:
             # Counted malformed (by _read), not lost: its number, if it can be read, is passed.
             self._log_numbered(nflog.packet_seq(buf, start, end))
             raise
-        if packet is None:  # a payload the agent does not read: heard of all the same
-            self._log_numbered(nflog.packet_seq(buf, start, end))
+        assert packet is not None
+        if not packet.read and self.directory.drop(packet.prefix) is None:
+            # A payload the agent does not read, of a prefix it does not know: heard of all the
+            # same.  One of its own drops (a frame of another EtherType with a MAC not the pod's,
+            # a QinQ frame) is recorded without addresses: its reason, sender and EtherType.
+            self._log_numbered(packet.seq)
             return
         self.events += 1
         if packet.ct_malformed:  # recorded all the same, without the Service its conntrack entry would name
@@ -1611,7 +1615,10 @@ class FlowRecorder:
             # be (its source is the pod's own link-local address; the sender is named below).
             p = p._replace(src=p.claimed)
         now = p.time or self.clock()
-        folded = self.limiter.allow((p.prefix, p.src, p.dst, p.proto, p.dport), now)
+        # A drop naming its sender (spoofed*, ra-guard, ...) is folded only with the same
+        # sender's: two pods claiming one address to one destination are two records.
+        sender = p.port if reason in SENDER_REASONS else 0
+        folded = self.limiter.allow((p.prefix, p.src, p.dst, p.proto, p.dport, sender), now)
         d = self.directory
         src_id, dst_id = d.identity(p.src), d.identity(p.dst)
         direction = meaning.direction if meaning is not None and meaning.direction else direction_of(src_id, dst_id)
@@ -1634,7 +1641,7 @@ class FlowRecorder:
             flow.service_ip, flow.service_port = service_at
         if meaning is not None:
             flow.policies, flow.default_deny = tuple(meaning.policies), meaning.default_deny
-        if (reason.startswith("spoofed") or reason == "ra-guard") and p.port:
+        if reason in SENDER_REASONS and p.port:
             # The source address names whom the packet pretends to be; the veth it came in
             # on names who sent it.
             on = d.pod_on(p.port)

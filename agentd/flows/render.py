@@ -16,6 +16,8 @@ from typing import Any
 def _where(ip: Any, port: Any) -> str:
     """``ip:port``, an IPv6 address in brackets (``[fd00:10:96::a]:80``): never ambiguous.
     Each made printable (:func:`_clean`): a gathered record is another node's word."""
+    if not ip:  # a frame that is no IP packet: no address, no port
+        return "-"
     ip, port = _clean(str(ip)), _clean(str(port))
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 

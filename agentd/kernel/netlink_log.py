@@ -128,6 +128,10 @@ class Packet(NamedTuple):
     quoted: tuple[str, str, int, int, int] | None = None
     # An ICMPv6 neighbour advertisement's target: the address it claims (as :func:`nd_target`).
     claimed: str | None = None
+    # False: a payload the agent cannot read (no IP nor ARP packet: a frame of another EtherType
+    # from a pod with a MAC not its own, a QinQ frame's inner tag, one too short), decoded with
+    # ``headerless``: no addresses nor ports, its EtherType (NFULA_PACKET_HDR) as ``proto``.
+    read: bool = True
 
     @property
     def port(self) -> int:
@@ -135,10 +139,12 @@ class Packet(NamedTuple):
         return self.physindev or self.indev
 
 
-def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
+def decode_packet(buf: bytes, start: int, end: int, *, headerless: bool = False) -> Packet | None:
     """An NFULNL_MSG_PACKET body (nfgenmsg + attributes); None if its payload is no IPv4 or
     IPv6 packet, nor an ARP one (its hardware protocol, NFULA_PACKET_HDR, ETH_P_ARP: the
-    bridge table's spoofed-arp drops), that the agent can read (too short, another protocol)."""
+    bridge table's spoofed-arp drops), that the agent can read (too short, another protocol)
+    -- or, with ``headerless``, a Packet of what the message says all the same (``read``
+    False: no addresses, the hardware protocol, an EtherType, as its protocol)."""
     if end > len(buf) or end - start < nl.NFGENMSG_LEN:
         raise nl.NetlinkDecodeError(f"log message body is {end - start} bytes, nfgenmsg needs {nl.NFGENMSG_LEN}")
     family = buf[start]
@@ -171,11 +177,13 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
                 raise nl.NetlinkDecodeError(f"NFULA_TIMESTAMP must be {_TIMESTAMP.size} bytes, got {ve - vs}")
             sec, usec = _TIMESTAMP.unpack_from(buf, vs)
             when = sec + usec / 1e6
-    if payload is None:
-        return None
-    headers = arp_summary(buf, *payload) if hw_protocol == ETH_P_ARP else ip_summary(buf, *payload)
+    headers = None
+    if payload is not None:
+        headers = arp_summary(buf, *payload) if hw_protocol == ETH_P_ARP else ip_summary(buf, *payload)
     if headers is None:
-        return None
+        if not headerless:
+            return None
+        return Packet(prefix, family, when, indev, outdev, seq, "", "", hw_protocol, 0, 0, physindev=physindev, read=False)
     orig_dst, ct_malformed, dnat = None, False, None
     if conntrack is not None:
         try:

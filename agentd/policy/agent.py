@@ -158,6 +158,9 @@ class PolicyAgent:
         # begun after its change (a sync already under way when it came was built without it).
         self.builds = 0
         self.synced_build = 0
+        # The drop explanations (engine.drop_explanations) of the build last programmed: what
+        # the kernel's logging rules were built from.  None: nothing programmed yet.
+        self._explained: dict[str, tuple[str, PodKey, tuple[str, ...], bool]] | None = None
         self._synced = asyncio.Event()  # set after each sync (route_services waits for one)
         self.last_sync: dict[str, Any] | None = None  # the last transaction: commands, seconds
         self.sync_errors = 0
@@ -560,6 +563,7 @@ class PolicyAgent:
             self.builds += 1
             build = self.builds
             desired = self.engine.build()
+            explained = self.engine.drop_explanations()
             keys = self.engine.touched()
             self._report_conflicts()
             self._report_too_large()
@@ -586,6 +590,7 @@ class PolicyAgent:
             self.error = None
             self.syncs += 1
             self.synced_build = build
+            self._explained = explained
             self._synced.set()
             seconds = time.perf_counter() - start
             if self.sync_seconds is not None:
@@ -788,13 +793,16 @@ class PolicyAgent:
 
     def explain_drop(self, prefix: str) -> tuple[str, PodKey, list[str], bool] | None:
         """A pod chain's drop log prefix -> (direction "ingress"/"egress", the pod, the
-        policies isolating it that way, default deny); None if no local pod's chain has it."""
-        origin = self.engine.drop_origin(prefix)
-        if origin is None:
+        policies isolating it that way, default deny) as the build last programmed has them (the
+        rules that logged it: a policy deleted or added since is not programmed yet, or the
+        drop was logged before); None if no local pod's chain had it then.  Before the first
+        sync, as the engine has them."""
+        explained = self._explained if self._explained is not None else self.engine.drop_explanations()
+        got = explained.get(prefix)
+        if got is None:
             return None
-        direction, key = origin
-        policies, default_deny = self.engine.denying(key, direction)
-        return ("ingress" if direction == "in" else "egress"), key, policies, default_deny
+        direction, key, policies, default_deny = got
+        return ("ingress" if direction == "in" else "egress"), key, list(policies), default_deny
 
     @property
     def unknown_endpoints(self) -> list[str]:

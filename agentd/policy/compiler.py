@@ -37,7 +37,11 @@ drop is preceded by a rate-limited ``log group N prefix "<the chain's name>"`` r
 the agent hears the packet and maps the prefix back to the pod, the direction and the
 policies that isolate it), what the limit holds back is counted in the ``flow-log-suppressed``
 counter, and the spoofing drops log with prefix ``spoofed`` (``spoofed-mac``, ``spoofed-arp``,
-``spoofed-nd``; a pod's router advertisements and redirects ``ra-guard``).  With ``route_all``
+``spoofed-nd``; a pod's router advertisements and redirects ``ra-guard``; its VLAN-tagged
+frames ``vlan-tagged``), the isolation
+drops of what crosses the bridge unrouted ``isolated-in`` and ``isolated-out``, the other
+family's ``other-family`` (every drop but the node's own ICMP redirects to its pods and, in
+an IPv4-only cluster, the MLD messages a pod's kernel sends at link up).  With ``route_all``
 the bridge table hands every local pod's unicast up to the IP stack, not only isolated pods', so that
 conntrack sees every connection of the node's pods (the flows' connection records); so it does
 while Services translate on the node (``route_services``: an endpoint's reply to a client pod
@@ -118,6 +122,21 @@ SPOOFED_MAC = "spoofed-mac"
 SPOOFED_ARP = "spoofed-arp"  # ARP from a pod port claiming an address not the pod's own
 SPOOFED_ND = "spoofed-nd"  # a neighbour advertisement from a pod port claiming an address not the pod's own
 RA_GUARD = "ra-guard"  # a router advertisement or redirect from a pod port: pods are no routers
+VLAN_TAGGED = "vlan-tagged"  # a VLAN-tagged frame from a pod port (its source is not what is wrong)
+# What crosses the bridge to (``isolated-in``) or from (``isolated-out``) an isolated pod
+# without being routed up, so without being judged (IPv4 broadcast and multicast, IPv6 other
+# than neighbour discovery): dropped, each direction through its own logged chain.
+ISOLATED_IN = "isolated-in"
+ISOLATED_OUT = "isolated-out"
+# A pod's packets of the family the cluster does not run (nothing would judge them once routed).
+OTHER_FAMILY = "other-family"
+# The bridge table's logged drop chains, each its name the log prefix (the record's reason:
+# agentd.daemon.flow_directory) and the counter it counts in (None: an anonymous one).
+BRIDGE_DROPS: dict[str, str | None] = {
+    SPOOFED_PREFIX: SPOOFED, SPOOFED_MAC: SPOOFED, SPOOFED_ARP: SPOOFED, SPOOFED_ND: SPOOFED, RA_GUARD: SPOOFED,
+    VLAN_TAGGED: SPOOFED,
+    ISOLATED_IN: None, ISOLATED_OUT: None, OTHER_FAMILY: None,
+}  # fmt: skip
 # A pod's new connection to an address the node has no route to (the kernel drops it when it
 # routes the packet, before any forward hook): logged only, its chain's name the log prefix.
 NO_ROUTE = "no-route"
@@ -134,6 +153,9 @@ PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
 
 _L4 = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
 ND_TYPES = ["nd-router-solicit", "nd-router-advert", "nd-neighbor-solicit", "nd-neighbor-advert"]
+# MLD's query, report, done and MLDv2 report (RFC 2710, 3810): what a pod's kernel sends of IPv6
+# unasked, where the cluster runs none, at every link up (its one drop left unlogged).
+MLD_TYPES = [130, 131, 132, 143]
 OTHER_FAMILY_ND = ["nd-router-solicit", "nd-neighbor-solicit", "nd-neighbor-advert"]  # what a pod may send of IPv6 where it has none
 
 
@@ -338,7 +360,13 @@ def base_objects(
 def _spoofed(log: DropLog | None, chain: str = SPOOFED) -> list[dict[str, Any]]:
     """What happens to a pod's packet with a source that is not its own (logged: flow records,
     each kind through its own chain, whose name is its log prefix)."""
-    return [jump(chain)] if log is not None else [{"counter": SPOOFED}, DROP]
+    return _dropped(log, chain)
+
+
+def _dropped(log: DropLog | None, chain: str) -> list[dict[str, Any]]:
+    """A bridge drop (one of BRIDGE_DROPS): with ``log``, a jump to its logged chain; without,
+    counted (in its counter) and dropped where it is."""
+    return [jump(chain)] if log is not None else [{"counter": BRIDGE_DROPS[chain]}, DROP]
 
 
 def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[Any]:
@@ -367,16 +395,21 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         # A VLAN tag hides the frame's type from every ``ether type`` match below (the kernel
         # reads the tag's type, 802.1Q), while the receiving pod treats VID 0 as untagged:
         # pods send no tagged frames.
-        [from_pod, match(payload("ether", "type"), {"set": ["8021q", "8021ad"]}), *_spoofed(log)],
+        # Its own drop chain and log prefix (``vlan-tagged``), counted in the spoofed counter.
+        [from_pod, match(payload("ether", "type"), {"set": ["8021q", "8021ad"]}), *_dropped(log, VLAN_TAGGED)],
     ]
     # The family the cluster has not leaves no pod, to be routed unjudged: dropped, not counted
     # as spoofed (a pod's kernel sends some of it unasked, such as MLD reports at link up).
     if 4 not in versions:  # an IPv6-only cluster: no IPv4, nor ARP
-        prerouting.append([from_pod, match(payload("ether", "type"), {"set": ["ip", "arp"]}), DROP])
+        prerouting.append([from_pod, match(payload("ether", "type"), {"set": ["ip", "arp"]}), *_dropped(log, OTHER_FAMILY)])
     if 6 not in versions:  # an IPv4-only cluster: no IPv6 but neighbour discovery (RA guard included)
         ip6 = match(payload("ether", "type"), "ip6")
-        prerouting += [[from_pod, ip6, match(meta("l4proto"), "ipv6-icmp", "!="), DROP],
-                       [from_pod, ip6, match(payload("icmpv6", "type"), {"set": OTHER_FAMILY_ND}, "!="), DROP]]
+        prerouting += [[from_pod, ip6, match(meta("l4proto"), "ipv6-icmp", "!="), *_dropped(log, OTHER_FAMILY)],
+                       # The multicast listener messages a pod's kernel sends unasked at every
+                       # link up: dropped unlogged (a record of each pod's start says nothing).
+                       [from_pod, ip6, match(payload("icmpv6", "type"), {"set": MLD_TYPES}), DROP],
+                       [from_pod, ip6, match(payload("icmpv6", "type"), {"set": OTHER_FAMILY_ND}, "!="),
+                        *_dropped(log, OTHER_FAMILY)]]
     routed_up: list[list[dict[str, Any]]] = []
     for f in fams:
         ether = match(payload("ether", "type"), f.proto)
@@ -459,14 +492,14 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         [match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT],
         *hairpin,
         bridged_dnat,
-        [both, match(meta("oifname"), ref("isolated-in-ports")), {"counter": None}, DROP],
-        [both, match(meta("iifname"), ref("isolated-out-ports")), {"counter": None}, DROP],
+        [both, match(meta("oifname"), ref("isolated-in-ports")), *_dropped(log, ISOLATED_IN)],
+        [both, match(meta("iifname"), ref("isolated-out-ports")), *_dropped(log, ISOLATED_OUT)],
     ]
     logged: list[Any] = []
     if log is not None:
         logged = [NftCounter(BRIDGE, TABLE, SUPPRESSED),
-                  *(NftChain(BRIDGE, TABLE, name, log.chain_rules(name, [{"counter": SPOOFED}, DROP]))
-                    for name in (SPOOFED_PREFIX, SPOOFED_MAC, SPOOFED_ARP, SPOOFED_ND, RA_GUARD))]
+                  *(NftChain(BRIDGE, TABLE, name, log.chain_rules(name, [{"counter": counter}, DROP]))
+                    for name, counter in BRIDGE_DROPS.items())]
     return [
         *logged,
         NftSet(BRIDGE, TABLE, "pod-ports", ("ifname",)),

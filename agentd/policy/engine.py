@@ -22,7 +22,10 @@ One address, one local pod: when two local pods claim an address (a stale endpoi
 pod's address host-local has handed to a new pod), the newer endpoint file's pod has it
 (``LocalPort.since``, then the pod's name: the same for any order the pods came in) and the
 other is as if it had not that address (:meth:`PolicyEngine.conflicts`).  Two elements with
-one key in the address maps would make the kernel refuse every transaction.
+one key in the address maps would make the kernel refuse every transaction.  Naming an
+address for flow records (``by_ip``) follows that rule for local pods and, for two pods of
+other nodes claiming one address, takes the newer record (creationTimestamp, then the name):
+never whichever came last, and the other when one goes.
 
 Incremental: the members of each distinct peer selector are kept as pods come, go and
 change; a change marks the policies whose members changed (and local pods whose selecting
@@ -87,6 +90,10 @@ class PolicyEngine:
         self.route_services = False
         self.families = tuple(sorted(set(families)))
         self.by_ip: dict[str, PodKey] = {}  # every pod's addresses (flow records name pods by them)
+        # Every pod claiming each address (by_ip names one: _name_address): a stale record of
+        # another node's sharing an address with a live pod neither takes it by coming last nor
+        # leaves it unnamed when it goes.
+        self._ip_pods: dict[str, set[PodKey]] = {}
         self.pods_version = 0  # changes with any pod's record (flow records remember names until then)
         # Whom an address named before a change that may have given it to another (or to
         # nobody): (address, the pod it named, whether a pod of this node, when: ``clock``),
@@ -199,10 +206,6 @@ class PolicyEngine:
         if old != pod or old_local != local:
             self._note_named(dict.fromkeys((*old.ips, *pod.ips)) if old is not None else pod.ips)
         self.pods[key] = pod
-        if old is not None and old.ips != pod.ips:
-            self._unindex(old)
-        for ip in pod.ips:
-            self.by_ip[str(ip)] = key
         self._ns_pods[pod.namespace].add(key)
         if local is not None:
             self.local[key] = local
@@ -210,6 +213,7 @@ class PolicyEngine:
         else:
             self.local.pop(key, None)
         self._claim(key, old.ips if old is not None and old_local is not None else (), pod.ips if local else ())
+        self._index(key, old.ips if old is not None else (), pod.ips)
         if old != pod:
             changed = old is None or old.ips != pod.ips or old.ports != pod.ports
             labels = self.ns_labels(pod.namespace)
@@ -249,9 +253,9 @@ class PolicyEngine:
         self._note_named(pod.ips)
         del self.pods[key]
         self.pods_version += 1
-        self._unindex(pod)
         _discard(self._ns_pods, pod.namespace, key)
         self._claim(key, pod.ips if key in self.local else (), ())
+        self._index(key, pod.ips, ())
         self._texts.pop(key, None)
         for sel, members in self._members.items():
             if key in members:
@@ -275,9 +279,7 @@ class PolicyEngine:
         affected = {key}
         for ip in (*before, *after):
             affected |= self._claims.get(ip, set())
-            owner = self._owner(ip)
-            if owner is not None:
-                self.by_ip[str(ip)] = owner
+            self._name_address(ip)
         for k in sorted(affected):
             pod, port = self.pods.get(k), self.local.get(k)
             mine = pod.ips if pod is not None and port is not None else ()
@@ -306,10 +308,33 @@ class PolicyEngine:
         return {ip: (owner, sorted(claims - {owner}))
                 for ip, claims in self._claims.items() if len(claims) > 1 and (owner := self._owner(ip)) is not None}
 
-    def _unindex(self, pod: Pod) -> None:
-        for ip in pod.ips:
-            if self.by_ip.get(str(ip)) == pod.key:
-                del self.by_ip[str(ip)]
+    def _index(self, key: PodKey, before: tuple[Address, ...], after: tuple[Address, ...]) -> None:
+        """Pod ``key`` claims ``after`` now, ``before`` until now (its record's addresses):
+        whom each names (:meth:`_name_address`; asked again when they are the same: its
+        record's creation time may not be)."""
+        if before != after:
+            for ip in before:
+                _discard(self._ip_pods, str(ip), key)
+            for ip in after:
+                self._ip_pods.setdefault(str(ip), set()).add(key)
+        for ip in dict.fromkeys((*before, *after)):
+            self._name_address(ip)
+
+    def _name_address(self, ip: Address) -> None:
+        """Whom ``ip`` names (by_ip), whatever order the claimants came and went in: the local
+        pod that has it in this node's tables (:meth:`_owner`), else of the pods claiming it the
+        one whose record is the newest (creationTimestamp, then namespace/name: their node's
+        tables give it to the newer endpoint file's pod), else nobody."""
+        text = str(ip)
+        owner = self._owner(ip)
+        if owner is None:
+            claims = [k for k in self._ip_pods.get(text, ()) if k in self.pods]  # (one going: not yet out of it)
+            if claims:
+                owner = max(claims, key=lambda k: (self.pods[k].created, k))
+        if owner is None:
+            self.by_ip.pop(text, None)
+        else:
+            self.by_ip[text] = owner
 
     def _recheck(self, sel: PeerSelector, members: set[PodKey], pod: Pod, ns_labels: Mapping[str, str], *, changed: bool) -> None:
         key = pod.key
@@ -479,10 +504,26 @@ class PolicyEngine:
     def denying(self, key: PodKey, direction: str) -> tuple[list[str], bool]:
         """The policies isolating local pod ``key`` in ``direction`` ("in", "out") -- a drop
         there means none of them allows the packet -- and whether that is a default deny
-        (none of them has a rule in that direction at all)."""
+        (none of them has a rule in that direction at all; never with no policy)."""
         attr = "ingress" if direction == "in" else "egress"
         chosen = [p for p in self.selecting(key) if getattr(p, attr) is not None]
-        return [f"{p.namespace}/{p.name}" for p in chosen], all(not getattr(p, attr) for p in chosen)
+        return [f"{p.namespace}/{p.name}" for p in chosen], bool(chosen) and all(not getattr(p, attr) for p in chosen)
+
+    def drop_explanations(self) -> dict[str, tuple[str, PodKey, tuple[str, ...], bool]]:
+        """Each local pod chain's drop log prefix -> (direction "in"/"out", the pod, the policies
+        isolating it that way, default deny), as the engine has them now: the agent keeps the
+        one of the build it last programmed, so that a drop the kernel logged is explained by
+        the policies its rules were built from, not by those of a change not programmed yet."""
+        out = {}
+        for key in self.local:
+            if key not in self.pods:
+                continue
+            for direction in ("in", "out"):
+                policies, default_deny = self.denying(key, direction)
+                if policies:  # (a pod chain in that direction)
+                    prefix = compiler.drop_prefix(compiler.pod_chain(direction, *key))
+                    out[prefix] = (direction, key, tuple(policies), default_deny)
+        return out
 
     def members(self, policy: Policy, rule: Rule) -> set[PodKey]:
         """The pods the selector peers of ``rule`` match."""

@@ -257,6 +257,10 @@ class Pod:
     ips: tuple[Address, ...]
     labels: Mapping[str, str]
     ports: tuple[NamedPort, ...] = ()
+    # Its record's creationTimestamp (RFC 3339 UTC, to the second: ordered as text; "" none):
+    # of two pods of other nodes claiming one address the newer names it (PolicyEngine.by_ip),
+    # as their node's tables give it to the newer endpoint file's pod.
+    created: str = ""
 
     @property
     def key(self) -> PodKey:
@@ -291,7 +295,9 @@ class Pod:
             for p in c.get("ports") or ()
             if "name" in p
         )
-        return cls(meta["namespace"], meta["name"], spec["nodeName"], tuple(ips), dict(meta.get("labels") or {}), ports)
+        created = meta.get("creationTimestamp")
+        return cls(meta["namespace"], meta["name"], spec["nodeName"], tuple(ips), dict(meta.get("labels") or {}), ports,
+                   created if isinstance(created, str) else "")
 
 
 @dataclass(frozen=True)

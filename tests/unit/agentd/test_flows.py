@@ -429,7 +429,9 @@ def test_a_logged_packet_the_agent_does_not_read_is_not_counted_lost():
             + nl.attr(nflog.NFULA_PAYLOAD, b"\x00" * 20))  # no IPv4 or IPv6 packet
     foreign = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, body, res_id=143)
     r._read(_Datagrams(_web_drop(40001, 1) + foreign, _web_drop(40002, 3)), r._on_log, "log")
-    assert len(r.ring) == 2 and r.lost.get("log", 0) == 0 and r.malformed == 0
+    # (its prefix is known: a record without addresses, as of a frame that is no IP packet)
+    assert len(r.ring) == 3 and r.lost.get("log", 0) == 0 and r.malformed == 0
+    assert [f.src.ip for f in list(r.ring)] == ["10.244.1.2", "", "10.244.1.2"]
 
 
 def test_one_unreadable_event_of_a_conntrack_datagram_is_skipped():
@@ -526,7 +528,8 @@ def test_the_reason_filter_takes_what_the_recorder_gives_and_nothing_else():
     assert drop is not None and drop.reason == "unknown"
     assert FlowFilter.parse([("reason", "unknown")]).matches(drop)
     assert not FlowFilter.parse([("reason", "policy")]).matches(drop)
-    with pytest.raises(FilterError, match="'no-such' is not one of policy, spoofed, spoofed-mac, spoofed-arp, spoofed-nd, ra-guard, no-endpoints, "
+    with pytest.raises(FilterError, match="'no-such' is not one of policy, spoofed, spoofed-mac, spoofed-arp, spoofed-nd, ra-guard, vlan-tagged, "
+                                          "isolated, other-family, no-endpoints, "
                                           "no-local-endpoints, no-service-port, no-service, no-route, unknown"):
         FlowFilter.parse([("reason", "no-such")])  # nothing records it
 
@@ -2369,6 +2372,33 @@ def test_the_directory_gives_each_spoofing_drop_its_reason():
         assert meaning is not None and (meaning.reason, meaning.direction) == (prefix, "egress") and prefix in REASONS
 
 
+def test_the_bridges_isolation_drops_have_their_reason_direction_and_sender():
+    """What crosses the bridge unrouted to (isolated-in) or from (isolated-out) an isolated pod
+    -- broadcast, multicast, IPv6 but neighbour discovery -- is logged with its own prefix: a
+    record of reason ``isolated``, in the direction of the isolation, naming the pod on the port
+    it came in from; the other family's drops likewise (``other-family``)."""
+    from agentd.daemon.flow_directory import FlowDirectory
+    from agentd.flows.model import REASONS
+
+    class Directory(FlowDirectory):
+        def pod_on(self, ifindex):
+            return {7: ("vethclient", CLIENT)}.get(ifindex)
+
+    d = Directory(None, None, (None, None))
+    expected = {"isolated-in": ("isolated", "ingress"), "isolated-out": ("isolated", "egress"),
+                "other-family": ("other-family", "egress")}
+    for prefix, (reason, direction) in expected.items():
+        meaning = d.drop(prefix)
+        assert meaning is not None and (meaning.reason, meaning.direction) == (reason, direction) and reason in REASONS
+    r = FlowRecorder("node1", d, "/nonexistent", group=143, clock=lambda: 1000.0)
+    mdns = P.udp_datagram("10.244.1.2", "224.0.0.251", 5353, 5353, b"x")
+    flow = r.dropped(_decoded(_bridge_logged("isolated-out", 0x0800, mdns)))
+    assert flow is not None
+    j = flow.json()
+    assert (j["reason"], j["direction"], j["dst"]["ip"], j["sender"]["pod"]) == ("isolated", "egress", "224.0.0.251", "shop/client")
+    assert dict(r.drops) == {} and FlowFilter.parse([("reason", "isolated"), ("from-pod", "shop/client")]).matches(flow)
+
+
 def test_an_ipv6_address_and_port_are_printed_in_brackets():
     record = {"time": 1.0, "node": "node1", "protocol": "TCP", "verdict": "forwarded", "event": "new",
               "src": {"ip": "fd00:10:244:1::2", "port": 40112, "pod": "shop/client"},
@@ -3958,3 +3988,91 @@ async def test_a_record_time_that_is_no_time_from_one_node_is_that_nodes_error_a
     assert [(json.loads(r)["node"], json.loads(r)["time"]) for r in records] == [
         ("node3", 108.0), ("node2", 108.5), ("node3", 109.0)]
     assert errors == {"node2": "node2 answered a record whose time is not a time"}
+
+
+def test_a_logged_drop_of_a_frame_that_is_no_ip_nor_arp_packet_is_recorded_all_the_same():
+    """A frame with a MAC not the pod's of another EtherType (the simplest poisoning of the
+    bridge's forwarding table) and a QinQ frame (its payload starts with the inner tag) are
+    logged by the kernel: each is a record of its prefix's reason, with the sender and the
+    EtherType, no addresses -- counted as drops, not silently discarded.  A payload the agent
+    cannot read of a prefix it does not know is heard of (its number), no record."""
+    from agentd.daemon.flow_directory import FlowDirectory
+
+    class Directory(FlowDirectory):
+        def pod_on(self, ifindex):
+            return {7: ("vethclient", CLIENT)}.get(ifindex)
+
+    r = FlowRecorder("node1", Directory(None, None, ()), "/nonexistent", group=143, clock=lambda: 1000.0)
+
+    def feed(prefix: str, hw: int, payload: bytes, seq: int) -> None:
+        body = (nl.attr(nflog.NFULA_PACKET_HDR, struct.pack("!HBx", hw, 0)) + nl.attr(nflog.NFULA_PREFIX, prefix.encode() + b"\0")
+                + nl.attr(nflog.NFULA_IFINDEX_PHYSINDEV, struct.pack("!I", 7)) + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", seq))
+                + nl.attr(nflog.NFULA_PAYLOAD, payload))  # fmt: skip
+        msg = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, 7, body)
+        for mtype, _f, _s, _p, start, end in nl.iter_messages(msg):
+            r._on_log(mtype, msg, start, end)
+
+    feed("spoofed-mac", 0x88B5, bytes(46), 1)
+    feed("spoofed", 0x8100, b"\x00\x05\x08\x00" + P.udp_datagram("10.244.1.2", "10.244.1.3", 1, 2, b"x"), 2)
+    feed("spoofed", 0x0800, P.udp_datagram("10.244.1.2", "10.244.1.3", 1, 2, b"x"), 3)
+    feed("someone-elses", 0x88B5, bytes(46), 4)
+    assert sum(r.drops.values()) == 3 and r.events == 3 and dict(r.lost) == {} and r.malformed == 0
+    records = [f.json() for f in list(r.ring)]
+    assert [(j["reason"], j["protocol"], j["src"]["ip"], j["sender"]["pod"]) for j in records] == [
+        ("spoofed-mac", "0x88b5", "", "shop/client"), ("spoofed", "0x8100", "", "shop/client"),
+        ("spoofed", "UDP", "10.244.1.2", "shop/client")]
+    assert "- -> -" in line(records[0])
+
+
+def test_an_address_two_records_of_another_node_claim_names_one_pod_whatever_their_order():
+    """Another node's stale endpoint file publishes a second record with a live pod's address:
+    that node's tables give it to the newer pod, and so does the name here -- whichever record
+    came last (a snapshot's etcd key order, an update of the stale one), and when the stale
+    record goes the address still names the live pod, not nobody."""
+    x = IPv4Address("10.244.1.7")
+    new = Pod("ns", "a-new", "node1", (x,), {}, created="2024-05-02T10:00:00Z")
+    stale = Pod("ns", "z-stale", "node1", (x,), {}, created="2024-05-01T09:00:00Z")
+    for order in ((new, stale), (stale, new), (new, stale, stale)):
+        engine = PolicyEngine("node2")
+        for i, pod in enumerate(order):
+            engine.upsert_pod(pod if i < 2 else Pod(**{**pod.__dict__, "labels": {"again": "1"}}))
+        assert engine.by_ip[str(x)] == ("ns", "a-new"), order
+        engine.remove_pod(("ns", "z-stale"))
+        assert engine.by_ip[str(x)] == ("ns", "a-new")
+        engine.upsert_pod(stale)
+        engine.remove_pod(("ns", "a-new"))  # the live pod goes: the other claimant has it
+        assert engine.by_ip[str(x)] == ("ns", "z-stale")
+        engine.remove_pod(("ns", "z-stale"))
+        assert str(x) not in engine.by_ip
+    # Without creation times: by name, in any order; a record moving off the address gives it back.
+    engine = PolicyEngine("node2")
+    engine.upsert_pod(Pod("ns", "b", "node1", (x,), {}))
+    engine.upsert_pod(Pod("ns", "a", "node1", (x,), {}))
+    assert engine.by_ip[str(x)] == ("ns", "b")
+    engine.upsert_pod(Pod("ns", "b", "node1", (IPv4Address("10.244.1.8"),), {}))
+    assert engine.by_ip[str(x)] == ("ns", "a") and engine.by_ip["10.244.1.8"] == ("ns", "b")
+    assert Pod.parse({"metadata": {"namespace": "ns", "name": "a", "creationTimestamp": "2024-05-02T10:00:00Z"},
+                      "spec": {"nodeName": "node1"}}).created == "2024-05-02T10:00:00Z"
+
+
+def test_the_drop_limiter_folds_a_senders_drops_only_with_that_senders():
+    """Two pods claiming one address to one destination (two keepalived pods' gratuitous ARP
+    for one floating IP) are two records, each naming its own sender: not one pod's drops
+    folded into the other's record.  A refusal has no sender: folded as ever."""
+    from agentd.daemon.flow_directory import FlowDirectory
+
+    class Directory(FlowDirectory):
+        def pod_on(self, ifindex):
+            return ({7: "vethX", 8: "vethY"}[ifindex], None)
+
+    r = FlowRecorder("node1", Directory(None, None, ()), "/nonexistent", group=143, agent_rate=1.0, agent_burst=1,
+                     clock=lambda: 1000.0)
+
+    def pkt(prefix: str, port: int, t: float) -> nflog.Packet:
+        return nflog.Packet(prefix, 7, t, 3, 0, None, "10.244.1.50", "10.96.0.10", 17, 5353, 53, physindev=port)
+
+    out = [r.dropped(pkt("spoofed", 7, 1000.0)), r.dropped(pkt("spoofed", 8, 1000.1)), r.dropped(pkt("spoofed", 8, 1000.2)),
+           r.dropped(pkt("spoofed", 7, 1001.5))]
+    assert [None if f is None else (f.sender_interface, f.suppressed) for f in out] == [
+        ("vethX", 0), ("vethY", 0), None, ("vethX", 0)]
+    assert r.dropped(pkt("no-endpoints", 7, 1000.0)) is not None and r.dropped(pkt("no-endpoints", 8, 1000.1)) is None

@@ -187,7 +187,7 @@ def test_the_family_an_ipv4_only_cluster_has_not_leaves_no_pod_but_neighbour_dis
     rs = engine((4,), DENY_ALL)
     assert run(rs, "bridge", "prerouting", ip_frame("veth0", "fd00::9", "2001:db8::1"))[0] == "drop"
     icmp = {("meta", "l4proto"): "ipv6-icmp"}
-    for kind, verdict in (("echo-request", "drop"), ("nd-router-advert", "drop"), ("nd-redirect", "drop"),
+    for kind, verdict in (("echo-request", "drop"), ("nd-router-advert", "drop"), ("nd-redirect", "drop"), (143, "drop"),
                           ("nd-neighbor-solicit", None), ("nd-neighbor-advert", None), ("nd-router-solicit", None)):  # fmt: skip
         frame = ip_frame("veth0", "fe80::1", "ff02::1", extra={**icmp, ("payload", "icmpv6", "type"): kind})
         assert run(rs, "bridge", "prerouting", frame)[0] == verdict, kind
@@ -580,3 +580,72 @@ def test_the_link_layer_address_check_logs_as_a_mac_check():
     lla_ports = rs.objects[("bridge", compiler.TABLE, "set", compiler.LLA_PORTS)]
     assert dict(lla_ports.elements) == {"veth0": ("jump", "lla/veth0")}  # type: ignore[union-attr]
     assert ("bridge", compiler.TABLE, "chain", "lla/veth1") not in rs.objects
+
+
+def _logged_drops(rs: Ruleset) -> list[tuple[str, str, str]]:
+    """The drop rules of ``rs`` that log nothing: neither with a log statement of their own nor
+    in a logged drop chain (DropLog.chain_rules: a limited log and drop, the suppressed counter,
+    the drop), but the output chain's drop of the node's own ICMP redirects to its pods (no
+    pod's packet) and an IPv4-only cluster's drop of the MLD messages a pod's kernel sends at
+    link up (docs/observability.md)."""
+    unlogged = []
+    for obj in rs.objects.values():
+        if not isinstance(obj, NftChain):
+            continue
+        rules = [json.loads(r) for r in obj.rules]
+        for i, rule in enumerate(rules):
+            if not any("drop" in s for s in rule) or any("log" in s for s in rule):
+                continue
+            if i >= 2 and rules[i - 1] == [{"counter": compiler.SUPPRESSED}] and any("log" in s for s in rules[i - 2]) \
+                    and rules[i - 2][-len(rule):] == rule:
+                continue  # the limit's excess: logged up to the limit by the rule before
+            if obj.family == "inet" and obj.name == "output" and any(
+                    s.get("match", {}).get("right") in ("redirect", "nd-redirect") for s in rule):
+                continue
+            if obj.family == "bridge" and {"set": compiler.MLD_TYPES} in [s.get("match", {}).get("right") for s in rule]:
+                continue  # an IPv4-only cluster's pods' MLD messages at link up
+            unlogged.append((obj.family, obj.name, json.dumps(rule)[:160]))
+    return unlogged
+
+
+def test_with_flow_records_every_drop_rule_is_logged():
+    """docs/observability.md: each drop rule of the agent's tables is preceded by a rate-limited
+    log rule -- the bridge's isolation drops (broadcast, multicast, IPv6 but neighbour discovery
+    to or from an isolated pod) and the other family's drops too, each its own prefix."""
+    from agentd.nft.expr import DropLog
+
+    for families in ((4,), (6,), (4, 6)):
+        eng = PolicyEngine(NODE, families=families, drop_log=DropLog(5))
+        for i, (name, v4, v6) in enumerate((("a", A4, A6), ("b", B4, B6))):
+            ips = tuple(ipaddress.ip_address(ip) for ip, v in ((v4, 4), (v6, 6)) if v in families)
+            eng.upsert_pod(Pod("x", name, NODE, ips, {"pod": name}),
+                           LocalPort(f"veth{i}", f"02:00:00:00:00:{i:02x}", "cni0", pod_mac=MAC_A if i == 0 else ""))
+        eng.upsert_policy(Policy.parse(kinds.validate(DENY_ALL)))
+        rs = eng.build()
+        assert _logged_drops(rs) == [], families
+        forward = rs.objects[("bridge", compiler.TABLE, "chain", "forward")]
+        jumps = [s["jump"]["target"] for r in forward.rules for s in json.loads(r) if "jump" in s]  # type: ignore[union-attr]
+        assert jumps == [compiler.ISOLATED_IN, compiler.ISOLATED_OUT]
+        for name in (compiler.ISOLATED_IN, compiler.ISOLATED_OUT):
+            first = json.loads(rs.objects[("bridge", compiler.TABLE, "chain", name)].rules[0])  # type: ignore[union-attr]
+            assert {"log": {"prefix": name, "group": 5}} in first
+
+
+def test_a_vlan_tagged_frame_from_a_pod_logs_as_its_own_reason_not_as_spoofed():
+    """A pod's tagged frame (a priority tag with its own address) claims no address of
+    another's: with flow records it goes through its own chain (``vlan-tagged``, the record's
+    reason), still counted in the one spoofed counter."""
+    from agentd.daemon.flow_directory import FlowDirectory
+    from agentd.nft.expr import DropLog
+
+    eng = PolicyEngine(NODE, families=(4, 6), drop_log=DropLog(5))
+    eng.upsert_pod(Pod("x", "a", NODE, (ipaddress.ip_address(A4), ipaddress.ip_address(A6)), {}),
+                   LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    rs = eng.build()
+    prerouting = rs.objects[("bridge", compiler.TABLE, "chain", "prerouting")]
+    tagged = [json.loads(r) for r in prerouting.rules if "8021q" in r]  # type: ignore[union-attr]
+    assert len(tagged) == 1 and tagged[0][-1] == {"jump": {"target": compiler.VLAN_TAGGED}}
+    logged = json.loads(rs.objects[("bridge", compiler.TABLE, "chain", compiler.VLAN_TAGGED)].rules[0])  # type: ignore[union-attr]
+    assert {"log": {"prefix": "vlan-tagged", "group": 5}} in logged and {"counter": "spoofed"} in logged
+    meaning = FlowDirectory(None, None, (None, None)).drop(compiler.VLAN_TAGGED)
+    assert meaning is not None and (meaning.reason, meaning.direction) == ("vlan-tagged", "egress")

@@ -151,3 +151,35 @@ def test_batches_over_a_tight_element_budget_refuse_what_a_fresh_engine_refuses(
     monkeypatch.setattr(compiler, "MAX_POLICY_ELEMENTS", 6)
     for seed in range(40):
         _run(1000 + seed, 30, (4, 6))
+
+
+def test_addresses_several_pods_claim_name_what_a_fresh_engine_names_in_any_order():
+    """Pods of this node and of others sharing a few addresses (stale records, reused
+    addresses), coming, changing and going in random order: each address names the pod a fresh
+    engine fed the same pods in either order names (by_ip: flow records), and the tables are
+    a fresh engine's."""
+    stamps = ["", "2024-05-01T09:00:00Z", "2024-05-02T10:00:00Z"]
+    for seed in range(60):
+        r = random.Random(5000 + seed)
+        eng = PolicyEngine(NODE, families=(4,))
+        pods: dict[Any, tuple[Pod, LocalPort | None]] = {}
+        for step in range(25):
+            i = r.randrange(6)
+            key = (NSS[i % 2], f"p{i}")
+            if r.random() < 0.25:
+                eng.remove_pod(key)
+                pods.pop(key, None)
+            else:
+                local = r.random() < 0.4
+                ips = tuple(ipaddress.ip_address(f"10.1.0.{h}") for h in sorted(r.sample([1, 2, 3], r.randint(0, 1) + 1)))[:1]
+                pod = Pod(key[0], key[1], NODE if local else "n2", ips, r.choice(LABELS), created=r.choice(stamps))
+                port = LocalPort(f"veth{i}", f"02:00:00:00:00:{i:02x}", "cni0", since=r.randint(0, 2)) if local else None
+                eng.upsert_pod(pod, port)
+                pods[key] = (pod, port)
+            got = _objects(eng)
+            for order in (list(pods.values()), list(reversed(pods.values()))):
+                fresh = PolicyEngine(NODE, families=(4,))
+                for pod, port in order:
+                    fresh.upsert_pod(pod, port)
+                assert eng.by_ip == fresh.by_ip, f"seed {seed} step {step}"
+                assert got == _objects(fresh), f"seed {seed} step {step}"

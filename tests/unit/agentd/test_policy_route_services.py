@@ -152,3 +152,73 @@ def test_services_route_every_pod_up_only_where_conntrack_would_not_see_it_bridg
     assert handed_up() == isolated
     assert engine.set_bridged_to_ip(False)
     assert handed_up() == everyone
+
+
+def test_a_drop_is_explained_by_the_policies_of_the_build_last_programmed(tmp_path, monkeypatch):
+    """A policy drop's record names the policies the kernel's logging rules were built from:
+    after a policy is deleted (or an allow-all one added) and before that is programmed -- the
+    sync retried for seconds after a refusal -- a drop is still the old rules', not "no policy,
+    default deny" (nor the new allowing policy named as the denier)."""
+    from agentd.nft.expr import DropLog
+    from agentd.nft.libnftables import NftError
+
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(asyncio, "sleep", lambda delay, *a, **k: real_sleep(0, *a, **k))
+
+    class Programmer:
+        current = None
+        refuse = False
+
+        async def sync(self, desired, keys):
+            if self.refuse:
+                raise NftError("refused")
+            self.current = desired
+            return SimpleNamespace(commands=1, seconds=0.0, full=False)
+
+    some = {"metadata": {"namespace": "shop", "name": "allow-some"},
+            "spec": {"podSelector": {}, "ingress": [{"from": [{"podSelector": {"matchLabels": {"a": "b"}}}]}]}}
+
+    async def main():
+        agent = PolicyAgent("n1", SimpleNamespace(prefix="/x"), str(tmp_path))
+        agent.engine.drop_log = DropLog(143)
+        agent.engine.upsert_pod(Pod("shop", "web", "n1", (IPv4Address("10.244.1.3"),), {"app": "web"}),
+                                LocalPort("veth1", "02:00:00:00:00:01", "cni0"))
+        agent.engine.upsert_policy(Policy.parse(some))
+        agent.programmer = prog = Programmer()
+        agent._have_snapshot = agent.publisher.have_local = True
+        loop = asyncio.create_task(agent._sync_loop())
+
+        async def until(done):
+            async with asyncio.timeout(5):
+                while not done():
+                    await real_sleep(0.001)
+
+        try:
+            agent._wake.set()
+            await until(lambda: agent.syncs >= 1)
+            programmed = ("ingress", ("shop", "web"), ["shop/allow-some"], False)
+            assert agent.explain_drop("pod-in/shop/web") == programmed
+            prog.refuse = True  # the kernel refuses the next syncs: it keeps the old rules
+            agent.engine.remove_policy(("shop", "allow-some"))
+            agent._wake.set()
+            await until(lambda: agent.sync_errors >= 1)
+            assert agent.explain_drop("pod-in/shop/web") == programmed
+            agent.engine.upsert_policy(Policy.parse({"metadata": {"namespace": "shop", "name": "allow-all"},
+                                                     "spec": {"podSelector": {}, "ingress": [{}]}}))
+            assert agent.explain_drop("pod-in/shop/web") == programmed
+            prog.refuse = False
+            agent._wake.set()
+            await until(lambda: agent.syncs >= 2)
+            assert agent.explain_drop("pod-in/shop/web") == ("ingress", ("shop", "web"), ["shop/allow-all"], False)
+            agent.engine.remove_policy(("shop", "allow-all"))
+            agent._wake.set()
+            await until(lambda: agent.syncs >= 3)
+            assert agent.explain_drop("pod-in/shop/web") is None  # no chain logs it any more
+        finally:
+            loop.cancel()
+
+    asyncio.run(main())
+    # Never "default deny" with no policy at all.
+    engine = PolicyEngine("n1")
+    engine.upsert_pod(Pod("shop", "web", "n1", (IPv4Address("10.244.1.3"),), {}), LocalPort("veth1", "02:00:00:00:00:01", "cni0"))
+    assert engine.denying(("shop", "web"), "in") == ([], False)
