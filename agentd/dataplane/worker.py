@@ -117,15 +117,23 @@ class Worker:
                             no_offload_reason="disabled by --no-offload" if not cfg.offload
                             else "segmentation left to the kernel (--segmentation kernel)")
         try:
+            self._set_up(user_tso)
+        except BaseException:
+            self._abandon()  # leave nothing behind that we made: a failed start has no worker
+            raise
+
+    def _set_up(self, user_tso: bool) -> None:
+        """Everything after the TUN: what fails here (the socket, the fast path, the control
+        socket -- a path too long, a running worker serving it) leaves the TUN to
+        :meth:`_abandon`."""
+        cfg = self.cfg
+        try:
             extra = {}
             if cfg.socket_fd is not None:
                 extra["sock"] = socket.socket(fileno=cfg.socket_fd)
             self.transport = TRANSPORTS[cfg.kind](cfg.local_ip, cfg.port, offload=cfg.offload,
                                                   counters=self.c, drops=self.drops, mtu=cfg.mtu, **extra)
         except OSError as exc:
-            if self.tun.created:  # leave nothing behind that we made
-                self.tun.set_persist(False)
-            self.tun.close()
             raise TunError(f"cannot open the {cfg.kind} socket on {cfg.local_ip}: {exc.strerror}") from None
         # ICMP errors: from our underlay address where the kernel accepts a local source on the
         # TUN; otherwise (conf.all.rp_filter on) from the unreachable destination itself, which
@@ -159,6 +167,21 @@ class Worker:
             self.coalescer = Coalescer(self.tx.tun_write) if cfg.offload else _SingleWriter(self.tx.tun_write)
         self.control = ControlServer(cfg.control, self.handle_request)
         self._load_state()
+
+    def _abandon(self) -> None:
+        """Undo a start that failed after the TUN was opened: what was made of the control
+        socket, the fast path and the transport is closed, and a TUN device this worker created
+        goes (persistent, it would stay with accept_local on and no worker behind it); one that
+        was there before (a previous worker's, with the routes through it) stays."""
+        for part in ("control", "fast", "transport"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                with contextlib.suppress(Exception):
+                    obj.close()
+        if self.tun.created:
+            with contextlib.suppress(OSError):
+                self.tun.set_persist(False)
+        self.tun.close()
 
     def _open_fast_path(self, user_tso: bool) -> _fast.FastPath | None:
         """The C loops where they can run (offloads on, user segmentation), else None and the
@@ -412,10 +435,14 @@ class ControlServer:
             finally:
                 probe.close()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(path)
-        os.chmod(path, 0o600)
-        s.listen(8)
-        s.setblocking(False)
+        try:
+            s.bind(path)
+            os.chmod(path, 0o600)
+            s.listen(8)
+            s.setblocking(False)
+        except BaseException:
+            s.close()  # (a path too long for AF_UNIX, a directory we may not write to)
+            raise
         return s
 
     def _accept(self) -> None:

@@ -1,0 +1,120 @@
+"""The user-space worker process's own parts (agentd/dataplane/worker.py), without a TUN: its
+control channel under bad input, a state file it cannot save, a start that fails after the TUN
+was made, the next hops and members the control protocol takes, and what the worker hands its
+receive side.  A fake TUN device (a socketpair) and a fake transport stand in for the kernel's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+
+import pytest
+
+from agentd.dataplane import worker as W
+
+
+class FakeTun:
+    """What open_tun returns, on a socketpair; it records the calls that matter here."""
+
+    def __init__(self, created: bool, calls: list) -> None:
+        self.created = created
+        self._a, self._b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.fd = self._a.fileno()
+        self.offloads: dict = {}
+        self.fallbacks: dict = {}
+        self.calls = calls
+
+    def set_persist(self, persist: bool) -> None:
+        self.calls.append(("tun.set_persist", persist))
+
+    def close(self) -> None:
+        self.calls.append(("tun.close",))
+        self._a.close()
+        self._b.close()
+
+
+class FakeTransport:
+    """The udp transport's face to the worker: it keeps the table and members it is given."""
+
+    def __init__(self, *_a, calls: list, **_kw) -> None:
+        self.offloads = {"udp_gso": False, "udp_gro": False}
+        self.fallbacks: dict = {}
+        self.too_big = None
+        self.table = None
+        self.members = None
+        self.calls = calls
+
+    def fileno(self) -> int:
+        return -1
+
+    def close(self) -> None:
+        self.calls.append(("transport.close",))
+
+    def set_table(self, table) -> None:
+        self.table = table
+
+    def set_members(self, members) -> None:
+        self.members = members
+
+    def bind_tx_buffer(self, _buf) -> None:
+        pass
+
+
+@pytest.fixture
+def short_dir():
+    """A directory for control sockets whose path fits sun_path (108 bytes)."""
+    with tempfile.TemporaryDirectory(prefix="dpw") as d:
+        yield d
+
+
+def make_worker(monkeypatch, control: str, *, created: bool = True, **cfg) -> tuple[W.Worker | None, list, BaseException | None]:
+    """A Worker on a fake TUN and transport (the Python loops: no C state); returns (worker or
+    None, the cleanup calls made, the exception its start raised)."""
+    calls: list = []
+    monkeypatch.setattr(W, "open_tun", lambda *_a, **_k: FakeTun(created, calls))
+    monkeypatch.setitem(W.TRANSPORTS, "udp", lambda *a, **k: FakeTransport(*a, calls=calls, **k))
+    monkeypatch.setattr(W, "local_source_accepted", lambda _name: True)
+    config = W.WorkerConfig(kind="udp", tun="agentd.udp", mtu=1472, local_ip="192.0.2.1", control=control,
+                            fast_path="python", **cfg)
+    try:
+        return W.Worker(config), calls, None
+    except (W.TunError, OSError) as exc:  # what main() catches before it returns 1
+        return None, calls, exc
+
+
+# -- a start that fails after the TUN was made (review r2 #3) ------------------------------------
+
+
+def test_a_start_that_fails_after_making_the_tun_removes_it(monkeypatch, short_dir):
+    """The control socket's path is too long for AF_UNIX (ControlServer fails): the TUN this
+    worker created is made non-persistent and closed -- the kernel removes it -- and the
+    transport is closed; before, a persistent TUN (accept_local on) stayed with no worker."""
+    too_long = os.path.join(short_dir, "x" * 120 + ".sock")
+    worker, calls, exc = make_worker(monkeypatch, too_long)
+    assert worker is None and isinstance(exc, OSError), exc
+    assert ("tun.set_persist", False) in calls and ("tun.close",) in calls and ("transport.close",) in calls
+    assert calls.index(("tun.set_persist", False)) < calls.index(("tun.close",))
+
+
+def test_a_start_that_fails_leaves_a_tun_it_did_not_make(monkeypatch, short_dir):
+    """A TUN that was there before (a previous worker's, with the kernel routes through it)
+    stays persistent: the next worker attaches to it."""
+    worker, calls, exc = make_worker(monkeypatch, os.path.join(short_dir, "x" * 120 + ".sock"), created=False)
+    assert worker is None and exc is not None
+    assert ("tun.close",) in calls and not [c for c in calls if c[0] == "tun.set_persist"]
+
+
+def test_a_start_that_fails_because_a_worker_serves_the_control_socket_removes_its_tun(monkeypatch, short_dir):
+    path = os.path.join(short_dir, "c.sock")
+    running = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    running.bind(path)
+    running.listen(1)
+    try:
+        worker, calls, exc = make_worker(monkeypatch, path)
+    finally:
+        running.close()
+    assert worker is None and "served by a running worker" in str(exc)
+    assert ("tun.set_persist", False) in calls and ("tun.close",) in calls
