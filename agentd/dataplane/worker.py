@@ -111,6 +111,7 @@ class Worker:
         self.state_path = cfg.state or cfg.control + ".state"
         self._stop = False
         self._remove_device = False
+        self.state_error: str | None = None  # why the last save of the state file failed, if it did
 
         user_tso = cfg.offload and cfg.segmentation == "user"
         self.tun = open_tun(cfg.tun, mtu=cfg.mtu, offload=user_tso, txqueuelen=cfg.txqueuelen,
@@ -220,15 +221,32 @@ class Worker:
                      self.state_path)
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, AttributeError, TypeError) as exc:
+        except (OSError, ValueError, AttributeError, TypeError, RecursionError) as exc:
             log.warning("ignoring unreadable state file %s: %s", self.state_path, exc)
 
     def _save_state(self) -> None:
+        """Write the table to the state file.  One that cannot be written (its directory full,
+        read-only or gone) does not stop the worker: the table is applied and forwards; the
+        failure is kept (``state_error``: the answer's ``warning``, ``fallbacks.state_file`` in
+        stats, one log line while it stays the same) -- only a worker started after this one
+        dies would start without the table, until the agent gives it the table again."""
         tmp = self.state_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"kind": self.cfg.kind, "next_hops": self.table.routes,
-                       "members": sorted(self.members)}, f)
-        os.replace(tmp, self.state_path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"kind": self.cfg.kind, "next_hops": self.table.routes,
+                           "members": sorted(self.members)}, f)
+            os.replace(tmp, self.state_path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            error = f"cannot save the state file {self.state_path}: {exc.strerror or exc}"
+            if error != self.state_error:
+                log.warning("%s (forwarding with the new table all the same)", error)
+            self.state_error = error
+            return
+        if self.state_error is not None:
+            log.info("state file %s saved again", self.state_path)
+        self.state_error = None
 
     def _apply_next_hops(self, routes, save: bool = True) -> None:
         if not isinstance(routes, dict):
@@ -257,10 +275,10 @@ class Worker:
         try:
             if op == "set_next_hops":
                 self._apply_next_hops(req.get("next_hops"))
-                return {"ok": True, "next_hops": len(self.table)}
+                return self._saved({"ok": True, "next_hops": len(self.table)})
             if op == "set_members":
                 self._apply_members(req.get("members"))
-                return {"ok": True, "members": len(self.members)}
+                return self._saved({"ok": True, "members": len(self.members)})
             if op == "stats":
                 return {"ok": True, "stats": self.stats()}
             if op == "get":
@@ -272,7 +290,17 @@ class Worker:
                 return {"ok": True}
         except ValueError as exc:
             return {"ok": False, "error": str(exc)}
+        except RecursionError:  # (a value nested too deep to show in the error)
+            return {"ok": False, "error": f"{op!r}: a value nested too deeply"}
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _saved(self, resp: dict) -> dict:
+        """A change's answer: applied (forwarding uses it), with a warning where the state file
+        could not be saved -- not an error, which the agent would answer by reconnecting and
+        asking again, to the same full disk."""
+        if self.state_error is not None:
+            resp["warning"] = self.state_error
+        return resp
 
     def describe(self) -> dict:
         cfg = self.cfg
@@ -292,6 +320,8 @@ class Worker:
         drops = dict(self.drops)
         offloads = dict(self.offloads, **self.transport.offloads)
         fallbacks = dict(self.fallbacks, **self.transport.fallbacks)
+        if self.state_error is not None:
+            fallbacks["state_file"] = self.state_error
         if self.fast is not None:  # the C loops count on their side
             for name, value in self.fast.counters().items():
                 if name.startswith("drop:"):
@@ -479,6 +509,8 @@ class ControlServer:
                 req = json.loads(line)
             except ValueError:
                 resp = {"ok": False, "error": "request is not valid JSON"}
+            except RecursionError:  # json's decoder recurses per level: the worker must outlive it
+                resp = {"ok": False, "error": "request is nested too deeply"}
             else:
                 resp = self._handle(req)
             try:

@@ -7,8 +7,10 @@ receive side.  A fake TUN device (a socketpair) and a fake transport stand in fo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
+import sys
 import tempfile
 
 import pytest
@@ -118,3 +120,87 @@ def test_a_start_that_fails_because_a_worker_serves_the_control_socket_removes_i
         running.close()
     assert worker is None and "served by a running worker" in str(exc)
     assert ("tun.set_persist", False) in calls and ("tun.close",) in calls
+
+
+# -- bad control input, a state file that cannot be saved (review r2 #2) -------------------------
+
+
+@contextlib.contextmanager
+def running_worker(monkeypatch, short_dir, **cfg):
+    worker, _calls, exc = make_worker(monkeypatch, os.path.join(short_dir, "c.sock"), **cfg)
+    assert worker is not None, exc
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
+def _ask(worker: W.Worker, client: socket.socket, data: bytes) -> dict:
+    """Send ``data`` (one request line) and let the worker's control server answer it."""
+    client.sendall(data)
+    fd = next(iter(worker.control.clients))
+    client.setblocking(False)
+    answer = b""
+    while not answer.endswith(b"\n"):
+        worker.control.readable(fd)
+        with contextlib.suppress(BlockingIOError):
+            answer += client.recv(1 << 16)
+    return json.loads(answer)
+
+
+def test_a_request_nested_too_deeply_is_answered_with_an_error_and_the_worker_goes_on(monkeypatch, short_dir):
+    """json's decoder recurses per nesting level: 100,000 ``[`` raised RecursionError out of the
+    control server and ended the worker's loop (the worker exited)."""
+    with running_worker(monkeypatch, short_dir) as worker:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(worker.control.path)
+        worker.control.readable(worker.control.listener.fileno())  # accepted
+        try:
+            resp = _ask(worker, client, b"[" * 100000 + b"\n")
+            assert resp["ok"] is False and "nested too deeply" in resp["error"], resp
+            # The same connection still works.
+            assert _ask(worker, client, b'{"op": "get"}\n')["ok"] is True
+            assert len(worker.control.clients) == 1
+        finally:
+            client.close()
+
+
+def test_a_value_nested_too_deeply_to_show_is_refused_not_raised(monkeypatch, short_dir):
+    deep: list = []
+    for _ in range(sys.getrecursionlimit() - 30):
+        deep = [deep]
+    with running_worker(monkeypatch, short_dir) as worker:
+        resp = worker.handle_request({"op": "set_members", "members": [deep]})
+        assert resp["ok"] is False and worker.members == frozenset()
+
+
+def test_a_state_file_that_cannot_be_saved_keeps_the_new_table_and_says_so(monkeypatch, short_dir):
+    """/run/agentd full, read-only or gone: every change raised OSError after it was applied
+    and killed the worker (restarted by the agent, given the table, dead again).  Now the
+    change is answered (applied: forwarding uses it) with a warning, stats say it under
+    fallbacks, and a later save that works clears it."""
+    gone = os.path.join(short_dir, "no-such-dir", "c.sock.state")
+    with running_worker(monkeypatch, short_dir, state=gone) as worker:
+        resp = worker.handle_request({"op": "set_next_hops", "next_hops": {"10.244.1.0/24": "192.0.2.2"}})
+        assert resp["ok"] is True and resp["next_hops"] == 1 and "cannot save the state file" in resp["warning"]
+        assert worker.table.routes == {"10.244.1.0/24": "192.0.2.2"}
+        assert worker.tx.table is worker.table
+        resp = worker.handle_request({"op": "set_members", "members": ["192.0.2.2"]})
+        assert resp["ok"] is True and "warning" in resp and worker.transport.members == {"192.0.2.2"}
+        stats = worker.handle_request({"op": "stats"})["stats"]
+        assert "No such file or directory" in stats["fallbacks"]["state_file"]
+        assert not os.path.exists(gone + ".tmp")
+        os.mkdir(os.path.dirname(gone))  # the directory is back: the next change is saved
+        resp = worker.handle_request({"op": "set_next_hops", "next_hops": {"10.244.1.0/24": "192.0.2.2"}})
+        assert resp == {"ok": True, "next_hops": 1}
+        assert "state_file" not in worker.handle_request({"op": "stats"})["stats"]["fallbacks"]
+        with open(gone) as f:
+            assert json.load(f)["members"] == ["192.0.2.2"]
+
+
+def test_a_state_file_nested_too_deeply_is_ignored(monkeypatch, short_dir):
+    state = os.path.join(short_dir, "deep.state")
+    with open(state, "w") as f:
+        f.write("[" * 100000)
+    with running_worker(monkeypatch, short_dir, state=state) as worker:
+        assert worker.table.routes == {}
