@@ -43,6 +43,23 @@ class ForwardError(ValueError):
 # --------------------------------------------------------------------------------------------
 # Next hops and members
 
+_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+
+
+def unicast_ipv4(value) -> str:
+    """``value`` as a canonical dotted IPv4 address, ValueError unless it is one a packet can be
+    sent to and come from: not 0.0.0.0, 255.255.255.255 or multicast.  (The C loop takes
+    0.0.0.0 as "no route" and the Python loops would send to it: the same table would behave
+    differently per loop.)  Next hops, members and the command line's addresses alike."""
+    try:
+        addr = ipaddress.IPv4Address(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"not an IPv4 address: {value!r}") from None
+    if addr.is_unspecified or addr == _BROADCAST or addr.is_multicast:
+        raise ValueError(f"not a unicast IPv4 address: {value!r}")
+    return str(addr)
+
+
 
 class NextHopTable:
     """Longest-prefix match from inner destination (IPv4 or IPv6) to a peer's underlay address
@@ -57,9 +74,9 @@ class NextHopTable:
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"bad next-hop prefix {prefix!r}: {exc}") from None
             try:
-                hop = str(ipaddress.IPv4Address(via))
-            except (ValueError, TypeError):
-                raise ValueError(f"bad next-hop address {via!r} for {prefix} (an underlay IPv4 address)") from None
+                hop = unicast_ipv4(via)
+            except ValueError as exc:
+                raise ValueError(f"bad next-hop address {via!r} for {prefix} ({exc}; an underlay address)") from None
             by_len.setdefault((net.max_prefixlen, net.prefixlen), {})[int(net.network_address)] = hop
             canonical[str(net)] = hop
         # Per family (by address length in bits), longest first; each entry carries its mask so
@@ -93,9 +110,9 @@ def parse_members(members: Iterable[str], own: str | None = None) -> frozenset[s
     out = set()
     for m in members:
         try:
-            out.add(str(ipaddress.IPv4Address(m)))
-        except (ValueError, TypeError):
-            raise ValueError(f"bad member address {m!r}") from None
+            out.add(unicast_ipv4(m))
+        except ValueError as exc:
+            raise ValueError(f"bad member address {m!r} ({exc})") from None
     if own is not None:
         out.discard(str(ipaddress.IPv4Address(own)))
     return frozenset(out)

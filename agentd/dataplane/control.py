@@ -20,6 +20,8 @@ import socket
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 
+from agentd.dataplane._forward import unicast_ipv4
+
 log = logging.getLogger("agentd.dataplane")
 
 DEFAULT_CONTROL = {"udp": "/run/agentd/dataplane-udp.sock", "ipip": "/run/agentd/dataplane-ipip.sock"}
@@ -76,7 +78,7 @@ class DataplaneClient:
         for prefix, via in next_hops.items():
             try:
                 ipaddress.ip_network(prefix, strict=True)
-                ipaddress.IPv4Address(via)
+                unicast_ipv4(via)
             except (ValueError, TypeError) as exc:
                 raise DataplaneError(f"bad next hop {prefix!r} -> {via!r}: {exc}") from None
         resp = await self._call({"op": "set_next_hops", "next_hops": {str(k): str(v) for k, v in next_hops.items()}})
@@ -89,9 +91,9 @@ class DataplaneClient:
         members = [str(m) for m in members]
         for m in members:
             try:
-                ipaddress.IPv4Address(m)
-            except ValueError:
-                raise DataplaneError(f"bad member address {m!r}") from None
+                unicast_ipv4(m)
+            except ValueError as exc:
+                raise DataplaneError(f"bad member address {m!r}: {exc}") from None
         resp = await self._call({"op": "set_members", "members": members})
         return resp["members"]
 

@@ -52,7 +52,7 @@ from typing import Any
 
 from agentd.backend_table import BACKENDS
 from agentd.dataplane import _fast
-from agentd.dataplane._forward import NextHopTable, parse_members
+from agentd.dataplane._forward import NextHopTable, parse_members, unicast_ipv4
 from agentd.dataplane._gro import Coalescer
 from agentd.dataplane._transmit import BUDGET, LOOPS, Transmit
 from agentd.dataplane.ipip import IpipTransport
@@ -556,18 +556,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
-
-
 def _ipv4(value: str) -> str:
     """A unicast IPv4 address: packets are sent from it and to it."""
     try:
-        addr = ipaddress.IPv4Address(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an IPv4 address: {value!r}") from None
-    if addr.is_unspecified or addr == _BROADCAST or addr.is_multicast:
-        raise argparse.ArgumentTypeError(f"not a unicast IPv4 address: {value!r}")
-    return str(addr)
+        return unicast_ipv4(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _ipv6(value: str) -> str:

@@ -6,6 +6,7 @@ receive side.  A fake TUN device (a socketpair) and a fake transport stand in fo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -16,6 +17,8 @@ import tempfile
 import pytest
 
 from agentd.dataplane import worker as W
+from agentd.dataplane._forward import NextHopTable, parse_members, unicast_ipv4
+from agentd.dataplane.control import DataplaneClient, DataplaneError
 
 
 class FakeTun:
@@ -204,3 +207,40 @@ def test_a_state_file_nested_too_deeply_is_ignored(monkeypatch, short_dir):
         f.write("[" * 100000)
     with running_worker(monkeypatch, short_dir, state=state) as worker:
         assert worker.table.routes == {}
+
+
+# -- next hops and members are unicast (review r2 #4) ----------------------------------------------
+
+
+NOT_UNICAST = ["0.0.0.0", "255.255.255.255", "224.0.0.1", "239.255.255.250"]
+
+
+@pytest.mark.parametrize("address", NOT_UNICAST)
+def test_a_next_hop_or_member_that_is_no_unicast_address_is_refused(monkeypatch, short_dir, address):
+    """The command line refused these for --local-ip; the control protocol took them: 0.0.0.0
+    was "no route" to the C loop (net unreachable) and an address to send to for the Python
+    loops (delivered locally), the same table behaving differently per loop."""
+    with pytest.raises(ValueError, match="bad next-hop address"):
+        NextHopTable({"10.244.1.0/24": address})
+    with pytest.raises(ValueError, match="bad member address"):
+        parse_members(["192.0.2.2", address])
+    with pytest.raises(ValueError, match="not a unicast"):
+        unicast_ipv4(address)
+    with running_worker(monkeypatch, short_dir) as worker:
+        resp = worker.handle_request({"op": "set_next_hops", "next_hops": {"10.244.1.0/24": address}})
+        assert resp["ok"] is False and "bad next-hop address" in resp["error"]
+        resp = worker.handle_request({"op": "set_members", "members": [address]})
+        assert resp["ok"] is False and "bad member address" in resp["error"]
+        assert worker.table.routes == {} and worker.members == frozenset()
+    # The agent's client refuses them before asking.
+    client = DataplaneClient(None, None, "/nowhere")  # type: ignore[arg-type]
+    with pytest.raises(DataplaneError, match="bad next hop"):
+        asyncio.run(client.set_next_hops({"10.244.1.0/24": address}))
+    with pytest.raises(DataplaneError, match="bad member"):
+        asyncio.run(client.set_members([address]))
+
+
+def test_unicast_next_hops_and_members_are_taken():
+    assert NextHopTable({"10.244.1.0/24": "192.0.2.2"}).lookup("10.244.1.3") == "192.0.2.2"
+    assert parse_members(["192.0.2.2", "10.0.0.1"]) == {"192.0.2.2", "10.0.0.1"}
+    assert unicast_ipv4("192.0.2.2") == "192.0.2.2"
