@@ -21,7 +21,8 @@ and one send per packet (flannel's model), kept as a separate, lean loop so the 
 honest.
 
 Control protocol (JSON lines over the unix socket; one response line per request):
-``{"op": "set_next_hops", "next_hops": {prefix: underlay_ip}}``,
+``{"op": "set_next_hops", "next_hops": {prefix: underlay_ip}, "sources": {prefix: underlay_ip}}``
+("sources", optional: the reverse-path table, below; without it the next hops are that table),
 ``{"op": "set_members", "members": [underlay_ip, ...]}``, ``{"op": "stats"}``, ``{"op": "get"}``,
 ``{"op": "shutdown", "remove_device": bool}``.  Responses: ``{"ok": true, ...}`` or
 ``{"ok": false, "error": "..."}``.  The table survives controller disconnects and is saved to a
@@ -71,8 +72,9 @@ TTL_DECREMENT = {kind: BACKENDS[kind].ttl_decrement for kind in TRANSPORTS}
 # (RFC 2003; IPv6 in IPv4 would be another protocol, 41).
 FAMILIES = {kind: BACKENDS[kind].inner_families for kind in TRANSPORTS}
 # icmp_ratelimited: ICMP errors not sent (over the rate limit; the packet is counted under its own reason).
+# spoofed: a member's inner packet whose source does not route back to that member (NextHopTable.source_ok).
 DROP_REASONS = ("non_member", "no_route", "ttl_exceeded", "malformed", "mtu", "not_ipv4", "send_error",
-                "tun_write_error", "icmp_ratelimited")
+                "tun_write_error", "icmp_ratelimited", "spoofed")
 COUNTERS = ("tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",
             "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "icmp_sent")
 
@@ -106,6 +108,7 @@ class Worker:
         self.c = dict.fromkeys(COUNTERS, 0)
         self.drops = dict.fromkeys(DROP_REASONS, 0)
         self.table = NextHopTable()
+        self.sources = self.table  # the reverse-path table (set_next_hops' "sources")
         self.members: frozenset[str] = frozenset()
         self.ttl_decrement = TTL_DECREMENT[cfg.kind]
         self.state_path = cfg.state or cfg.control + ".state"
@@ -215,7 +218,7 @@ class Worker:
                 state = json.load(f)
             if state.get("kind") != self.cfg.kind:
                 return
-            self._apply_next_hops(state.get("next_hops") or {}, save=False)
+            self._apply_next_hops(state.get("next_hops") or {}, state.get("sources"), save=False)
             self._apply_members(state.get("members") or [], save=False)
             log.info("restored %d next hops and %d members from %s", len(self.table), len(self.members),
                      self.state_path)
@@ -233,7 +236,7 @@ class Worker:
         tmp = self.state_path + ".tmp"
         try:
             with open(tmp, "w") as f:
-                json.dump({"kind": self.cfg.kind, "next_hops": self.table.routes,
+                json.dump({"kind": self.cfg.kind, "next_hops": self.table.routes, "sources": self.sources.routes,
                            "members": sorted(self.members)}, f)
             os.replace(tmp, self.state_path)
         except OSError as exc:
@@ -248,13 +251,23 @@ class Worker:
             log.info("state file %s saved again", self.state_path)
         self.state_error = None
 
-    def _apply_next_hops(self, routes, save: bool = True) -> None:
+    def _apply_next_hops(self, routes, sources=None, save: bool = True) -> None:
+        """The next hops, and the reverse-path table the receive side checks every inner source
+        against (NextHopTable.source_ok): every pod subnet the node routes to a peer node,
+        whatever carries it -- a peer this worker sends nothing to (reached by host-gw, say)
+        still sends its pods' packets here.  Without ``sources`` (a controller that does not
+        give them) the next hops are that table too."""
         if not isinstance(routes, dict):
             raise ValueError("next_hops must be an object {prefix: underlay address}")
-        self.table = NextHopTable(routes)
-        self.tx.set_table(self.table)
+        if sources is not None and not isinstance(sources, dict):
+            raise ValueError("sources must be an object {prefix: underlay address}")
+        table = NextHopTable(routes)
+        sources = table if sources is None else NextHopTable(sources)
+        self.table, self.sources = table, sources
+        self.tx.set_table(table)
+        self.transport.set_table(sources)  # the receive side's reverse-path check
         if self.fast is not None:
-            self.fast.set_routes(self.table)
+            self.fast.set_routes(table, sources)
         if save:
             self._save_state()
 
@@ -274,8 +287,8 @@ class Worker:
         op = req.get("op")
         try:
             if op == "set_next_hops":
-                self._apply_next_hops(req.get("next_hops"))
-                return self._saved({"ok": True, "next_hops": len(self.table)})
+                self._apply_next_hops(req.get("next_hops"), req.get("sources"))
+                return self._saved({"ok": True, "next_hops": len(self.table), "sources": len(self.sources)})
             if op == "set_members":
                 self._apply_members(req.get("members"))
                 return self._saved({"ok": True, "members": len(self.members)})
@@ -283,6 +296,7 @@ class Worker:
                 return {"ok": True, "stats": self.stats()}
             if op == "get":
                 return {"ok": True, "config": self.describe(), "next_hops": self.table.routes,
+                        "sources": self.sources.routes,
                         "members": sorted(self.members)}
             if op == "shutdown":
                 self._stop = True
@@ -335,6 +349,7 @@ class Worker:
             **self.describe(),
             "uptime": round(time.monotonic() - self.started, 3),
             "next_hops": len(self.table),
+            "sources": len(self.sources),
             "members": len(self.members),
             "controllers": len(self.control.clients),
             **c,

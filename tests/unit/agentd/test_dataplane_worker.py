@@ -187,7 +187,7 @@ def test_a_state_file_that_cannot_be_saved_keeps_the_new_table_and_says_so(monke
         resp = worker.handle_request({"op": "set_next_hops", "next_hops": {"10.244.1.0/24": "192.0.2.2"}})
         assert resp["ok"] is True and resp["next_hops"] == 1 and "cannot save the state file" in resp["warning"]
         assert worker.table.routes == {"10.244.1.0/24": "192.0.2.2"}
-        assert worker.tx.table is worker.table
+        assert worker.transport.table is worker.table and worker.tx.table is worker.table
         resp = worker.handle_request({"op": "set_members", "members": ["192.0.2.2"]})
         assert resp["ok"] is True and "warning" in resp and worker.transport.members == {"192.0.2.2"}
         stats = worker.handle_request({"op": "stats"})["stats"]
@@ -195,7 +195,7 @@ def test_a_state_file_that_cannot_be_saved_keeps_the_new_table_and_says_so(monke
         assert not os.path.exists(gone + ".tmp")
         os.mkdir(os.path.dirname(gone))  # the directory is back: the next change is saved
         resp = worker.handle_request({"op": "set_next_hops", "next_hops": {"10.244.1.0/24": "192.0.2.2"}})
-        assert resp == {"ok": True, "next_hops": 1}
+        assert resp == {"ok": True, "next_hops": 1, "sources": 1}
         assert "state_file" not in worker.handle_request({"op": "stats"})["stats"]["fallbacks"]
         with open(gone) as f:
             assert json.load(f)["members"] == ["192.0.2.2"]
@@ -207,6 +207,36 @@ def test_a_state_file_nested_too_deeply_is_ignored(monkeypatch, short_dir):
         f.write("[" * 100000)
     with running_worker(monkeypatch, short_dir, state=state) as worker:
         assert worker.table.routes == {}
+
+
+# -- the receive side gets the next hops (review r2 #1) --------------------------------------------
+
+
+def test_the_reverse_path_table_reaches_the_receive_side_and_the_state_file(monkeypatch, short_dir):
+    """set_next_hops' "sources" (every peer node's subnets: a peer this worker does not send to
+    still sends here) is what the receive side checks inner sources against; without it, the
+    next hops.  Both survive in the state file for the next worker."""
+    peer, gw = socket.inet_aton("192.0.2.2"), socket.inet_aton("192.0.2.3")
+    with running_worker(monkeypatch, short_dir, state=os.path.join(short_dir, "s.state")) as worker:
+        resp = worker.handle_request({"op": "set_next_hops", "next_hops": {"10.244.1.0/24": "192.0.2.2"}})
+        assert resp["ok"] and worker.transport.table is worker.sources is worker.table
+        assert worker.transport.table.source_ok(socket.inet_aton("10.244.1.7"), peer)
+        resp = worker.handle_request({"op": "set_next_hops", "next_hops": {"10.244.1.0/24": "192.0.2.2"},
+                                      "sources": {"10.244.1.0/24": "192.0.2.2", "10.244.3.0/24": "192.0.2.3"}})
+        assert resp == {"ok": True, "next_hops": 1, "sources": 2}
+        assert worker.table.routes == {"10.244.1.0/24": "192.0.2.2"} and worker.transport.table is worker.sources
+        assert worker.transport.table.source_ok(socket.inet_aton("10.244.3.7"), gw)
+        assert worker.handle_request({"op": "get"})["sources"] == worker.sources.routes
+        assert "spoofed" in worker.handle_request({"op": "stats"})["stats"]["drops"]
+        bad = worker.handle_request({"op": "set_next_hops", "next_hops": {}, "sources": {"10.244.3.0/24": "0.0.0.0"}})
+        assert bad["ok"] is False and worker.sources.routes["10.244.3.0/24"] == "192.0.2.3"  # nothing changed
+    with running_worker(monkeypatch, short_dir, state=os.path.join(short_dir, "s.state")) as worker:
+        pass  # (a clean stop removes the state file: the next worker starts without a table)
+    with open(os.path.join(short_dir, "s.state"), "w") as f:
+        json.dump({"kind": "udp", "next_hops": {"10.244.1.0/24": "192.0.2.2"},
+                   "sources": {"10.244.3.0/24": "192.0.2.3"}, "members": []}, f)
+    with running_worker(monkeypatch, short_dir, state=os.path.join(short_dir, "s.state")) as worker:
+        assert worker.sources.routes == {"10.244.3.0/24": "192.0.2.3"} and worker.transport.table is worker.sources
 
 
 # -- next hops and members are unicast (review r2 #4) ----------------------------------------------
