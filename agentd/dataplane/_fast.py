@@ -22,7 +22,7 @@ COUNTERS = (
     "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "coalesced_segments",
     "coalesced_batches", "rx_csum_errors",
     "drop:non_member", "drop:no_route", "drop:ttl_exceeded", "drop:malformed", "drop:mtu", "drop:not_ipv4",
-    "drop:send_error", "drop:tun_write_error", "drop:icmp_ratelimited",
+    "drop:send_error", "drop:tun_write_error", "drop:icmp_ratelimited", "drop:spoofed",
 )
 SLOW_NET_UNREACHABLE = 1
 SLOW_TIME_EXCEEDED = 2
@@ -81,6 +81,8 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     lib.fp_run.restype = ctypes.c_int
     lib.fp_set_routes.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int]
     lib.fp_set_routes6.argtypes = [ctypes.POINTER(_State), ctypes.c_char_p, ctypes.c_int]
+    lib.fp_set_sources.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int]
+    lib.fp_set_sources6.argtypes = [ctypes.POINTER(_State), ctypes.c_char_p, ctypes.c_int]
     lib.fp_set_members.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int]
     lib.fp_segment.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
@@ -126,7 +128,14 @@ class FastPath:
             self._lib.fp_free(self._ptr)
             self._ptr = None
 
-    def set_routes(self, table: NextHopTable) -> None:
+    def set_routes(self, table: NextHopTable, sources: NextHopTable | None = None) -> None:
+        """The next hops (the transmit side's), and the reverse-path table: the receive side
+        takes an inner source only from the member ``sources`` routes it to, or that member's
+        own address (None: the next hops are that table too, as the worker's protocol has it)."""
+        self._set(table, self._lib.fp_set_routes, self._lib.fp_set_routes6)
+        self._set(table if sources is None else sources, self._lib.fp_set_sources, self._lib.fp_set_sources6)
+
+    def _set(self, table: NextHopTable, set4, set6) -> None:
         rows, rows6 = [], []
         for prefix, via in table.routes.items():
             net = ipaddress.ip_network(prefix)
@@ -143,10 +152,10 @@ class FastPath:
             flat[3 * i] = int.from_bytes(net.to_bytes(4, "big"), sys.byteorder)
             flat[3 * i + 1] = int.from_bytes(mask.to_bytes(4, "big"), sys.byteorder)
             flat[3 * i + 2] = int.from_bytes(via.to_bytes(4, "big"), sys.byteorder)
-        if self._lib.fp_set_routes(self._ptr, flat, len(rows)):
-            raise MemoryError("fp_set_routes")
-        if self._lib.fp_set_routes6(self._ptr, b"".join(entry for _plen, entry in rows6), len(rows6)):
-            raise MemoryError("fp_set_routes6")
+        if set4(self._ptr, flat, len(rows)):
+            raise MemoryError(set4.__name__)
+        if set6(self._ptr, b"".join(entry for _plen, entry in rows6), len(rows6)):
+            raise MemoryError(set6.__name__)
 
     def set_members(self, members) -> None:
         addrs = sorted(int(ipaddress.IPv4Address(m)) for m in members)

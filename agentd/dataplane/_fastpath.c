@@ -21,7 +21,8 @@
  * no GSO).
  *
  * Underlay -> TUN: a UDP GRO read (or a recvmmsg batch of IPIP packets) is cut into its inner
- * packets; consecutive in-order segments of one TCP flow are merged as Linux tcp_gro_receive
+ * packets, each of which must come from a member and carry a source that routes back to that
+ * member (source_ok: else dropped as spoofed); consecutive in-order segments of one TCP flow are merged as Linux tcp_gro_receive
  * would and written to the TUN as one super-packet (virtio-net header GSO_TCPV4 or GSO_TCPV6 +
  * NEEDS_CSUM)
  * with one writev whose iovecs point at the payloads where they were received: no copy.  As
@@ -87,7 +88,7 @@ enum {
     C_TUN_READS, C_TUN_WRITES, C_TSO_FRAMES, C_TSO_SEGMENTS, C_TSO_BATCHES, C_COALESCED,
     C_COALESCED_BATCHES, C_RX_CSUM_ERRORS,
     D_NON_MEMBER, D_NO_ROUTE, D_TTL_EXCEEDED, D_MALFORMED, D_MTU, D_NOT_IPV4, D_SEND_ERROR,
-    D_TUN_WRITE_ERROR, D_ICMP_RATELIMITED,
+    D_TUN_WRITE_ERROR, D_ICMP_RATELIMITED, D_SPOOFED,
     C_COUNT
 };
 
@@ -111,6 +112,18 @@ struct fp_route6 { uint64_t net[2], mask[2]; uint32_t peer; };   /* bytes as in 
 
 struct fp_msg_meta { uint32_t peer; int segments; int bytes; int seglen; int gso; };
 
+/* A longest-prefix table of both families, with its last look-up of each remembered: the next
+ * hops (the transmit side's destinations) and the reverse-path table (source_ok: the receive
+ * side's sources; every pod subnet the node routes to a peer node, whatever carries it). */
+struct fp_cache { uint32_t addr, peer; int ok; };
+struct fp_cache6 { uint64_t addr[2]; uint32_t peer; int ok; };
+struct fp_table {
+    struct fp_route *v4; int n4;
+    struct fp_route6 *v6; int n6;
+    struct fp_cache c4;
+    struct fp_cache6 c6;
+};
+
 struct fp_state {
     /* set by Python (_fast.py's _State mirrors them; fp_fields below lets it check) */
     int tun_fd, sock_fd, kind, mtu, ttl_decrement, udp_gso, udp_gro;
@@ -122,11 +135,8 @@ struct fp_state {
     int gso_failed_errno;            /* non-zero once a UDP_SEGMENT send was refused */
     uint32_t slow_peer;              /* SLOW_FRAG_NEEDED: the peer the packet was for (network order) */
     /* private */
-    struct fp_route *routes; int nroutes;
-    struct fp_route6 *routes6; int nroutes6;
+    struct fp_table hops, sources;
     uint32_t *members; int nmembers;  /* host byte order, sorted */
-    uint32_t cache_dst, cache_peer; int cache_ok;
-    uint64_t cache6_dst[2]; uint32_t cache6_peer; int cache6_ok;
     int64_t icmp_credit_ns, icmp_last_ns;    /* the ICMP error token bucket, in nanoseconds of rate */
     int ptb_len; uint32_t ptb_peer; uint8_t ptb[SLOW_MAX];   /* a packet too big, waiting (too_big) */
     uint8_t *in, *out, *rx, *ovf;
@@ -309,8 +319,8 @@ int fp_segment(const uint8_t *pkt, int n, int gso, uint8_t *out, int out_len, in
 
 /* -- next hops and members ----------------------------------------------------------------------- */
 
-/* routes: n triples (net, mask, peer) in network byte order, longest prefix first. */
-int fp_set_routes(struct fp_state *st, const uint32_t *triples, int n)
+/* n triples (net, mask, peer) in network byte order, longest prefix first. */
+static int table_set4(struct fp_table *t, const uint32_t *triples, int n)
 {
     struct fp_route *r = n ? malloc(sizeof(*r) * (size_t)n) : NULL;
     if (n && !r)
@@ -320,16 +330,16 @@ int fp_set_routes(struct fp_state *st, const uint32_t *triples, int n)
         r[i].mask = triples[3 * i + 1];
         r[i].peer = triples[3 * i + 2];
     }
-    free(st->routes);
-    st->routes = r;
-    st->nroutes = n;
-    st->cache_ok = 0;
+    free(t->v4);
+    t->v4 = r;
+    t->n4 = n;
+    t->c4.ok = 0;
     return 0;
 }
 
-/* IPv6 routes: n entries of 36 bytes (prefix 16, mask 16, as in the header; peer 4, network byte
- * order), longest prefix first. */
-int fp_set_routes6(struct fp_state *st, const uint8_t *entries, int n)
+/* n entries of 36 bytes (prefix 16, mask 16, as in the header; peer 4, network byte order),
+ * longest prefix first. */
+static int table_set6(struct fp_table *t, const uint8_t *entries, int n)
 {
     struct fp_route6 *r = n ? malloc(sizeof(*r) * (size_t)n) : NULL;
     if (n && !r)
@@ -340,12 +350,18 @@ int fp_set_routes6(struct fp_state *st, const uint8_t *entries, int n)
         memcpy(r[i].mask, e + 16, 16);
         memcpy(&r[i].peer, e + 32, 4);
     }
-    free(st->routes6);
-    st->routes6 = r;
-    st->nroutes6 = n;
-    st->cache6_ok = 0;
+    free(t->v6);
+    t->v6 = r;
+    t->n6 = n;
+    t->c6.ok = 0;
     return 0;
 }
+
+/* The next hops (IPv4, IPv6) and the reverse-path table (IPv4, IPv6), as table_set4/6 take them. */
+int fp_set_routes(struct fp_state *st, const uint32_t *triples, int n) { return table_set4(&st->hops, triples, n); }
+int fp_set_routes6(struct fp_state *st, const uint8_t *entries, int n) { return table_set6(&st->hops, entries, n); }
+int fp_set_sources(struct fp_state *st, const uint32_t *triples, int n) { return table_set4(&st->sources, triples, n); }
+int fp_set_sources6(struct fp_state *st, const uint8_t *entries, int n) { return table_set6(&st->sources, entries, n); }
 
 /* members: n underlay addresses in host byte order, sorted ascending. */
 int fp_set_members(struct fp_state *st, const uint32_t *addrs, int n)
@@ -361,42 +377,64 @@ int fp_set_members(struct fp_state *st, const uint32_t *addrs, int n)
     return 0;
 }
 
-static uint32_t lookup(struct fp_state *st, uint32_t dst)
+/* The peer for the IPv4 address dst (network byte order) in t, 0 when none (a peer is never
+ * 0.0.0.0: the control protocol takes unicast next hops only). */
+static inline uint32_t table_lookup4(struct fp_table *t, uint32_t dst)
 {
-    if (st->cache_ok && st->cache_dst == dst)
-        return st->cache_peer;
+    if (t->c4.ok && t->c4.addr == dst)
+        return t->c4.peer;
     uint32_t peer = 0;
-    for (int i = 0; i < st->nroutes; i++) {
-        if ((dst & st->routes[i].mask) == st->routes[i].net) {
-            peer = st->routes[i].peer;
+    for (int i = 0; i < t->n4; i++) {
+        if ((dst & t->v4[i].mask) == t->v4[i].net) {
+            peer = t->v4[i].peer;
             break;
         }
     }
-    st->cache_dst = dst;
-    st->cache_peer = peer;
-    st->cache_ok = 1;
+    t->c4.addr = dst;
+    t->c4.peer = peer;
+    t->c4.ok = 1;
     return peer;
 }
 
-/* The peer for the IPv6 destination at dst (16 bytes as in the header), 0 when none. */
-static uint32_t lookup6(struct fp_state *st, const uint8_t *dst)
+/* The peer for the IPv6 address at dst (16 bytes as in the header) in t, 0 when none. */
+static inline uint32_t table_lookup6(struct fp_table *t, const uint8_t *dst)
 {
     uint64_t d[2];
     memcpy(d, dst, 16);
-    if (st->cache6_ok && st->cache6_dst[0] == d[0] && st->cache6_dst[1] == d[1])
-        return st->cache6_peer;
+    if (t->c6.ok && t->c6.addr[0] == d[0] && t->c6.addr[1] == d[1])
+        return t->c6.peer;
     uint32_t peer = 0;
-    for (int i = 0; i < st->nroutes6; i++) {
-        const struct fp_route6 *r = &st->routes6[i];
+    for (int i = 0; i < t->n6; i++) {
+        const struct fp_route6 *r = &t->v6[i];
         if ((d[0] & r->mask[0]) == r->net[0] && (d[1] & r->mask[1]) == r->net[1]) {
             peer = r->peer;
             break;
         }
     }
-    memcpy(st->cache6_dst, d, 16);
-    st->cache6_peer = peer;
-    st->cache6_ok = 1;
+    memcpy(t->c6.addr, d, 16);
+    t->c6.peer = peer;
+    t->c6.ok = 1;
     return peer;
+}
+
+static uint32_t lookup(struct fp_state *st, uint32_t dst) { return table_lookup4(&st->hops, dst); }
+static uint32_t lookup6(struct fp_state *st, const uint8_t *dst) { return table_lookup6(&st->hops, dst); }
+
+/* The receive side's reverse-path check (_forward.py's NextHopTable.source_ok): may the inner
+ * packet p (inner_ok took it: IPv4, or IPv6) come from the member whose underlay address is
+ * from (network byte order)?  Only where its source lies in a prefix the node routes to that
+ * member (st->sources) -- its pods; its tunnel device's address, which its host's own packets,
+ * its node ports' SNAT and its kernel's ICMP errors come from -- or is that member's own
+ * address.  Anything else would pose as another node's pods or as this node (the TUN takes
+ * local sources: accept_local). */
+static inline int source_ok(struct fp_state *st, const uint8_t *p, uint32_t from)
+{
+    if (p[0] >> 4 == 4) {
+        uint32_t src;
+        memcpy(&src, p + 12, 4);
+        return src == from || table_lookup4(&st->sources, src) == from;
+    }
+    return table_lookup6(&st->sources, p + 8) == from;
 }
 
 static int is_member(const struct fp_state *st, uint32_t addr_net)
@@ -443,8 +481,10 @@ void fp_free(struct fp_state *st)
 {
     if (!st)
         return;
-    free(st->routes);
-    free(st->routes6);
+    free(st->hops.v4);
+    free(st->hops.v6);
+    free(st->sources.v4);
+    free(st->sources.v6);
     free(st->members);
     free(st->in);
     free(st->ovf);
@@ -1118,6 +1158,10 @@ static int rx_udp(struct fp_state *st, int budget)
                 st->counters[D_MALFORMED]++;
                 continue;
             }
+            if (!source_ok(st, p, from.sin_addr.s_addr)) {
+                st->counters[D_SPOOFED]++;
+                continue;
+            }
             pd.pkts[pd.k] = p;
             pd.lens[pd.k++] = len;
             good++;
@@ -1189,6 +1233,10 @@ static int rx_ipip(struct fp_state *st, int budget)
             int ihl = (o[0] & 0x0F) << 2;
             if (o[0] >> 4 != 4 || ihl < 20 || ihl > n || o[9] != 4 || !inner_ok(o + ihl, n - ihl, 0)) {
                 st->counters[D_MALFORMED]++;
+                continue;
+            }
+            if (!source_ok(st, o + ihl, src)) {
+                st->counters[D_SPOOFED]++;
                 continue;
             }
             pd.pkts[pd.k] = o + ihl;

@@ -16,6 +16,7 @@ The worker calls these per packet, so they work on buffers and offsets, not data
 from __future__ import annotations
 
 import ipaddress
+import socket
 import struct
 from collections.abc import Iterable, Mapping
 
@@ -43,10 +44,31 @@ class ForwardError(ValueError):
 # --------------------------------------------------------------------------------------------
 # Next hops and members
 
+_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+
+
+def unicast_ipv4(value) -> str:
+    """``value`` as a canonical dotted IPv4 address, ValueError unless it is one a packet can be
+    sent to and come from: not 0.0.0.0, 255.255.255.255 or multicast.  (The C loop takes
+    0.0.0.0 as "no route" and the Python loops would send to it: the same table would behave
+    differently per loop.)  Next hops, members and the command line's addresses alike."""
+    try:
+        addr = ipaddress.IPv4Address(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"not an IPv4 address: {value!r}") from None
+    if addr.is_unspecified or addr == _BROADCAST or addr.is_multicast:
+        raise ValueError(f"not a unicast IPv4 address: {value!r}")
+    return str(addr)
+
+
+_MISS = object()
+_SOURCE_MEMO = 4096  # inner sources whose peer is remembered (forgotten all at once beyond)
+
 
 class NextHopTable:
     """Longest-prefix match from inner destination (IPv4 or IPv6) to a peer's underlay address
-    (IPv4: the underlay's family, whatever the inner one)."""
+    (IPv4: the underlay's family, whatever the inner one); and, on the receive side, the
+    reverse-path check of inner sources (:meth:`source_ok`)."""
 
     def __init__(self, routes: Mapping[str, str] | None = None) -> None:
         by_len: dict[tuple[int, int], dict[int, str]] = {}
@@ -57,9 +79,9 @@ class NextHopTable:
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"bad next-hop prefix {prefix!r}: {exc}") from None
             try:
-                hop = str(ipaddress.IPv4Address(via))
-            except (ValueError, TypeError):
-                raise ValueError(f"bad next-hop address {via!r} for {prefix} (an underlay IPv4 address)") from None
+                hop = unicast_ipv4(via)
+            except ValueError as exc:
+                raise ValueError(f"bad next-hop address {via!r} for {prefix} ({exc}; an underlay address)") from None
             by_len.setdefault((net.max_prefixlen, net.prefixlen), {})[int(net.network_address)] = hop
             canonical[str(net)] = hop
         # Per family (by address length in bits), longest first; each entry carries its mask so
@@ -68,6 +90,7 @@ class NextHopTable:
         for (bits, plen), entries in sorted(by_len.items(), key=lambda kv: -kv[0][1]):
             self._levels[bits].append((((1 << bits) - 1) ^ ((1 << (bits - plen)) - 1), entries))
         self.routes: dict[str, str] = canonical
+        self._source_peer: dict[bytes, bytes | None] = {}  # inner source -> its peer, packed
 
     def __len__(self) -> int:
         return len(self.routes)
@@ -83,6 +106,24 @@ class NextHopTable:
                 return hop
         return None
 
+    def source_ok(self, src: bytes, sender: bytes) -> bool:
+        """The receive side's reverse-path check: may an inner packet whose source is ``src``
+        (4 or 16 packed bytes) come from the peer whose underlay address is ``sender`` (4 packed
+        bytes)?  Only where ``src`` lies in a prefix routed to that peer -- its pods, and its
+        tunnel device's address, which its host's own packets and its node ports' SNAT come
+        from (the kernel picks it for routes through the TUN), and which its kernel's ICMP
+        errors about our pods' packets come from -- or is ``sender`` itself (its host
+        answering from its underlay address).  Anything else a member sends would pose as
+        another node's pods, or as this node (the TUN takes local sources: accept_local):
+        dropped, counted ``spoofed``.  As _fastpath.c's source_ok."""
+        peer = self._source_peer.get(src, _MISS)
+        if peer is _MISS:
+            if len(self._source_peer) >= _SOURCE_MEMO:
+                self._source_peer.clear()
+            hop = self.lookup(src)
+            peer = self._source_peer[src] = None if hop is None else socket.inet_aton(hop)
+        return peer == sender or src == sender
+
 
 def parse_members(members: Iterable[str], own: str | None = None) -> frozenset[str]:
     """Validate underlay member addresses; returns canonical dotted strings.  ``own`` (the
@@ -93,9 +134,9 @@ def parse_members(members: Iterable[str], own: str | None = None) -> frozenset[s
     out = set()
     for m in members:
         try:
-            out.add(str(ipaddress.IPv4Address(m)))
-        except (ValueError, TypeError):
-            raise ValueError(f"bad member address {m!r}") from None
+            out.add(unicast_ipv4(m))
+        except ValueError as exc:
+            raise ValueError(f"bad member address {m!r} ({exc})") from None
     if own is not None:
         out.discard(str(ipaddress.IPv4Address(own)))
     return frozenset(out)

@@ -423,8 +423,9 @@ class _Worker:
         self.state_path = state_path(Path(t.cfg.agent.state_dir), kind)
         self.process: DataplaneProcess | None = None
         self.client: DataplaneClient | None = None
-        self.pushed: tuple[dict, frozenset] | None = None
+        self.pushed: tuple[dict, dict, frozenset] | None = None
         self.base: dict[str, str] = {}  # a re-attached worker's table, kept until routes are re-learned
+        self.base_sources: dict[str, str] = {}  # and its reverse-path table
         self.last_stats: dict[str, Any] = {}  # the running worker's, as last read; {} while none runs
         self.error: str | None = None  # why no worker runs: it died and could not be started again
         # agentd_dataplane_drops_total is a counter: what the workers before the one last read
@@ -483,6 +484,7 @@ class _Worker:
             self.attached_pid = pid if isinstance(pid, int) and pid > 0 else None
             # Its table keeps traffic flowing until BGP has re-learned every route.
             self.base = dict(held.get("next_hops") or {})
+            self.base_sources = dict(held.get("sources") or {})
             log.info("re-attached to the running %s data-plane worker (%d next hops)", self.name, len(self.base))
             return
         log.info("the running %s data-plane worker has %s, not %s: replacing it", self.name, have, wanted)
@@ -556,19 +558,32 @@ class _Worker:
             if plans_f.get(nh) and plans_f[nh].backend == self.name and paths.datapath(plans_f[nh]) == "userspace"
             for dst in dsts
         }
+        # What the worker may receive from each peer node: every pod subnet this node routes to
+        # it, whatever carries it here (a peer reached by host-gw, or in BPF, may still send its
+        # pods' packets through our worker), by its (IPv4 underlay) address -- the worker's
+        # reverse-path check of inner sources (docs/networking.md, security notes).
+        sources = {
+            dst: nh
+            for plans_f, next_hops_f in ((plans, next_hops), (self.t.plans_v6, self.t.next_hops_v6))
+            for nh, dsts in next_hops_f.items()
+            if plans_f.get(nh) and plans_f[nh].node is not None and ":" not in nh
+            for dst in dsts
+        }
         if prune:
-            self.base = {}
+            self.base, self.base_sources = {}, {}
         else:
             table = {**self.base, **table}
+            sources = {**self.base, **self.base_sources, **sources}
+        sources = {**table, **sources}  # (every next hop is a peer's subnet too)
         # Not our own underlay address (it is a member for BPF): a node never encapsulates to
         # itself, and the worker would take any local process's datagram from it.
         members = frozenset(self.t.members) - {str(self.t.underlay.interface.ip)}
-        if self.pushed == (table, members):
+        if self.pushed == (table, sources, members):
             return
         try:
-            await self.client.set_next_hops(table)
+            await self.client.set_next_hops(table, sources)
             await self.client.set_members(members)
-            self.pushed = (table, members)
+            self.pushed = (table, sources, members)
         except DataplaneError as err:
             log.warning("%s worker: %s; reconnecting", self.name, err)
             await self._reconnect()

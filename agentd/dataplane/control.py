@@ -20,6 +20,8 @@ import socket
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 
+from agentd.dataplane._forward import unicast_ipv4
+
 log = logging.getLogger("agentd.dataplane")
 
 DEFAULT_CONTROL = {"udp": "/run/agentd/dataplane-udp.sock", "ipip": "/run/agentd/dataplane-ipip.sock"}
@@ -27,6 +29,19 @@ DEFAULT_CONTROL = {"udp": "/run/agentd/dataplane-udp.sock", "ipip": "/run/agentd
 
 class DataplaneError(RuntimeError):
     """The worker refused a request, is unreachable, or failed to start."""
+
+
+def _table(table: Mapping[str, str], what: str) -> dict[str, str]:
+    """``table`` ({prefix: underlay address}) checked as the worker checks it, as JSON wants it."""
+    if not isinstance(table, Mapping):
+        raise DataplaneError(f"{what} must be a mapping {{prefix: underlay address}}")
+    for prefix, via in table.items():
+        try:
+            ipaddress.ip_network(prefix, strict=True)
+            unicast_ipv4(via)
+        except (ValueError, TypeError) as exc:
+            raise DataplaneError(f"bad next hop {prefix!r} -> {via!r}: {exc}") from None
+    return {str(k): str(v) for k, v in table.items()}
 
 
 class DataplaneClient:
@@ -68,18 +83,16 @@ class DataplaneClient:
             raise DataplaneError(resp.get("error", "request failed"))
         return resp
 
-    async def set_next_hops(self, next_hops: Mapping[str, str]) -> int:
+    async def set_next_hops(self, next_hops: Mapping[str, str], sources: Mapping[str, str] | None = None) -> int:
         """Replace the table: inner destination prefix (IPv4 or IPv6) -> peer underlay IPv4
-        (longest prefix wins).  Returns the number of entries."""
-        if not isinstance(next_hops, Mapping):
-            raise DataplaneError("next_hops must be a mapping {prefix: underlay address}")
-        for prefix, via in next_hops.items():
-            try:
-                ipaddress.ip_network(prefix, strict=True)
-                ipaddress.IPv4Address(via)
-            except (ValueError, TypeError) as exc:
-                raise DataplaneError(f"bad next hop {prefix!r} -> {via!r}: {exc}") from None
-        resp = await self._call({"op": "set_next_hops", "next_hops": {str(k): str(v) for k, v in next_hops.items()}})
+        (longest prefix wins).  ``sources``: the reverse-path table the worker checks what it
+        receives against -- every pod subnet this node routes to a peer node, whatever carries
+        it, by that peer's address (None: the next hops; a worker that predates it ignores it).
+        Returns the number of next hops."""
+        request = {"op": "set_next_hops", "next_hops": _table(next_hops, "next_hops")}
+        if sources is not None:
+            request["sources"] = _table(sources, "sources")
+        resp = await self._call(request)
         return resp["next_hops"]
 
     async def set_members(self, members: Iterable[str]) -> int:
@@ -89,9 +102,9 @@ class DataplaneClient:
         members = [str(m) for m in members]
         for m in members:
             try:
-                ipaddress.IPv4Address(m)
-            except ValueError:
-                raise DataplaneError(f"bad member address {m!r}") from None
+                unicast_ipv4(m)
+            except ValueError as exc:
+                raise DataplaneError(f"bad member address {m!r}: {exc}") from None
         resp = await self._call({"op": "set_members", "members": members})
         return resp["members"]
 
@@ -99,9 +112,11 @@ class DataplaneClient:
         return (await self._call({"op": "stats"}))["stats"]
 
     async def get(self) -> dict:
-        """``{"config": {...}, "next_hops": {...}, "members": [...]}`` as the worker holds them."""
+        """``{"config": {...}, "next_hops": {...}, "members": [...], "sources": {...}}`` as the
+        worker holds them."""
         resp = await self._call({"op": "get"})
-        return {"config": resp["config"], "next_hops": resp["next_hops"], "members": resp["members"]}
+        return {"config": resp["config"], "next_hops": resp["next_hops"], "members": resp["members"],
+                "sources": resp.get("sources")}  # (None from a worker that predates them)
 
     async def shutdown(self, remove_device: bool = False) -> None:
         """Ask the worker to exit; with ``remove_device`` its TUN device goes too."""

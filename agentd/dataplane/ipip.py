@@ -28,6 +28,7 @@ import socket
 
 import numpy as np
 
+from agentd.dataplane._forward import NextHopTable
 from agentd.dataplane._gro import VECTOR_MIN
 from agentd.dataplane._sockopt import (
     IOV_SIZE,
@@ -75,6 +76,8 @@ class IpipTransport:
         self.offloads: dict[str, bool] = {"sendmmsg": False, "recvmmsg": False}
         self.fallbacks: dict[str, str] = {}
         self.members: frozenset[bytes] = frozenset()
+        # The next hops: an inner source must route back to the member that sent it (set_table).
+        self.table = NextHopTable()
         # Called with (packet, peer) for a packet the underlay refused as over the path MTU
         # (Transmit.too_big: frag needed to its source).
         self.too_big = None
@@ -124,6 +127,10 @@ class IpipTransport:
 
     def close(self) -> None:
         self.sock.close()
+
+    def set_table(self, table: NextHopTable) -> None:
+        """The next hops, whose reverse-path check every received inner packet passes."""
+        self.table = table
 
     def set_members(self, members: frozenset[str]) -> None:
         self.members = frozenset(socket.inet_aton(m) for m in members)
@@ -248,6 +255,7 @@ class IpipTransport:
         drops = self.drops
         members = self.members
         add = coalescer.add
+        source_ok = self.table.source_ok
         rx = self._rx
         if rx is None:
             recvfrom_into = self.sock.recvfrom_into
@@ -257,7 +265,7 @@ class IpipTransport:
                 except BlockingIOError:
                     break
                 c["rx_syscalls"] += 1
-                self._one(mv, 0, n, members, add, c, drops)
+                self._one(mv, 0, n, members, add, c, drops, source_ok)
                 coalescer.flush()
             return
         if self._rxbuf is not rxbuf:
@@ -270,6 +278,7 @@ class IpipTransport:
             self._rx_slots = min(rx.vlen, len(rxbuf) // slot)
             self._rx_np = np.frombuffer(rxbuf, np.uint8)
             self._rx_outer: dict[int, np.ndarray] = {}
+            self._rx_inner_src: dict[int, np.ndarray] = {}
         view = rx.msgs_view
         arr = self._rx_np
         msg = self._rx_msg
@@ -290,7 +299,7 @@ class IpipTransport:
                     drops["mtu"] += 1
                     continue
                 n = int.from_bytes(view[m + MSG_LEN_OFFSET : m + MSG_LEN_OFFSET + 4], "little")
-                self._one(mv, i * slot, n, members, add, c, drops)
+                self._one(mv, i * slot, n, members, add, c, drops, source_ok)
             if got < self._rx_slots:
                 break
         # The open run goes out once the socket is drained (it may go on across reads).
@@ -312,6 +321,13 @@ class IpipTransport:
             return False
         if np.count_nonzero((outer ^ outer[0]) & _OUTER_MASK):
             return False
+        # One inner source for the whole batch, which routes back to its sender (else packet by
+        # packet, each checked: _one).  The inner header starts at 20 (no outer options).
+        src = self._rx_inner_src.get(got)
+        if src is None:
+            src = self._rx_inner_src[got] = arr[: got * slot].reshape(got, slot)[:, 32:36]
+        if np.count_nonzero(src != src[0]) or not self.table.source_ok(src[0].tobytes(), first[12:16]):
+            return False
         # IPv4 inside only (RFC 2003); the coalescer would take IPv6 too (udp carries it), and
         # an IHL below 5 (_one counts it malformed).  Version and IHL: 0x45 to 0x4F.
         first = arr[20 : got * slot : slot]
@@ -325,7 +341,7 @@ class IpipTransport:
         return True
 
     @staticmethod
-    def _one(mv, off, n, members, add, c, drops) -> None:
+    def _one(mv, off, n, members, add, c, drops, source_ok) -> None:
         if n < 40:
             drops["malformed"] += 1
             return
@@ -333,13 +349,17 @@ class IpipTransport:
         if mv[off + 9] != IPPROTO_IPIP or ihl < 20:
             drops["malformed"] += 1
             return
-        if mv[off + 12 : off + 16].tobytes() not in members:
+        sender = mv[off + 12 : off + 16].tobytes()
+        if sender not in members:
             drops["non_member"] += 1
             return
         v = mv[off + ihl : off + n]
         ln = n - ihl
         if ln < 20 or v[0] >> 4 != 4 or not 5 <= (v[0] & 0x0F) <= ln >> 2 or ((v[2] << 8) | v[3]) != ln:  # as _fastpath.c's inner_ok
             drops["malformed"] += 1
+            return
+        if not source_ok(v[12:16].tobytes(), sender):  # the reverse-path check (NextHopTable.source_ok)
+            drops["spoofed"] += 1
             return
         c["rx_packets"] += 1
         c["rx_bytes"] += ln

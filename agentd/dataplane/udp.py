@@ -21,6 +21,7 @@ import struct
 
 import numpy as np
 
+from agentd.dataplane._forward import NextHopTable
 from agentd.dataplane._gro import VECTOR_MIN
 from agentd.dataplane._sockopt import (
     IP_MTU_DISCOVER,
@@ -76,6 +77,12 @@ def inner_packet_ok(v, n: int) -> bool:
     return n >= 40 and v[0] >> 4 == 6 and (v[4] << 8 | v[5]) + 40 == n
 
 
+def inner_source(v) -> bytes:
+    """The source address of the inner packet ``v`` (a memoryview that inner_packet_ok took:
+    IPv4 or IPv6), packed: what the reverse-path check (NextHopTable.source_ok) judges."""
+    return v[12:16].tobytes() if v[0] >> 4 == 4 else v[8:24].tobytes()
+
+
 def no_short_ipv4_header(first: np.ndarray) -> bool:
     """Whether no packet whose first byte is one of ``first`` is IPv4 with an IHL below 5
     (0x40 to 0x44): a batch's check of that part of inner_packet_ok, which the coalescer's
@@ -121,6 +128,8 @@ class UdpTransport:
         self.offloads: dict[str, bool] = {"udp_gso": False, "udp_gro": False}
         self.fallbacks: dict[str, str] = {}
         self.members: frozenset[str] = frozenset()
+        # The next hops: an inner source must route back to the member that sent it (set_table).
+        self.table = NextHopTable()
         # Called with (packet, peer) for a packet the underlay refused as over the path MTU
         # (Transmit.too_big: frag needed / packet too big to its source).
         self.too_big = None
@@ -175,12 +184,17 @@ class UdpTransport:
         self._names: dict[str, ctypes.Array] = {}
         self._forget_pending = False  # set_members came while messages were queued
         self._rx_np: np.ndarray | None = None
+        self._src_rows: dict[tuple[int, int, int], np.ndarray] = {}  # a GRO read's inner sources, per geometry
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def close(self) -> None:
         self.sock.close()
+
+    def set_table(self, table: NextHopTable) -> None:
+        """The next hops, whose reverse-path check every received inner packet passes."""
+        self.table = table
 
     def set_members(self, members: frozenset[str]) -> None:
         self.members = members
@@ -379,6 +393,7 @@ class UdpTransport:
         # from another port of a member is any process of that node, not its worker.
         port = self.port
         add = coalescer.add
+        source_ok, inet_aton = self.table.source_ok, socket.inet_aton
         if not self.offloads["udp_gro"]:
             recvfrom_into = self.sock.recvfrom_into
             for _ in range(budget):
@@ -394,6 +409,9 @@ class UdpTransport:
                 if not inner_packet_ok(v, n):
                     drops["malformed"] += 1
                     continue
+                if not source_ok(inner_source(v), inet_aton(addr[0])):
+                    drops["spoofed"] += 1
+                    continue
                 c["rx_packets"] += 1
                 c["rx_bytes"] += n
                 add(v)
@@ -403,6 +421,7 @@ class UdpTransport:
         bufs = [rxbuf]
         if self._rx_src is not rxbuf:
             self._rx_src, self._rx_np = rxbuf, np.frombuffer(rxbuf, np.uint8)
+            self._src_rows = {}
         arr = self._rx_np
         add_segments = coalescer.add_segments
         for _ in range(budget):
@@ -421,7 +440,9 @@ class UdpTransport:
             if n == 0:  # an empty datagram carries no packet
                 drops["malformed"] += 1
                 continue
-            if n >= VECTOR_MIN * seg and no_short_ipv4_header(arr[0:n:seg]) and add_segments(arr, 0, seg, n):
+            sender = inet_aton(addr[0])
+            if n >= VECTOR_MIN * seg and no_short_ipv4_header(arr[0:n:seg]) \
+                    and self._one_source(arr, seg, n, sender) and add_segments(arr, 0, seg, n):
                 # One GRO read of equal-sized datagrams: checked and merged in one go.
                 c["rx_packets"] += -(-n // seg)
                 c["rx_bytes"] += n
@@ -432,9 +453,34 @@ class UdpTransport:
                 if not inner_packet_ok(v, len(v)):
                     drops["malformed"] += 1
                     continue
+                if not source_ok(inner_source(v), sender):
+                    drops["spoofed"] += 1
+                    continue
                 good += 1
                 add(v)
             c["rx_packets"] += good
             c["rx_bytes"] += n
         # The open run goes out once the socket is drained (it may go on across reads).
         coalescer.flush()
+
+    def _one_source(self, arr: np.ndarray, seg: int, n: int, sender: bytes) -> bool:
+        """The reverse-path check of a whole GRO read (the ``n`` bytes at ``arr[0:]``, one packet
+        every ``seg`` bytes): does every packet carry the first one's source, at the first one's
+        family's offset, and may that source come from ``sender``?  If not, the packets are
+        checked one by one (a row of another family is the coalescer's to refuse)."""
+        version = arr[0] >> 4
+        if version not in (4, 6):
+            return False
+        lo, hi = (12, 16) if version == 4 else (8, 24)
+        k = -(-n // seg)
+        if n - (k - 1) * seg < hi or seg < hi:
+            return False
+        rows = self._src_rows.get((seg, k, lo))
+        if rows is None:
+            if len(self._src_rows) > 256:
+                self._src_rows.clear()
+            rows = self._src_rows[(seg, k, lo)] = arr[: k * seg].reshape(k, seg)[:, lo:hi]
+        first = rows[0]
+        if np.count_nonzero(rows != first):
+            return False
+        return self.table.source_ok(first.tobytes(), sender)

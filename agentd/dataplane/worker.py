@@ -21,7 +21,8 @@ and one send per packet (flannel's model), kept as a separate, lean loop so the 
 honest.
 
 Control protocol (JSON lines over the unix socket; one response line per request):
-``{"op": "set_next_hops", "next_hops": {prefix: underlay_ip}}``,
+``{"op": "set_next_hops", "next_hops": {prefix: underlay_ip}, "sources": {prefix: underlay_ip}}``
+("sources", optional: the reverse-path table, below; without it the next hops are that table),
 ``{"op": "set_members", "members": [underlay_ip, ...]}``, ``{"op": "stats"}``, ``{"op": "get"}``,
 ``{"op": "shutdown", "remove_device": bool}``.  Responses: ``{"ok": true, ...}`` or
 ``{"ok": false, "error": "..."}``.  The table survives controller disconnects and is saved to a
@@ -52,7 +53,7 @@ from typing import Any
 
 from agentd.backend_table import BACKENDS
 from agentd.dataplane import _fast
-from agentd.dataplane._forward import NextHopTable, parse_members
+from agentd.dataplane._forward import NextHopTable, parse_members, unicast_ipv4
 from agentd.dataplane._gro import Coalescer
 from agentd.dataplane._transmit import BUDGET, LOOPS, Transmit
 from agentd.dataplane.ipip import IpipTransport
@@ -71,8 +72,9 @@ TTL_DECREMENT = {kind: BACKENDS[kind].ttl_decrement for kind in TRANSPORTS}
 # (RFC 2003; IPv6 in IPv4 would be another protocol, 41).
 FAMILIES = {kind: BACKENDS[kind].inner_families for kind in TRANSPORTS}
 # icmp_ratelimited: ICMP errors not sent (over the rate limit; the packet is counted under its own reason).
+# spoofed: a member's inner packet whose source does not route back to that member (NextHopTable.source_ok).
 DROP_REASONS = ("non_member", "no_route", "ttl_exceeded", "malformed", "mtu", "not_ipv4", "send_error",
-                "tun_write_error", "icmp_ratelimited")
+                "tun_write_error", "icmp_ratelimited", "spoofed")
 COUNTERS = ("tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",
             "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "icmp_sent")
 
@@ -106,16 +108,29 @@ class Worker:
         self.c = dict.fromkeys(COUNTERS, 0)
         self.drops = dict.fromkeys(DROP_REASONS, 0)
         self.table = NextHopTable()
+        self.sources = self.table  # the reverse-path table (set_next_hops' "sources")
         self.members: frozenset[str] = frozenset()
         self.ttl_decrement = TTL_DECREMENT[cfg.kind]
         self.state_path = cfg.state or cfg.control + ".state"
         self._stop = False
         self._remove_device = False
+        self.state_error: str | None = None  # why the last save of the state file failed, if it did
 
         user_tso = cfg.offload and cfg.segmentation == "user"
         self.tun = open_tun(cfg.tun, mtu=cfg.mtu, offload=user_tso, txqueuelen=cfg.txqueuelen,
                             no_offload_reason="disabled by --no-offload" if not cfg.offload
                             else "segmentation left to the kernel (--segmentation kernel)")
+        try:
+            self._set_up(user_tso)
+        except BaseException:
+            self._abandon()  # leave nothing behind that we made: a failed start has no worker
+            raise
+
+    def _set_up(self, user_tso: bool) -> None:
+        """Everything after the TUN: what fails here (the socket, the fast path, the control
+        socket -- a path too long, a running worker serving it) leaves the TUN to
+        :meth:`_abandon`."""
+        cfg = self.cfg
         try:
             extra = {}
             if cfg.socket_fd is not None:
@@ -123,9 +138,6 @@ class Worker:
             self.transport = TRANSPORTS[cfg.kind](cfg.local_ip, cfg.port, offload=cfg.offload,
                                                   counters=self.c, drops=self.drops, mtu=cfg.mtu, **extra)
         except OSError as exc:
-            if self.tun.created:  # leave nothing behind that we made
-                self.tun.set_persist(False)
-            self.tun.close()
             raise TunError(f"cannot open the {cfg.kind} socket on {cfg.local_ip}: {exc.strerror}") from None
         # ICMP errors: from our underlay address where the kernel accepts a local source on the
         # TUN; otherwise (conf.all.rp_filter on) from the unreachable destination itself, which
@@ -160,6 +172,21 @@ class Worker:
         self.control = ControlServer(cfg.control, self.handle_request)
         self._load_state()
 
+    def _abandon(self) -> None:
+        """Undo a start that failed after the TUN was opened: what was made of the control
+        socket, the fast path and the transport is closed, and a TUN device this worker created
+        goes (persistent, it would stay with accept_local on and no worker behind it); one that
+        was there before (a previous worker's, with the routes through it) stays."""
+        for part in ("control", "fast", "transport"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                with contextlib.suppress(Exception):
+                    obj.close()
+        if self.tun.created:
+            with contextlib.suppress(OSError):
+                self.tun.set_persist(False)
+        self.tun.close()
+
     def _open_fast_path(self, user_tso: bool) -> _fast.FastPath | None:
         """The C loops where they can run (offloads on, user segmentation), else None and the
         reason in fallbacks: the Python loops below then do the same work."""
@@ -191,29 +218,56 @@ class Worker:
                 state = json.load(f)
             if state.get("kind") != self.cfg.kind:
                 return
-            self._apply_next_hops(state.get("next_hops") or {}, save=False)
+            self._apply_next_hops(state.get("next_hops") or {}, state.get("sources"), save=False)
             self._apply_members(state.get("members") or [], save=False)
             log.info("restored %d next hops and %d members from %s", len(self.table), len(self.members),
                      self.state_path)
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, AttributeError, TypeError) as exc:
+        except (OSError, ValueError, AttributeError, TypeError, RecursionError) as exc:
             log.warning("ignoring unreadable state file %s: %s", self.state_path, exc)
 
     def _save_state(self) -> None:
+        """Write the table to the state file.  One that cannot be written (its directory full,
+        read-only or gone) does not stop the worker: the table is applied and forwards; the
+        failure is kept (``state_error``: the answer's ``warning``, ``fallbacks.state_file`` in
+        stats, one log line while it stays the same) -- only a worker started after this one
+        dies would start without the table, until the agent gives it the table again."""
         tmp = self.state_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"kind": self.cfg.kind, "next_hops": self.table.routes,
-                       "members": sorted(self.members)}, f)
-        os.replace(tmp, self.state_path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"kind": self.cfg.kind, "next_hops": self.table.routes, "sources": self.sources.routes,
+                           "members": sorted(self.members)}, f)
+            os.replace(tmp, self.state_path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            error = f"cannot save the state file {self.state_path}: {exc.strerror or exc}"
+            if error != self.state_error:
+                log.warning("%s (forwarding with the new table all the same)", error)
+            self.state_error = error
+            return
+        if self.state_error is not None:
+            log.info("state file %s saved again", self.state_path)
+        self.state_error = None
 
-    def _apply_next_hops(self, routes, save: bool = True) -> None:
+    def _apply_next_hops(self, routes, sources=None, save: bool = True) -> None:
+        """The next hops, and the reverse-path table the receive side checks every inner source
+        against (NextHopTable.source_ok): every pod subnet the node routes to a peer node,
+        whatever carries it -- a peer this worker sends nothing to (reached by host-gw, say)
+        still sends its pods' packets here.  Without ``sources`` (a controller that does not
+        give them) the next hops are that table too."""
         if not isinstance(routes, dict):
             raise ValueError("next_hops must be an object {prefix: underlay address}")
-        self.table = NextHopTable(routes)
-        self.tx.set_table(self.table)
+        if sources is not None and not isinstance(sources, dict):
+            raise ValueError("sources must be an object {prefix: underlay address}")
+        table = NextHopTable(routes)
+        sources = table if sources is None else NextHopTable(sources)
+        self.table, self.sources = table, sources
+        self.tx.set_table(table)
+        self.transport.set_table(sources)  # the receive side's reverse-path check
         if self.fast is not None:
-            self.fast.set_routes(self.table)
+            self.fast.set_routes(table, sources)
         if save:
             self._save_state()
 
@@ -233,15 +287,16 @@ class Worker:
         op = req.get("op")
         try:
             if op == "set_next_hops":
-                self._apply_next_hops(req.get("next_hops"))
-                return {"ok": True, "next_hops": len(self.table)}
+                self._apply_next_hops(req.get("next_hops"), req.get("sources"))
+                return self._saved({"ok": True, "next_hops": len(self.table), "sources": len(self.sources)})
             if op == "set_members":
                 self._apply_members(req.get("members"))
-                return {"ok": True, "members": len(self.members)}
+                return self._saved({"ok": True, "members": len(self.members)})
             if op == "stats":
                 return {"ok": True, "stats": self.stats()}
             if op == "get":
                 return {"ok": True, "config": self.describe(), "next_hops": self.table.routes,
+                        "sources": self.sources.routes,
                         "members": sorted(self.members)}
             if op == "shutdown":
                 self._stop = True
@@ -249,7 +304,17 @@ class Worker:
                 return {"ok": True}
         except ValueError as exc:
             return {"ok": False, "error": str(exc)}
+        except RecursionError:  # (a value nested too deep to show in the error)
+            return {"ok": False, "error": f"{op!r}: a value nested too deeply"}
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _saved(self, resp: dict) -> dict:
+        """A change's answer: applied (forwarding uses it), with a warning where the state file
+        could not be saved -- not an error, which the agent would answer by reconnecting and
+        asking again, to the same full disk."""
+        if self.state_error is not None:
+            resp["warning"] = self.state_error
+        return resp
 
     def describe(self) -> dict:
         cfg = self.cfg
@@ -269,6 +334,8 @@ class Worker:
         drops = dict(self.drops)
         offloads = dict(self.offloads, **self.transport.offloads)
         fallbacks = dict(self.fallbacks, **self.transport.fallbacks)
+        if self.state_error is not None:
+            fallbacks["state_file"] = self.state_error
         if self.fast is not None:  # the C loops count on their side
             for name, value in self.fast.counters().items():
                 if name.startswith("drop:"):
@@ -282,6 +349,7 @@ class Worker:
             **self.describe(),
             "uptime": round(time.monotonic() - self.started, 3),
             "next_hops": len(self.table),
+            "sources": len(self.sources),
             "members": len(self.members),
             "controllers": len(self.control.clients),
             **c,
@@ -412,10 +480,14 @@ class ControlServer:
             finally:
                 probe.close()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(path)
-        os.chmod(path, 0o600)
-        s.listen(8)
-        s.setblocking(False)
+        try:
+            s.bind(path)
+            os.chmod(path, 0o600)
+            s.listen(8)
+            s.setblocking(False)
+        except BaseException:
+            s.close()  # (a path too long for AF_UNIX, a directory we may not write to)
+            raise
         return s
 
     def _accept(self) -> None:
@@ -452,6 +524,8 @@ class ControlServer:
                 req = json.loads(line)
             except ValueError:
                 resp = {"ok": False, "error": "request is not valid JSON"}
+            except RecursionError:  # json's decoder recurses per level: the worker must outlive it
+                resp = {"ok": False, "error": "request is nested too deeply"}
             else:
                 resp = self._handle(req)
             try:
@@ -497,18 +571,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
-
-
 def _ipv4(value: str) -> str:
     """A unicast IPv4 address: packets are sent from it and to it."""
     try:
-        addr = ipaddress.IPv4Address(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an IPv4 address: {value!r}") from None
-    if addr.is_unspecified or addr == _BROADCAST or addr.is_multicast:
-        raise argparse.ArgumentTypeError(f"not a unicast IPv4 address: {value!r}")
-    return str(addr)
+        return unicast_ipv4(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _ipv6(value: str) -> str:

@@ -43,6 +43,8 @@ from proto import packet as P
 
 pytestmark = pytest.mark.timeout(120)
 CLUSTER_6 = "fd00:10:244::/48"
+# A subnet the outsider x is given as a member (and a pod of it): what it may send from.
+X_SUBNET, X_POD = "10.244.7.0/24", "10.244.7.5"
 
 
 class Pair:
@@ -293,13 +295,26 @@ async def test_outsiders_are_dropped_and_counted(netns_factory, tmp_path, kind, 
             after = await stats_when(lambda st: st["drops"]["non_member"] - before["drops"]["non_member"] >= 5)
             assert after["drops"]["non_member"] - before["drops"]["non_member"] == 5
             assert after["rx_packets"] == before["rx_packets"]
-            # The same packets are accepted once the outsider is a member: the filter is the reason.
+            # A member may send only what routes back to it: x, made a member, still cannot pose
+            # as h1's pod (P1) nor as h2 itself (its TUN takes local sources): dropped as spoofed.
             await pair.clients[2].set_members([H1_UNDERLAY, X_UNDERLAY])
+            for src in (P1, H2_UNDERLAY):
+                forged = P.tcp_packet(src, P2, P.TcpHeader(40000, 9, 1, 0, P.TCP_SYN, 1000))
+                for _ in range(5):
+                    s.sendto(forged, target)
+            spoofed = await stats_when(lambda st: st["drops"]["spoofed"] - after["drops"]["spoofed"] >= 10)
+            assert spoofed["drops"]["spoofed"] - after["drops"]["spoofed"] == 10
+            assert spoofed["rx_packets"] == after["rx_packets"] and spoofed["drops"]["non_member"] == after["drops"]["non_member"]
+            # Given a subnet of its own, its pods' packets are accepted: membership and the source
+            # are the reasons.
+            await pair.clients[2].set_next_hops({SUBNET1: H1_UNDERLAY, X_SUBNET: X_UNDERLAY})
+            own = P.tcp_packet(X_POD, P2, P.TcpHeader(40000, 9, 1, 0, P.TCP_SYN, 1000))
             for _ in range(5):
-                s.sendto(inner, target)
+                s.sendto(own, target)
             accepted = await stats_when(lambda st: st["rx_packets"] - after["rx_packets"] >= 5)
             assert accepted["rx_packets"] - after["rx_packets"] == 5
             assert accepted["drops"]["non_member"] == after["drops"]["non_member"]
+            assert accepted["drops"]["spoofed"] == spoofed["drops"]["spoofed"]
     finally:
         await pair.stop()
 
@@ -322,7 +337,10 @@ async def test_a_segment_corrupted_on_the_way_is_not_merged_and_the_pod_drops_it
     pair = await start_pair(netns_factory, tmp_path, "udp", extra=extra, ipv6=True)
     t = pair.topo
     try:
+        # x sends h1's pod's segments: as a member that holds h1's subnets (the reverse-path
+        # check takes an inner source only from the member its subnet routes to).
         await pair.clients[2].set_members([H1_UNDERLAY, X_UNDERLAY])
+        await pair.clients[2].set_next_hops({SUBNET1: X_UNDERLAY, SUBNET1_6: X_UNDERLAY})
         with t.x.entered():
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             s.bind((X_UNDERLAY, 8285))

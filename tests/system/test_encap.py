@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import threading
+from ipaddress import ip_address, ip_network
 from pathlib import Path
 
 import pytest
@@ -637,6 +638,100 @@ async def _forge_from_outsider(lab, backend: str, target, drops: int) -> list[st
         lab.underlay.ip("link", "set", "out0", "master", "br0")
         outsider.ip("addr", "add", "172.30.0.99/24", "dev", "eth0")
     return await _forged_seen(lab, backend, target, outsider, FORGED_FROM_OUTSIDER, drops)
+
+
+def _worker_status(node, backend: str) -> dict:
+    return node.api("/status")["backends"]["active"][backend]
+
+
+def _spoofed(node, backend: str) -> int:
+    """Inner packets ``node``'s user-space worker dropped as spoofed (its counters are read
+    every 2 s)."""
+    return (_worker_status(node, backend).get("drops") or {}).get("spoofed", 0)
+
+
+def _from_member(backend: str, inner: bytes, member: str, target: str) -> str:
+    """Python that sends 5 of ``inner`` to ``target``, encapsulated as ``backend`` by the member
+    ``member`` itself: ipip from a raw socket (the kernel puts the member's address on it);
+    udp from the member's address and ``udp_port`` (8285, which its agent holds: built with
+    IP_HDRINCL, no socket bound), as its worker sends."""
+    if backend == "ipip":
+        return f"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_RAW, 4)\nfor _ in range(5): s.sendto({inner!r}, ('{target}', 0))"
+    udp = struct.pack("!HHHH", 8285, 8285, 8 + len(inner), 0) + inner  # checksum 0: flannel's
+    outer = _ipv4_header(member, target, socket.IPPROTO_UDP, udp)
+    return (f"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)\n"
+            f"for _ in range(5): s.sendto({outer!r}, ('{target}', 0))")
+
+
+@pytest.mark.parametrize("backend, family", [("udp", "dual"), ("ipip", "ipv4")])
+async def test_user_space_workers_carry_what_peers_send_and_drop_a_members_spoofed_sources(lab_factory, backend, family):
+    """Three nodes, each running the backend in its user-space worker, whose receive side now
+    takes an inner packet only from an address that routes back to the member that sent it
+    (its pod subnets: its pods, and its tunnel device's address, which its host's packets and
+    its kernel's ICMP errors come from) or the member's own address:
+
+    a. every pod reaches every other (IPv4, and IPv6 over udp) and TCP crosses intact;
+    b. a peer's host reaches our pods (from its TUN's address; IPv6 from its pods' bridge);
+    c. an ICMP error a peer's kernel sends about our pod's packet (time exceeded, from its TUN's
+       address; IPv6: hop limit, from the address it picks) reaches our pod;
+    d. a member's encapsulated packet from another node's pod or from the receiving node's own
+       address is dropped and counted ``spoofed`` on the real data path; the same packet from
+       the member's own pod passes (the harness can forge at all)."""
+    lab = await lab_factory(nodes=3, pods=1, backend=backend, datapath="userspace", ip_family=family)
+    node1, node2, node3 = lab.nodes
+    pods = {p.node.name: p for p in lab.pods}
+    pod1, pod2, pod3 = pods["node1"], pods["node2"], pods["node3"]
+    assert {(p["backend"], p["datapath"]) for p in node1.api("/peers")} == {(backend, "user space")}
+    # a.
+    matrix = await lab.ready.matrix()
+    assert all(matrix.values()), [k for k, ok in matrix.items() if not ok]
+    sent, got = await transfer(pod2, pod1, 8 << 20)
+    assert sent == got and int(got[0]) == 8 << 20
+    # b. node2's host to node1's pod (each family it has).
+    for address in [pod1.ip] + ([pod1.address(6)] if family == "dual" else []):
+        assert await lab.ping(node2, address, count=2), f"node2's host could not reach {address}"
+    # c. Time exceeded from node2's kernel: the TTL runs out where node2 forwards to its pod
+    # (node1's kernel takes one, udp's worker another: flannel's router hop).
+    ttl = "3" if backend == "udp" else "2"
+    _, out, _ = await pod1.ns.aexec("ping", "-n", "-c", "2", "-W", "2", "-t", ttl, pod2.ip, check=False, timeout=30)
+    subnet2 = ip_network(lab.subnets()["node2"])
+    seen = re.findall(r"From (\S+) icmp_seq=\d+ Time to live exceeded", out.decode())
+    assert seen and all(ip_address(a) in subnet2 for a in seen), out.decode()
+    if family == "dual":
+        _, out, _ = await pod1.ns.aexec("ping", "-6", "-n", "-c", "2", "-W", "2", "-t", ttl, pod2.address(6),
+                                        check=False, timeout=30)
+        assert "Time exceeded: Hop limit" in out.decode(), out.decode()
+    # Nothing legitimate was taken for spoofed on the way.
+    await apause(2.5, "the workers' counters are read every 2 s")
+    assert [_spoofed(n, backend) for n in lab.nodes] == [0, 0, 0]
+
+    # d. node2 (a member) forges pings to node1's pod: from node3's pod, from node1 itself.
+    def counted(name: str) -> int:
+        w = _worker_status(node1, backend)
+        return (w.get("drops") or {}).get(name, 0) if name == "spoofed" else (w.get("counters") or {}).get(name, 0)
+
+    async def forged(inner_src: str, *, dropped: bool) -> list[str]:
+        """tcpdump's records of node2's five forged pings from ``inner_src`` that reached node1's
+        pod; once node1's worker has counted the five (dropped as spoofed, or received)."""
+        counter = "spoofed" if dropped else "rx_packets"
+        before = counted(counter)
+        code = _from_member(backend, _inner_ping(inner_src, pod1.ip), node2.address, node1.address)
+
+        async def send():
+            await node2.ns.aexec("python3", "-c", code)
+            await auntil(lambda: counted(counter) >= before + 5, in_thread=True, interval=0.2,
+                         what=lambda: f"node1's worker to count 5 {counter} from {inner_src} "
+                                      f"(has {counted(counter) - before})")
+
+        return await capture(pod1.ns, "eth0", f"icmp[icmptype] == icmp-echo and src host {inner_src} and dst host {pod1.ip}",
+                             send, (node1.ns, pod1.ip))
+
+    assert await forged(pod3.ip, dropped=True) == []
+    assert await forged(node1.address, dropped=True) == []
+    # The same from node2's own pod reaches node1's pod: the source is the reason, not the forging.
+    assert len(await forged(pod2.ip, dropped=False)) == 5
+    await apause(2.5, "the workers' counters are read every 2 s")
+    assert _spoofed(node1, backend) == 10 and [_spoofed(n, backend) for n in (node2, node3)] == [0, 0]
 
 
 async def test_a_new_pods_bridge_is_guarded_before_its_first_pod_is_acknowledged(lab_factory):

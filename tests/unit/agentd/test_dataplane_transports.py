@@ -29,6 +29,9 @@ from proto import packet as P
 
 SO_NO_CHECK = 11  # a UDP socket without checksums: the kernel refuses UDP GSO on it (EINVAL)
 LOCAL = "127.0.0.1"
+# The member every test sends from (LOCAL) holds the pod subnet of tcp()'s source, as a peer
+# holds its own: the receive side's reverse-path check takes its packets.
+PEER_SUBNETS = {"10.244.1.0/24": LOCAL, "fd00:10:244:1::/64": LOCAL}
 
 
 def counters():
@@ -43,6 +46,7 @@ def tcp(payload: bytes, src="10.244.1.2", dst="10.244.2.2") -> bytes:
 def udp_transport(**kw):
     c, d = counters()
     t = UdpTransport(LOCAL, 0, counters=c, drops=d, **kw)
+    t.set_table(NextHopTable(PEER_SUBNETS))
     try:
         yield t, c, d
     finally:
@@ -109,9 +113,11 @@ class _FakeClient:
     def __init__(self):
         self.members = None
         self.next_hops = None
+        self.sources = None
 
-    async def set_next_hops(self, table):
+    async def set_next_hops(self, table, sources=None):
         self.next_hops = table
+        self.sources = sources
 
     async def set_members(self, members):
         self.members = set(members)
@@ -130,6 +136,40 @@ async def test_the_agent_gives_its_workers_the_members_but_its_own_address():
     worker.client = _FakeClient()
     await worker.sync({}, {}, prune=True)
     assert worker.client.members == {"192.168.50.2", "192.168.50.3"}
+
+
+async def test_the_agent_gives_its_workers_every_peer_nodes_subnets_as_their_reverse_path_table():
+    """The worker's next hops are its backend's peers in user space; what it receives may come
+    from any peer node whatever carries our packets to it: a host-gw peer (a node whose own
+    backend is host-gw, with a udp worker of its own to reach us), one over VXLAN.  Each peer node's
+    subnets, both families, by its address, are the table the worker checks inner sources
+    against; an external next hop's prefixes are no peer's."""
+    from agentd.kernel.forwarding import LocalPaths, PeerPlan
+
+    own, user, gw, vx, ext = "192.168.50.1", "192.168.50.2", "192.168.50.3", "192.168.50.4", "192.168.50.254"
+    plans = {user: PeerPlan(user, "udp", "", "n2", {"datapath": "userspace"}),
+             gw: PeerPlan(gw, "host-gw", "", "n3"),
+             vx: PeerPlan(vx, "vxlan", "", "n4"),
+             ext: PeerPlan(ext, "kernel", "", None)}
+    next_hops = {user: ["10.244.2.0/24"], gw: ["10.244.3.0/24"], vx: ["10.244.4.0/24"], ext: ["0.0.0.0/0"]}
+    t = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(agent=types.SimpleNamespace(state_dir="/nonexistent")),
+        underlay=types.SimpleNamespace(interface=types.SimpleNamespace(ip=own)),
+        members={own, user, gw, vx},
+        plans_v6={gw: PeerPlan(gw, "host-gw", "", "n3", version=6)}, next_hops_v6={gw: ["fd00:10:244:3::/64"]},
+        paths=lambda: LocalPaths(datapaths={"udp": "userspace", "vxlan": "vxlan-device"}),
+    )
+    worker = backends._Worker(t, "udp")
+    worker.client = _FakeClient()
+    await worker.sync(plans, next_hops, prune=True)
+    assert worker.client.next_hops == {"10.244.2.0/24": user}
+    assert worker.client.sources == {"10.244.2.0/24": user, "10.244.3.0/24": gw, "fd00:10:244:3::/64": gw,
+                                     "10.244.4.0/24": vx}
+    # After a restart, until BGP has re-learned every route, a re-attached worker's tables stay.
+    worker.base, worker.base_sources = {"10.244.9.0/24": user}, {"10.244.8.0/24": gw}
+    await worker.sync(plans, next_hops, prune=False)
+    assert worker.client.next_hops == {"10.244.2.0/24": user, "10.244.9.0/24": user}
+    assert worker.client.sources["10.244.8.0/24"] == gw and worker.client.sources["10.244.9.0/24"] == user
 
 
 # -- a previous run's worker --------------------------------------------------------------------
@@ -189,7 +229,8 @@ def c_path(kind: str, sock: socket.socket, *, mtu: int, udp_gso=False, udp_gro=F
     b.setblocking(False)
     a.setblocking(False)
     fp = _fast.FastPath(lib, kind, tun_fd=a.fileno(), sock_fd=sock.fileno(), mtu=mtu, ttl_decrement=True,
-                        port=port, udp_gso=udp_gso, udp_gro=udp_gro)
+                        port=port, udp_gso=udp_gso, udp_gro=udp_gro, ipv6=kind == "udp")
+    fp.set_routes(NextHopTable(PEER_SUBNETS))
 
     def writes():
         out = []
@@ -307,6 +348,7 @@ def test_the_ipip_worker_takes_packets_of_a_jumbo_frame_mtu(monkeypatch, offload
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         t.set_members(frozenset({LOCAL}))
+        t.set_table(NextHopTable(PEER_SUBNETS))
         inner = tcp(b"j" * (JUMBO_MTU - 40))
         s.sendto(P.ipip_encapsulate(inner, LOCAL, LOCAL), t.sock.getsockname())
         _ready(t.sock)
@@ -359,6 +401,7 @@ def _python_receive(kind: str, offload: bool, datagram: bytes, monkeypatch):
         if kind == "udp":
             t.port = s.getsockname()[1]  # a member's worker sends from the cluster's udp_port
         t.set_members(frozenset({LOCAL}))
+        t.set_table(NextHopTable(PEER_SUBNETS))
         s.sendto(datagram, t.sock.getsockname())
         _ready(t.sock)
         got = Collect()
@@ -469,6 +512,7 @@ def test_an_inner_ipv4_header_shorter_than_20_bytes_in_a_batch_is_malformed_on_e
         t.port = s.getsockname()[1]
     try:
         t.set_members(frozenset({LOCAL}))
+        t.set_table(NextHopTable(PEER_SUBNETS))
         _send_run(kind, s, t.sock.getsockname(), run)
         _ready(t.sock)
         py_writes = []
@@ -480,6 +524,196 @@ def test_an_inner_ipv4_header_shorter_than_20_bytes_in_a_batch_is_malformed_on_e
         s.close()
     assert (c_malformed, d["malformed"]) == (1, 1)
     assert py_writes == c_writes and run[3] not in c_writes and len(c_writes) >= 2
+
+
+# -- a member's inner sources: the reverse-path check (NextHopTable.source_ok, _fastpath.c) -------
+
+
+OTHER = "127.0.0.2"  # another member, holding 10.244.2.0/24
+THIS_NODE = "192.168.50.1"  # the receiving node's own underlay address (its TUN takes local sources)
+RPF_ROUTES = {**PEER_SUBNETS, "10.244.2.0/24": OTHER, "fd00:10:244:2::/64": OTHER}
+
+
+def _to_our_pod(src: str, payload: bytes = b"p" * 100, seq: int = 1000) -> bytes:
+    if ":" in src:
+        return bytes(P.tcp6_packet(src, "fd00:10:244:3::2", P.TcpHeader(40000, 5201, seq, 777, P.TCP_ACK, 502), payload))
+    return bytes(P.tcp_packet(src, "10.244.3.2", P.TcpHeader(40000, 5201, seq, 777, P.TCP_ACK, 502), payload))
+
+
+# From member LOCAL: what routes back to it -- its pods, its TUN's address (its subnet's network
+# address: its host's own packets, its node ports' SNAT, its kernel's ICMP errors), its own
+# underlay address -- and what does not: another member's pods, this node, anyone else, this
+# node's own pods.  (ipip carries IPv4 only.)
+KEPT = ["10.244.1.5", "10.244.1.0", LOCAL, "fd00:10:244:1::5"]
+SPOOFED = ["10.244.2.7", THIS_NODE, "8.8.8.8", "10.244.3.9", "fd00:10:244:2::7", "fd00:10:244:3::9", "::1"]
+
+
+def _source(pkt: bytes) -> str:
+    return socket.inet_ntop(socket.AF_INET6, pkt[8:24]) if pkt[0] >> 4 == 6 else socket.inet_ntoa(pkt[12:16])
+
+
+def _rpf_c(kind: str, datagrams: list[bytes], *, gso_run: bool = False) -> tuple[list[bytes], dict]:
+    """What the C loop writes to the TUN of ``datagrams`` from member LOCAL (udp: from its
+    udp_port; ``gso_run``: as one UDP GSO send, one GRO read here), and its counters."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind((LOCAL, 0))
+        s.bind((LOCAL, 0))
+        sock.setsockopt(17, UDP_GRO, 1)
+        with c_path(kind, sock, mtu=1480 if kind == "ipip" else 1472, udp_gro=True,
+                    port=s.getsockname()[1]) as (fp, writes, tun):
+            tun.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            fp.set_members(parse_members([LOCAL, OTHER]))
+            fp.set_routes(NextHopTable(RPF_ROUTES))
+            if gso_run:
+                _send_run(kind, s, sock.getsockname(), datagrams)
+            else:
+                for d in datagrams:
+                    s.sendto(P.ipip_encapsulate(d, LOCAL, LOCAL) if kind == "ipip" else d, sock.getsockname())
+            _ready(sock)
+            got = []
+            while fp.run((), 0) == 0 and (w := writes()):
+                got += w
+            return got, fp.counters()
+    finally:
+        sock.close()
+        s.close()
+
+
+def _rpf_python(kind: str, offload: bool, datagrams: list[bytes], monkeypatch, *,
+                gso_run: bool = False) -> tuple[list[bytes], dict, dict, Coalescer]:
+    """The same through the Python worker's transport, into a real Coalescer: (TUN writes,
+    counters, drops, the coalescer)."""
+    c, d = counters()
+    if kind == "ipip":
+        _udp_as_raw(monkeypatch)
+        t = ipip_mod.IpipTransport(LOCAL, offload=offload, counters=c, drops=d, mtu=1480)
+    else:
+        t = UdpTransport(LOCAL, 0, offload=offload, counters=c, drops=d)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.bind((LOCAL, 0))
+        t.port = s.getsockname()[1]  # (udp: a member's worker sends from the cluster's udp_port)
+        t.set_members(parse_members([LOCAL, OTHER]))
+        t.set_table(NextHopTable(RPF_ROUTES))
+        if gso_run:
+            _send_run(kind, s, t.sock.getsockname(), datagrams)
+        else:
+            for dg in datagrams:
+                s.sendto(P.ipip_encapsulate(dg, LOCAL, LOCAL) if kind == "ipip" else dg, t.sock.getsockname())
+        writes: list[bytes] = []
+        coalescer = Coalescer(lambda parts: writes.append(b"".join(bytes(p) for p in parts)[10:]))
+        while select.select([t.sock], [], [], 0.5 if not writes and not any(d.values()) else 0)[0]:
+            t.receive(bytearray(_RX_BUF), coalescer, 64)
+        return writes, c, d, coalescer
+    finally:
+        t.close()
+        s.close()
+
+
+@pytest.mark.parametrize("kind", ["udp", "ipip"])
+def test_a_members_inner_packet_must_come_from_an_address_that_routes_back_to_it(monkeypatch, kind):
+    """Review r2 #1: the receive side wrote any inner source to the TUN -- a member (or anyone
+    spoofing its underlay address and port) could pose as another node's pods, or as this node
+    itself (accept_local is on for the TUN: host-to-pod traffic, which policies let through,
+    reaches any pod).  Now an inner source must lie in a prefix routed to the member that sent
+    it, or be that member's own address; the rest is dropped and counted ``spoofed``, by the C
+    loop and the Python paths (with offloads and without) alike."""
+    sent = [_to_our_pod(src) for src in KEPT + SPOOFED if kind == "udp" or ":" not in src]
+    kept = [p for p in sent if _source(p) in KEPT]
+    spoofed = len(sent) - len(kept)
+    c_writes, c_counters = _rpf_c(kind, sent)
+    assert [_source(w) for w in c_writes] == [_source(p) for p in kept], c_counters
+    assert c_writes == kept
+    assert c_counters["drop:spoofed"] == spoofed and c_counters["rx_packets"] == len(kept)
+    for offload in (True, False):
+        writes, c, d, _ = _rpf_python(kind, offload, sent, monkeypatch)
+        assert writes == kept, (offload, [_source(w) for w in writes])
+        assert d["spoofed"] == spoofed and c["rx_packets"] == len(kept) and d["malformed"] == 0, (offload, d)
+
+
+def _rpf_run(src: str, bad_row: int | None = None, bad_src: str = "10.244.2.7") -> list[bytes]:
+    """Eight in-sequence segments of one flow from ``src`` (a UDP GSO run, a recvmmsg batch);
+    row ``bad_row`` carries ``bad_src`` instead."""
+    return [_to_our_pod(bad_src if i == bad_row else src, bytes([i]) * 1000, 1000 + i * 1000) for i in range(8)]
+
+
+@pytest.mark.parametrize("kind, src", [("udp", "10.244.1.2"), ("udp", "fd00:10:244:1::2"), ("ipip", "10.244.1.2")])
+def test_a_members_batch_from_its_own_subnet_is_still_taken_in_one_go(monkeypatch, kind, src):
+    """The batch check costs the vectorized paths nothing they had: a clean run from the
+    member's own subnet is still taken whole (one batch, one super-packet), as the C loop
+    writes it."""
+    run = _rpf_run(src)
+    c_writes, c_counters = _rpf_c(kind, run, gso_run=True)
+    writes, c, d, coalescer = _rpf_python(kind, True, run, monkeypatch, gso_run=True)
+    assert writes == c_writes and len(writes) == 1 and coalescer.batches == 1 and coalescer.merged == 8
+    assert c_counters["drop:spoofed"] == d["spoofed"] == 0 and c["rx_packets"] == c_counters["rx_packets"] == 8
+
+
+@pytest.mark.parametrize("kind, src", [("udp", "10.244.2.7"), ("udp", "fd00:10:244:2::7"), ("ipip", "10.244.2.7"),
+                                       ("ipip", THIS_NODE)])
+def test_a_batch_of_spoofed_inner_packets_is_dropped_whole(monkeypatch, kind, src):
+    """A UDP GRO read / recvmmsg batch (the Python paths check a batch's first source and that
+    every row shares it, the C loop every packet) from another member's subnet or this node:
+    nothing written, every packet counted."""
+    run = _rpf_run(src)
+    c_writes, c_counters = _rpf_c(kind, run, gso_run=True)
+    writes, c, d, _ = _rpf_python(kind, True, run, monkeypatch, gso_run=True)
+    assert c_writes == writes == []
+    assert c_counters["drop:spoofed"] == d["spoofed"] == 8 and c["rx_packets"] == c_counters["rx_packets"] == 0
+
+
+@pytest.mark.parametrize("kind, src, bad", [("udp", "10.244.1.2", "10.244.2.7"), ("udp", "fd00:10:244:1::2", "fd00:10:244:2::7"),
+                                            ("ipip", "10.244.1.2", "10.244.2.7"), ("ipip", "10.244.1.2", THIS_NODE)])
+def test_one_spoofed_packet_in_a_batch_is_dropped_and_the_rest_merged_as_the_c_loop_does(monkeypatch, kind, src, bad):
+    """One row of a member's batch with a source that does not route back to it (another
+    member's pod, this node): the Python path's batch check sees two sources and checks packet
+    by packet; that one is dropped and counted, the rest written as the C loop writes them."""
+    run = _rpf_run(src, bad_row=5, bad_src=bad)
+    c_writes, c_counters = _rpf_c(kind, run, gso_run=True)
+    writes, c, d, _ = _rpf_python(kind, True, run, monkeypatch, gso_run=True)
+    assert writes == c_writes and run[5] not in c_writes and len(c_writes) == 2  # rows 0-4 and 6-7, merged
+    assert c_counters["drop:spoofed"] == d["spoofed"] == 1 and c["rx_packets"] == c_counters["rx_packets"] == 7
+
+
+@pytest.mark.parametrize("kind", ["udp", "ipip"])
+def test_the_c_loop_checks_sources_against_the_reverse_path_table_not_the_next_hops(kind):
+    """The worker gives the C loop both tables (set_routes(next hops, sources)): a member's
+    packet passes by the second alone."""
+    pkt = _to_our_pod("10.244.1.5")
+    datagram = P.ipip_encapsulate(pkt, LOCAL, LOCAL) if kind == "ipip" else pkt
+    for hops, sources, want in (({}, PEER_SUBNETS, [pkt]), (PEER_SUBNETS, {"10.244.2.0/24": OTHER}, [])):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            sock.bind((LOCAL, 0))
+            s.bind((LOCAL, 0))
+            with c_path(kind, sock, mtu=1480, port=s.getsockname()[1]) as (fp, writes, _tun):
+                fp.set_members({LOCAL})
+                fp.set_routes(NextHopTable(hops), NextHopTable(sources))
+                s.sendto(datagram, sock.getsockname())
+                _ready(sock)
+                assert fp.run((), 0) == 0
+                assert writes() == want and fp.counters()["drop:spoofed"] == 1 - len(want)
+        finally:
+            sock.close()
+            s.close()
+
+
+def test_the_reverse_path_check_follows_the_table_and_remembers_sources():
+    t = NextHopTable(RPF_ROUTES)
+    local, other = socket.inet_aton(LOCAL), socket.inet_aton(OTHER)
+    assert t.source_ok(socket.inet_aton("10.244.1.9"), local) and not t.source_ok(socket.inet_aton("10.244.1.9"), other)
+    assert t.source_ok(socket.inet_aton("10.244.2.9"), other) and not t.source_ok(socket.inet_aton("10.244.2.9"), local)
+    assert t.source_ok(local, local) and not t.source_ok(local, other)  # a member's own address: its own only
+    assert not t.source_ok(socket.inet_aton(THIS_NODE), local) and not t.source_ok(socket.inet_aton(THIS_NODE), other)
+    v6 = socket.inet_pton(socket.AF_INET6, "fd00:10:244:2::7")
+    assert t.source_ok(v6, other) and not t.source_ok(v6, local)
+    assert not NextHopTable().source_ok(socket.inet_aton("10.244.1.9"), local)  # no table: no peer's pods
+    for i in range(5000):  # the memo stays bounded
+        t.source_ok(i.to_bytes(4, "big"), local)
+    assert len(t._source_peer) <= 4096
 
 
 # -- a refused UDP GSO send ---------------------------------------------------------------------
