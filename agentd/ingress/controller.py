@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from aetcd import transactions as tx
 from agentd.datastore.store import Datastore
 from agentd.resources.ingress import INGRESS_NODES, ours
 from agentd.resources.secret import TLS_CERT_KEY, TLS_PRIVATE_KEY_KEY, TLS_TYPE
+from agentd.resources.service import SERVICE_NAME_LABEL
 from agentd.resources.store import ResourceEvent, ResourceStore
 from agentd.resources.validation import Invalid
 from agentd.services import model
@@ -61,6 +62,10 @@ KINDS = ("Ingress", "IngressClass", "Secret", "ConfigMap", "Service", "EndpointS
 TICK = 1.0  # servers waiting for their connections to end are retried this often
 STATS_INTERVAL = 2.0
 RESTART_BACKOFF = (0.2, 1.0, 2.0, 5.0)
+# servers_in_steps gives the loop back every ENDPOINT_STEP backend Services (one model.build,
+# ~0.1 ms each) and every INDEX_STEP EndpointSlices or pods indexed: held ~5-10 ms at a time.
+ENDPOINT_STEP = 50
+INDEX_STEP = 2000
 RETRY_FIRST, RETRY_MAX = 1.0, 30.0  # a failed reload is tried again after 1 s, doubling to 30 s
 
 
@@ -93,6 +98,7 @@ class IngressController:
         self.served: routing.RouteTable | None = None
         self.settings = settings.Settings()
         self.servers: dict[str, set[Server]] = {}  # what the proxy has, per backend
+        self._want: dict[str, set[Server]] = {}  # the servers of the last render, per backend
         self.draining: dict[str, set[Server]] = {}  # disabled, deleted once their connections end
         self._structure: str | None = None  # everything but the servers, as last loaded
         self.restarts = 0
@@ -268,7 +274,7 @@ class IngressController:
         await asyncio.to_thread(self._write_files, files)
         structure = await self._check_or_fall_back(structure)
         await self.proxy.start()
-        self.servers = {name: set(s) for name, s in self._want_servers().items()}
+        self.servers = {name: set(s) for name, s in self._want.items()}  # of the configuration it started with
         self.draining = {}
         self._structure = structure
         await asyncio.to_thread(self._save_loaded, structure)
@@ -397,28 +403,23 @@ class IngressController:
         return parsed
 
     def _want_servers(self) -> dict[str, set[Server]]:
-        """The ready endpoints of every backend of the table (none: it answers 503)."""
-        out: dict[str, set[Server]] = {}
-        ports: dict[tuple[str, str], list[model.ServicePort]] = {}
-        for name, b in self.table.backends.items():
-            out[name] = set()
-            if b.service is None:
-                continue
-            key = (b.namespace, b.service)
-            if key not in ports:
-                ports[key] = self._service_ports(key)
-            out[name] = backend_servers(ports[key], b.port)
-        return out
+        """The ready endpoints of every backend of the table (none: it answers 503), in one go."""
+        steps = servers_in_steps(self.table.backends, self.objects)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
 
-    def _service_ports(self, key: tuple[str, str]) -> list[model.ServicePort]:
-        svc = self.objects["Service"].get(key)
-        if svc is None:
-            return []
-        ns, name = key
-        slices = [s for (sns, _), s in self.objects["EndpointSlice"].items()
-                  if sns == ns and (s["metadata"].get("labels") or {}).get("kubernetes.io/service-name") == name]  # fmt: skip
-        pods = [p for (pns, _), p in self.objects["Pod"].items() if pns == ns] if svc["spec"].get("selector") else []
-        return model.build([svc], slices, pods)
+    async def _want_servers_in_steps(self, backends: Mapping[str, routing.Backend]) -> dict[str, set[Server]]:
+        """As :meth:`_want_servers`, of ``backends``, the event loop given back between steps."""
+        steps = servers_in_steps(backends, self.objects)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            await asyncio.sleep(0)
 
     def _cert_files(self) -> dict[tuple[str, str], bytes]:
         """PEM (certificate chain + key) of every Secret the table's TLS hosts name."""
@@ -510,14 +511,16 @@ class IngressController:
                 with contextlib.suppress(OSError):
                     self.access_log.open()
         self.settings = with_settings if with_settings is not None else self._parse_settings()
-        self.table = routing.build(self._ours(), ssl_redirect=self.settings.ssl_redirect, usable=self._usable,
-                                   cert_names=self._cert_names)
+        table = self.table = routing.build(self._ours(), ssl_redirect=self.settings.ssl_redirect, usable=self._usable,
+                                           cert_names=self._cert_names)  # fmt: skip
+        # Once per render, in steps: what _sync and _start_proxy give the proxy (self._want).
+        want = self._want = await self._want_servers_in_steps(table.backends)
         pems = self._cert_files()
         cert_paths = {k: self.paths.certs / f"{k[0]}.{k[1]}.pem" for k in pems}
         logs = False if self.log_to == "off" else None  # None: the ConfigMap's enable-access-log
         run_as = (self.run_as.user, self.run_as.group) if self.run_as is not None else None
         files = {name: text.encode() for name, text in haproxy.render(
-            self.table, self._want_servers(), self.settings, self.listen, self.paths, cert_paths, access_log=logs,
+            self.table, want, self.settings, self.listen, self.paths, cert_paths, access_log=logs,
             run_as=run_as).items()}  # fmt: skip
         bare = haproxy.render(self.table, {}, self.settings, self.listen, self.paths, cert_paths, access_log=logs,
                               run_as=run_as)  # fmt: skip
@@ -594,7 +597,7 @@ class IngressController:
         revision = self.revision
         start = time.perf_counter()
         files, structure = await self._render()
-        want = self._want_servers()
+        want = self._want  # the render's servers (no await between): computed once per sync
         failed = False  # a reload failed: this revision is not applied, tried again later
         reload = structure != self._structure
         if reload:
@@ -784,6 +787,66 @@ class IngressController:
 
     def counter(self, backend: str, counter: str) -> int:
         return self.counter_base.get((backend, counter), 0) + self._last_counts.get((backend, counter), 0)
+
+
+def servers_in_steps(backends: Mapping[str, routing.Backend], objects: Mapping[str, Mapping[tuple[str, str], Any]]
+                     ) -> Generator[None, None, dict[str, set[Server]]]:
+    """The ready endpoints of every backend of ``backends`` (a ``resource`` backend, a Service
+    that does not exist: none, it answers 503), from the records ``objects`` (by kind, then
+    (namespace, name)), the same endpoints the Services table uses (:func:`model.build`).
+
+    Linear: one pass over the cluster's EndpointSlices and the pods of the backends'
+    namespaces (a :class:`model.PodIndex`), then one :func:`model.build` per :data:`ENDPOINT_STEP`
+    backend Services, given only the EndpointSlices of those Services and the pods their
+    selectors may match -- not (backend Services) x (the cluster's pods and slices).  Yields
+    between steps (:data:`INDEX_STEP` records indexed, :data:`ENDPOINT_STEP` Services built: the
+    caller gives the event loop back); the records are taken before the first: records that
+    change meanwhile count at the next sync."""
+    services = objects["Service"]
+    needed: dict[tuple[str, str], Any] = {}
+    for b in backends.values():
+        if b.service is not None and (key := (b.namespace, b.service)) not in needed and key in services:
+            needed[key] = services[key]
+    slices: dict[tuple[str, str], list[Any]] = {}
+    pods = model.PodIndex()
+    namespaces = {ns for ns, _ in needed}
+    records = list(objects["EndpointSlice"].items()) if needed else []
+    mine = [(k, p) for k, p in objects["Pod"].items() if k[0] in namespaces]
+    work = 0  # records' worth of work since the loop was last given back (a Service: INDEX_STEP / ENDPOINT_STEP)
+    for start in range(0, len(records), INDEX_STEP):
+        if work:
+            yield
+            work = 0
+        for (ns, _), s in records[start : start + INDEX_STEP]:
+            key = (ns, (s["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL))
+            if key in needed:
+                slices.setdefault(key, []).append(s)  # type: ignore[arg-type]
+        work += len(records[start : start + INDEX_STEP])
+    for start in range(0, len(mine), INDEX_STEP):
+        chunk = mine[start : start + INDEX_STEP]
+        if work and work + len(chunk) > INDEX_STEP:
+            yield
+            work = 0
+        for (ns, name), p in chunk:
+            pods.put(ns, name, p)
+        work += len(chunk)
+    ports: dict[tuple[str, str], list[model.ServicePort]] = {}
+    keys = list(needed)
+    for start in range(0, len(keys), ENDPOINT_STEP):
+        step = keys[start : start + ENDPOINT_STEP]
+        cost = len(step) * INDEX_STEP // ENDPOINT_STEP
+        if work and work + cost > INDEX_STEP:
+            yield
+            work = 0
+        chosen: dict[int, Any] = {}  # the pods the step's selectors may match, once each
+        for key in step:
+            if needed[key]["spec"].get("selector"):
+                chosen.update((id(p), p) for p in pods.candidates(key[0], needed[key]["spec"]["selector"]))
+        for sp in model.build([needed[k] for k in step], [s for k in step for s in slices.get(k, ())], chosen.values()):
+            ports.setdefault((sp.namespace, sp.service), []).append(sp)
+        work += cost
+    return {name: backend_servers(ports.get((b.namespace, b.service), []), b.port) if b.service is not None else set()
+            for name, b in backends.items()}  # fmt: skip
 
 
 def backend_servers(ports: list[model.ServicePort], port: int | str) -> set[Server]:
