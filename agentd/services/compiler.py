@@ -26,6 +26,7 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
     set cluster-ips    { ipv4_addr }                                            every cluster IP
 
     chain pick/N       (one per endpoint count N in use, shared by every service with N endpoints)
+                       ip saddr != <this node's pod subnet> meta mark set meta mark | 0x4000
                        counter name ip daddr . meta l4proto . th dport map @service-counters
                        numgen random mod N vmap { 0 : goto slot/0, ..., N-1 : goto slot/N-1 }
     chain slot/i       dnat to ip daddr . meta l4proto . th dport map @addr/i : ... map @port/i
@@ -58,8 +59,14 @@ kube-proxy marks only the endpoint reaching itself -- a pod reaching a sibling e
 keeps its address, on this node or another, whose reply comes back through this node
 anyway: it is routed to the client's node, where conntrack undoes the DNAT), node ports
 with externalTrafficPolicy Cluster (the endpoint may be on another node, whose reply would
-not come back through this node otherwise), and a node's own connections to its Local node
-ports (their source, the node port's address, is the node's).  A port without usable endpoints is not translated but
+not come back through this node otherwise), a node's own connections to its Local node
+ports (their source, the node port's address, is the node's), and connections to a cluster
+IP not from this node's pods (kube-proxy's mark of "off-cluster traffic to a service VIP",
+its detect-local NodeCIDR mode): the node itself and its hostNetwork pods, whose source
+address the kernel chose by the route to the VIP, before the translation -- the underlay
+address, where an endpoint on another node is reached through the tunnel, whose reply would
+cross the underlay unencapsulated with a pod's source address --, and traffic routed here
+from outside.  A port without usable endpoints is not translated but
 refused (ICMP port unreachable, as kube-proxy does), or dropped where a Local traffic policy
 keeps it off other nodes' endpoints.
 
@@ -224,15 +231,31 @@ def slot_objects(i: int, fam: AddressFamily = IPV4) -> list[Any]:
     return out
 
 
-def pick_objects(n: int, fam: AddressFamily = IPV4) -> list[Any]:
-    """The chains choosing one of ``n`` endpoints: for VIPs, Cluster node ports, Local node ports
-    (the node's own traffic reaches those short-circuited only, masqueraded as by kube-proxy:
-    the node port's address, one of the node's, is its source)."""
+def not_from_pods(fam: AddressFamily, pod_subnet: str | None) -> list[Any]:
+    """The match of a connection to a cluster IP that is masqueraded: one not from this node's
+    pods (kube-proxy's "masquerade off-cluster traffic to a service VIP", its detect-local
+    NodeCIDR mode, as the short-circuit's "one of its pods"): the node itself and its
+    hostNetwork pods, whose source the kernel chose by the route to the VIP -- not the one
+    that reaches another node's endpoint through the tunnel, whose reply would come back
+    unencapsulated --, and anything routed here from outside.  Another node's pods translate
+    their connections on their own node; one of theirs reaching here untranslated is
+    masqueraded too (its endpoint's reply could not find its way back through this node
+    otherwise).  Without the pod subnet known: the node's own traffic only."""
+    if pod_subnet:
+        return [match(payload(fam.proto, "saddr"), prefix(pod_subnet), "!=")]
+    return [FROM_NODE]
+
+
+def pick_objects(n: int, fam: AddressFamily = IPV4, pod_subnet: str | None = None) -> list[Any]:
+    """The chains choosing one of ``n`` endpoints: for VIPs (a connection not from this node's
+    pods, ``pod_subnet``, marked for masquerading: :func:`not_from_pods`), Cluster node ports,
+    Local node ports (the node's own traffic reaches those short-circuited only, masqueraded as
+    by kube-proxy: the node port's address, one of the node's, is its source)."""
     count = rule_text([{"counter": {"map": {"key": vip_key(fam), "data": "@" + SVC_COUNTERS}}}])
     np_count = rule_text([{"counter": {"map": {"key": NP_KEY, "data": "@" + NP_COUNTERS}}}])
     t = fam.proto
     return [
-        NftChain(t, TABLE, pick_chain(n), (count, _numgen(n, "slot"))),
+        NftChain(t, TABLE, pick_chain(n), (rule_text([*not_from_pods(fam, pod_subnet), MARK_MASQ]), count, _numgen(n, "slot"))),
         NftChain(t, TABLE, np_pick_chain(n, False), (rule_text([MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
         NftChain(t, TABLE, np_pick_chain(n, True), (
             rule_text([FROM_NODE, MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
@@ -314,7 +337,7 @@ def base_objects(
     for i in range(slots):
         out += slot_objects(i, fam)
     for n in range(1, slots + 1):
-        out += pick_objects(n, fam)
+        out += pick_objects(n, fam, pod_subnet)
     return out
 
 
@@ -344,9 +367,11 @@ class Compiled:
         self.sizes = sizes
 
 
-def compile_port(sp: ServicePort, node: str) -> Compiled:
+def compile_port(sp: ServicePort, node: str, pod_subnets: Mapping[int, str] | None = None) -> Compiled:
     """The objects and map elements of one service port on ``node``; its elements are keyed
-    by (table family, map name): the port's family decides the table."""
+    by (table family, map name): the port's family decides the table.  ``pod_subnets``: this
+    node's pod subnet per IP version (a ClientIP affinity Service's chain marks a connection
+    to its cluster IP not from them for masquerading, as the shared pick chains do)."""
     fam = FAMILIES[sp.family]
     counter = _counter(sp.namespace, sp.service, fam)
     objs: list[Any] = [counter]
@@ -358,7 +383,7 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
     if sp.cluster_ip is not None:
         put(CLUSTER_IPS, sp.cluster_ip)
     if sp.affinity_timeout is not None:
-        _compile_affinity(sp, node, fam, objs, put)
+        _compile_affinity(sp, node, fam, objs, put, (pod_subnets or {}).get(fam.version))
         return Compiled(objs, elements)
     every, local = sp.usable(), sp.usable(node)
     sizes: set[int] = set()
@@ -414,9 +439,12 @@ def _unavailable(every: tuple[Endpoint, ...]) -> tuple[str, str]:
 
 
 def _compile_affinity(
-    sp: ServicePort, node: str, fam: AddressFamily, objs: list[Any], put: Callable[[str, Any], None]
+    sp: ServicePort, node: str, fam: AddressFamily, objs: list[Any], put: Callable[[str, Any], None],
+    pod_subnet: str | None = None,
 ) -> None:
-    """ClientIP affinity: a chain for the service (``svc/``) and node port (``ext/``), one per endpoint."""
+    """ClientIP affinity: a chain for the service (``svc/``) and node port (``ext/``), one per
+    endpoint; the service's marks a connection not from this node's pods (``pod_subnet``) for
+    masquerading (:func:`not_from_pods`)."""
     counter = {"counter": counter_name(sp.namespace, sp.service)}
     every, local = sp.usable(), sp.usable(node)
     chains: dict[str, Endpoint] = {}
@@ -424,7 +452,8 @@ def _compile_affinity(
     if sp.cluster_ip is not None:
         chosen = local if sp.internal_local else every
         if chosen:
-            objs.append(NftChain(t, TABLE, svc_chain(sp), _dispatch(sp, fam, chosen, counter)))
+            mark = rule_text([*not_from_pods(fam, pod_subnet), MARK_MASQ])
+            objs.append(NftChain(t, TABLE, svc_chain(sp), (mark, *_dispatch(sp, fam, chosen, counter))))
             chains.update((ep_chain(sp, e), e) for e in chosen)
             put(SERVICE_IPS, ((sp.cluster_ip, sp.l4, sp.port), ("goto", svc_chain(sp))))
         else:
@@ -526,6 +555,7 @@ class Table:
         pod_subnets: Mapping[int, str] | None = None, service_ranges: Mapping[int, str] | None = None,
     ) -> None:  # fmt: skip
         self.node = node
+        self.pod_subnets = dict(pod_subnets or {})  # IP version -> this node's pod subnet
         self.families = rows(families)  # the IP versions this node serves (one table each)
         self._versions = {f.version for f in self.families}
         self._rs = Ruleset(tables(self._versions))
@@ -639,7 +669,7 @@ class Table:
         elems: dict[MapKey, set[Any]] = {}
         sizes: list[int] = []
         for sp in ports:
-            compiled = compile_port(sp, self.node)
+            compiled = compile_port(sp, self.node, self.pod_subnets)
             objs.update((o.key, o) for o in compiled.objects)
             for name, items in compiled.elements.items():
                 elems.setdefault(name, set()).update(items)
@@ -746,9 +776,9 @@ class Table:
         removed: list[Any] = []
         for fam in self.families:
             added += [o for i in range(self.slots, slots) for o in slot_objects(i, fam)]
-            added += [o for n in sorted(picks - self.picks) for o in pick_objects(n, fam)]
+            added += [o for n in sorted(picks - self.picks) for o in pick_objects(n, fam, self.pod_subnets.get(fam.version))]
             removed += [o for i in range(slots, self.slots) for o in slot_objects(i, fam)]
-            removed += [o for n in sorted(self.picks - picks) for o in pick_objects(n, fam)]
+            removed += [o for n in sorted(self.picks - picks) for o in pick_objects(n, fam, self.pod_subnets.get(fam.version))]
         touched: set[Any] = set()
         for obj in added:
             self._rs.add(obj)

@@ -148,7 +148,7 @@ def test_the_table_one_map_lookup_per_service_and_endpoints_as_map_elements():
     # that the choice sent back to itself is SNATed (kube-proxy's); one that reaches a
     # sibling, here or on n2, keeps its address (the sibling's NetworkPolicy sees the pod).
     assert _map(rs, compiler.HAIRPIN) == {("10.244.1.2", "10.244.1.2")}
-    count, choose = _chain(rs, "pick/2")
+    _mark, count, choose = _chain(rs, "pick/2")
     assert count == [{"counter": {"map": {"key": compiler.VIP_KEY, "data": "@" + compiler.SVC_COUNTERS}}}]
     vmap = choose[0]["vmap"]
     assert vmap["key"] == {"numgen": {"mode": "random", "mod": 2, "offset": 0}}
@@ -187,8 +187,8 @@ def test_hairpin_snat_is_decided_after_the_choice_for_an_endpoint_reaching_itsel
         {"match": {"op": "==", "left": {"concat": [compiler.SADDR, expr.payload("ip", "daddr")]}, "right": "@" + compiler.HAIRPIN}},
         compiler.MASQUERADE]  # fmt: skip
     assert _map(rs, compiler.HAIRPIN) == {("10.244.1.2", "10.244.1.2")}  # node2's endpoint is node2's to match
-    for n in (1, 2):  # no mark before the choice
-        assert not [r for r in _chain(rs, f"pick/{n}") if compiler.MARK_MASQ in r]
+    for n in (1, 2):  # no mark before the choice (but for the node's own connections: test_cluster_ip_masquerades_...)
+        assert [r for r in _chain(rs, f"pick/{n}") if compiler.MARK_MASQ in r] == [[compiler.FROM_NODE, compiler.MARK_MASQ]]
         assert [r for r in _chain(rs, f"np-local/{n}") if compiler.MARK_MASQ in r] == [[compiler.FROM_NODE, compiler.MARK_MASQ]]
     # Another Service with the same endpoint (a Local node port too): one element, which stays
     # while either has the endpoint.
@@ -200,6 +200,35 @@ def test_hairpin_snat_is_decided_after_the_choice_for_an_endpoint_reaching_itsel
     assert _map(table.rs, compiler.HAIRPIN) == frozenset()
     assert table.rs.objects == compiler.compile_services(
         [port("ro", "10.96.0.21", ("10.244.2.2", "node2"), node_port=30432, local=True)], "node1").objects
+
+
+def test_cluster_ip_masquerades_what_does_not_come_from_this_nodes_pods():
+    """kube-proxy marks a connection to a cluster IP for masquerading unless it comes from the
+    pods (detect-local; here NodeCIDR, this node's pod subnet): the node's own and its
+    hostNetwork pods' connections, whose source the route to the VIP chose (the underlay
+    address, not the tunnel's), would reach another node's endpoint over vxlan and have its
+    reply cross the underlay unencapsulated.  The shared pick chains and an affinity Service's
+    chain alike, both families; without a pod subnet known, the node's own traffic."""
+    s = svc("web", {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]})
+    sticky = svc("sticky", {"clusterIP": "10.96.0.11", "selector": {"app": "web"}, "sessionAffinity": "ClientIP",
+                            "ports": [{"port": 80, "targetPort": 8080}]})  # fmt: skip
+    pods = [pod("b", "n2", "10.244.2.2", {"app": "web"})]
+    rs = compiler.compile_services(model.build([s, sticky], [], pods), "n1", pod_subnets={4: "10.244.1.0/24"})
+    off_pods = [expr.match(compiler.SADDR, {"prefix": {"addr": "10.244.1.0", "len": 24}}, "!="), compiler.MARK_MASQ]
+    assert _chain(rs, "pick/1")[0] == off_pods
+    assert _chain(rs, "pick/1")[-1] == [{"goto": {"target": "slot/0"}}]
+    assert _chain(rs, "svc/shop/sticky/tcp/80")[0] == off_pods
+    assert _chain(compiler.compile_services([], "n1"), "pick/3")[0] == [compiler.FROM_NODE, compiler.MARK_MASQ]
+    # Above the prepared counts too (chains made as the endpoint count grows).
+    many = [pod(f"p{i}", "n2", f"10.244.2.{i + 10}", {"app": "web"}) for i in range(compiler.SLOTS_MIN + 2)]
+    table = compiler.Table("n1", pod_subnets={4: "10.244.1.0/24"})
+    table.update(("shop", "web"), model.build([s], [], many))
+    assert _chain(table.rs, f"pick/{compiler.SLOTS_MIN + 2}")[0] == off_pods
+    # IPv6: the IPv6 pod subnet in the ip6 table.
+    v6 = compiler.compile_services([], "n1", (4, 6), pod_subnets={4: "10.244.1.0/24", 6: "fd00:10:244:1::/64"})
+    first = json.loads(v6.objects[("ip6", compiler.TABLE, "chain", "pick/2")].rules[0])
+    assert first == [expr.match(expr.payload("ip6", "saddr"), {"prefix": {"addr": "fd00:10:244:1::", "len": 64}}, "!="),
+                     compiler.MARK_MASQ]  # fmt: skip
 
 
 def test_local_traffic_policies():
