@@ -38,7 +38,8 @@ from .views import ServiceViews
 
 log = logging.getLogger("agentd.services")
 
-COUNTERS_INTERVAL = 2.0
+COUNTERS_INTERVAL = 2.0  # also how often conntrack's TCP window setting is read again
+BE_LIBERAL = "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal"
 RETRY_MAX = 30.0  # the longest pause before a failed sync pass is tried again
 REJECT_IN_PREROUTING = "5.9"  # the kernel that takes reject in a chain on the prerouting hook (filter-prerouting)
 KINDS = ("Service", "EndpointSlice", "Pod")
@@ -65,8 +66,14 @@ class ServiceAgent:
         pod_subnets: dict[int, str] | None = None,
         pod_networks: Sequence[str] = (),
         service_ranges: dict[int, str] | None = None,
+        tcp_liberal: Callable[[], bool] | None = None,
     ) -> None:
         self.node = node
+        # Whether conntrack's TCP window check is liberal in this namespace (the pod fast path
+        # sets it when it opens; the operator may): read at every pass and every
+        # COUNTERS_INTERVAL, so the forward hook's invalid-drop rule follows it.
+        self.tcp_liberal = tcp_liberal or tcp_be_liberal
+        self._liberal: bool | None = None  # as last read
         self.service_ranges = dict(service_ranges or {})  # IP version -> the cluster IPs' range (other addresses of it: dropped)
         self.pod_networks = tuple(pod_networks)  # the cluster's pod networks: who, with the node itself, may ask its DNS
         self.pod_subnets = dict(pod_subnets or {})  # IP version -> this node's pod subnet (Local node ports short-circuit it)
@@ -404,6 +411,19 @@ class ServiceAgent:
             gone += unusable_udp(self._applied.get(key, []), after, self.node, first=self._fresh,
                                  short_circuit=tuple(self.pod_subnets.values()))
         translating = self._table.translating()
+        # kube-proxy's ct state invalid drop, unless the TCP window check is liberal -- and only
+        # while translating: then the BPF data path hands every decapsulated packet to
+        # netfilter (on_translating), so conntrack sees both directions of the pods' flows;
+        # otherwise it may see one (the other delivered straight to the pod), which it deems
+        # invalid, and there is no translation to protect.  Before the transaction: put in
+        # after the redirect is held, taken out before it is released.
+        self._liberal = self.tcp_liberal()
+        touched = self._table.drop_invalid(translating and not self._liberal)
+        if keys is not None:
+            keys |= touched
+        if touched:
+            log.info("forwarded TCP conntrack deems invalid (out of window): %s", "dropped, as kube-proxy does "
+                     "(nf_conntrack_tcp_be_liberal is not 1)" if self._table.dropping_invalid else "no longer dropped")
         try:
             if translating and self.on_translating is not None:
                 await self.on_translating(True)
@@ -551,6 +571,8 @@ class ServiceAgent:
         assert self.programmer is not None
         while True:
             await asyncio.sleep(COUNTERS_INTERVAL)
+            if self._liberal is not None and self.tcp_liberal() != self._liberal:
+                self._wake.set()  # the invalid-drop rule follows (a pass without Services to compile)
             with contextlib.suppress(NftError):
                 await self.refresh_counters()
 
@@ -580,6 +602,16 @@ class ServiceAgent:
         for (_, _, name), packets in counts.items():
             totals[name] = totals.get(name, 0) + packets
         self.counters = totals
+
+def tcp_be_liberal() -> bool:
+    """Whether ``nf_conntrack_tcp_be_liberal`` is 1 in this namespace (unreadable: as the
+    kernel's default, 0 -- the rule is only a drop of what conntrack would not translate)."""
+    try:
+        with open(BE_LIBERAL) as f:
+            return f.read().strip() == "1"
+    except (OSError, ValueError):
+        return False
+
 
 def serving(sp: model.ServicePort) -> set[tuple[str, int]]:
     """The port's serving endpoints (address and port), any node's: those that may take its

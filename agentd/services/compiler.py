@@ -18,6 +18,8 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
                          meta mark & 0x4000 == 0 return
                          meta mark set meta mark ^ 0x4000          (cleared: not on an encapsulated packet)
                          masquerade fully-random }
+    chain filter-forward { type filter hook forward priority dstnat + 1;     (only while translating with
+                         meta l4proto tcp ct state invalid drop }           nf_conntrack_tcp_be_liberal 0)
     chain filter-prerouting, filter-output { type filter hook prerouting / output priority dstnat + 1;
                          ct state new ip daddr . meta l4proto . th dport vmap @service-unavailable
                          ct state new fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @nodeport-unavailable
@@ -127,6 +129,7 @@ SLOTS_MIN = 16  # endpoint counts prepared at start: up to this many, an endpoin
 RETAIN = 4  # pick chains of counts above SLOTS_MIN no longer in use kept (near one in use; the most recent)
 MASQ_MARK = 0x4000  # kube-proxy's masquerade bit
 DSTNAT, SRCNAT = -100, 100
+FORWARD_CHAIN = "filter-forward"  # ct state invalid drop, while conntrack's TCP window check is strict
 
 
 MARK_MASQ = {"mangle": {"key": meta("mark"), "value": {"|": [meta("mark"), MASQ_MARK]}}}
@@ -264,14 +267,15 @@ def pick_objects(n: int, fam: AddressFamily = IPV4, pod_subnet: str | None = Non
 
 def base_objects(
     slots: int = SLOTS_MIN, log: DropLog | None = None, *, fam: AddressFamily = IPV4, pod_subnet: str | None = None,
-    service_range: str | None = None,
+    service_range: str | None = None, drop_invalid: bool = False,
 ) -> list[Any]:
     """The fixed part of family ``fam``'s table, prepared for services of up to ``slots``
     endpoints (the maps empty); with ``log`` the refusals are logged for flow records
     (prefix: the chain's name).  ``pod_subnet``: this node's pods' subnet of the family, whose
     traffic to a Local node port is short-circuited (none: only the node's own is).
     ``service_range``: the cluster IPs' range of the family, whose addresses no Service has
-    are dropped (none: not checked)."""
+    are dropped (none: not checked).  ``drop_invalid``: with the forward hook's chain dropping
+    TCP conntrack deems invalid (:func:`invalid_drop`)."""
     local = match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
     not_loopback = match(payload(fam.proto, "daddr"), prefix(fam.loopback), "!=")
     # Hairpin, decided after the endpoint is chosen: a translated connection from one of this
@@ -334,11 +338,28 @@ def base_objects(
               if service_range else []),
         ), hook=("filter", hook, DSTNAT + 1, "accept")) for hook in ("prerouting", "output")),
     ]  # fmt: skip
+    if drop_invalid:
+        out.append(invalid_drop(fam))
     for i in range(slots):
         out += slot_objects(i, fam)
     for n in range(1, slots + 1):
         out += pick_objects(n, fam, pod_subnet)
     return out
+
+
+def invalid_drop(fam: AddressFamily = IPV4) -> NftChain:
+    """kube-proxy's ``ct state invalid drop`` on the forward hook (unless conntrackTCPLiberal;
+    kubernetes#74839, #117924): with conntrack's TCP window check strict
+    (``nf_conntrack_tcp_be_liberal`` 0), an endpoint's reply conntrack finds out of window is
+    invalid, not translated back: it would reach the client from the endpoint's own address,
+    the client answers with a RST, and a long or busy connection through a Service is reset.
+    TCP only: the window check is the case, and an ICMP error conntrack knows no flow of (one
+    the BPF data path or the pod fast path carried past it) still brings a path MTU or an
+    unreachable to its sender.  Only forwarded packets meet it: the node's own (BGP, BFD, the
+    tunnels' outer packets, the udp backend's) are on the input and output hooks."""
+    return NftChain(fam.proto, TABLE, FORWARD_CHAIN, (
+        rule_text([match(meta("l4proto"), "tcp"), match({"ct": {"key": "state"}}, "invalid", "in"), {"drop": None}]),
+    ), hook=("filter", "forward", DSTNAT + 1, "accept"))  # fmt: skip
 
 
 def _refusals(log: DropLog | None, fam: AddressFamily = IPV4) -> list[Any]:
@@ -791,6 +812,24 @@ class Table:
             touched.add(obj.key)
         self.slots, self.picks = slots, picks
         return touched
+
+    def drop_invalid(self, on: bool) -> set[Any]:
+        """Have the forward hook's chain dropping TCP conntrack deems invalid (``on``) or not
+        (:func:`invalid_drop`); the changed object keys."""
+        touched: set[Any] = set()
+        for fam in self.families:
+            chain = invalid_drop(fam)
+            if on and chain.key not in self._rs.objects:
+                self._rs.add(chain)
+                touched.add(chain.key)
+            elif not on and self._rs.objects.pop(chain.key, None) is not None:
+                touched.add(chain.key)
+        return touched
+
+    @property
+    def dropping_invalid(self) -> bool:
+        """Whether the forward hook's chain dropping invalid TCP is in the table."""
+        return any((f.proto, TABLE, "chain", FORWARD_CHAIN) in self._rs.objects for f in self.families)
 
     def translating(self) -> bool:
         """Whether any VIP or node port is translated here (a Local node port short-circuited
