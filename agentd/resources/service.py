@@ -87,7 +87,7 @@ def validate_spec(raw: Any) -> dict[str, Any]:
     ports = array(spec.get("ports"), "spec.ports")
     if not ports and cluster_ip != HEADLESS and kind != "ExternalName":
         raise required("spec.ports")
-    out["ports"] = _ports(ports, kind, cluster_ip == HEADLESS)
+    out["ports"] = _ports(ports, kind)
     out.update(_affinity(spec))
     out["internalTrafficPolicy"] = _choice(spec, "internalTrafficPolicy", TRAFFIC_POLICIES)
     external_ips = _external_ips(spec)
@@ -181,7 +181,7 @@ def _load_balancer(spec: dict[str, Any], kind: str, external_policy: str | None)
         port_number(spec["healthCheckNodePort"], "spec.healthCheckNodePort")
 
 
-def _ports(raw: list[Any], kind: str, headless: bool) -> list[dict[str, Any]]:
+def _ports(raw: list[Any], kind: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     names: set[str] = set()
     seen: set[tuple[int, str]] = set()
@@ -204,7 +204,12 @@ def _ports(raw: list[Any], kind: str, headless: bool) -> list[dict[str, Any]]:
         if (port["port"], port["protocol"]) in seen:
             raise Invalid(f"{path}", f'Duplicate value: {{"port":{port["port"]},"protocol":"{port["protocol"]}"}}')
         seen.add((port["port"], port["protocol"]))
-        port["targetPort"] = target_port(p.get("targetPort", port["port"]), f"{path}.targetPort", headless)
+        # Kubernetes' SetDefaults_Service: a targetPort absent, 0 or "" is the port (a headless
+        # Service's too: its endpoints and DNS SRV records carry it).
+        target = p.get("targetPort")
+        if target is None or target == "" or (type(target) is int and target == 0):
+            target = port["port"]
+        port["targetPort"] = target_port(target, f"{path}.targetPort")
         if "nodePort" in p and p["nodePort"] not in (0, None):
             if kind == "ClusterIP":
                 raise Invalid(f"{path}.nodePort", "Forbidden: may not be used when `type` is 'ClusterIP'")
@@ -222,7 +227,7 @@ def _ports(raw: list[Any], kind: str, headless: bool) -> list[dict[str, Any]]:
     return out
 
 
-def target_port(value: Any, path: str, headless: bool = False) -> int | str:
+def target_port(value: Any, path: str) -> int | str:
     if isinstance(value, str):
         # An IntOrString written as a string of digits: ASCII ones (str.isdigit() also takes "²",
         # which int() refuses, and "٣", which it reads as 3: names, refused as the API server
@@ -232,10 +237,7 @@ def target_port(value: Any, path: str, headless: bool = False) -> int | str:
                 raise invalid(path, value, "must be between 1 and 65535, inclusive")
             return port_number(int(value), path)
         return iana_svc_name(value, path)
-    number = integer(value, path)
-    if headless and number == 0:
-        return 0
-    return port_number(number, path)
+    return port_number(integer(value, path), path)
 
 
 def _affinity(spec: dict[str, Any]) -> dict[str, Any]:

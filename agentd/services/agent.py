@@ -8,7 +8,7 @@ One :class:`ServiceAgent` per ``agentd run``.  It
 3. after every batch of changes, compiles the whole table (:mod:`agentd.services.compiler`)
    and sends the difference to the kernel in ONE transaction (the policy programmer, on its
    own table);
-4. flushes the UDP conntrack entries of endpoints that stopped being usable (a UDP "flow"
+4. flushes the UDP conntrack entries of endpoints that stopped serving (a UDP "flow"
    has no end, so without this it would keep going to an endpoint that is gone), and, on the
    first sync after start and for a port that goes from no usable endpoint to some, those of
    its flows that do not go to a usable endpoint;
@@ -38,7 +38,8 @@ from .views import ServiceViews
 
 log = logging.getLogger("agentd.services")
 
-COUNTERS_INTERVAL = 2.0
+COUNTERS_INTERVAL = 2.0  # also how often conntrack's TCP window setting is read again
+BE_LIBERAL = "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal"
 RETRY_MAX = 30.0  # the longest pause before a failed sync pass is tried again
 REJECT_IN_PREROUTING = "5.9"  # the kernel that takes reject in a chain on the prerouting hook (filter-prerouting)
 KINDS = ("Service", "EndpointSlice", "Pod")
@@ -65,8 +66,14 @@ class ServiceAgent:
         pod_subnets: dict[int, str] | None = None,
         pod_networks: Sequence[str] = (),
         service_ranges: dict[int, str] | None = None,
+        tcp_liberal: Callable[[], bool] | None = None,
     ) -> None:
         self.node = node
+        # Whether conntrack's TCP window check is liberal in this namespace (the pod fast path
+        # sets it when it opens; the operator may): read at every pass and every
+        # COUNTERS_INTERVAL, so the forward hook's invalid-drop rule follows it.
+        self.tcp_liberal = tcp_liberal or tcp_be_liberal
+        self._liberal: bool | None = None  # as last read
         self.service_ranges = dict(service_ranges or {})  # IP version -> the cluster IPs' range (other addresses of it: dropped)
         self.pod_networks = tuple(pod_networks)  # the cluster's pod networks: who, with the node itself, may ask its DNS
         self.pod_subnets = dict(pod_subnets or {})  # IP version -> this node's pod subnet (Local node ports short-circuit it)
@@ -400,10 +407,23 @@ class ServiceAgent:
         for n, (key, after) in enumerate(sorted(built.items())):
             if full and n and n % COMPILE_STEP == 0:
                 await asyncio.sleep(0)  # as the compiling: a full rebuild's every port is judged
-            gone += stale_udp(self._applied.get(key, []), after, self.node, short_circuit=tuple(self.pod_subnets.values()))
+            gone += stale_udp(self._applied.get(key, []), after)
             gone += unusable_udp(self._applied.get(key, []), after, self.node, first=self._fresh,
                                  short_circuit=tuple(self.pod_subnets.values()))
         translating = self._table.translating()
+        # kube-proxy's ct state invalid drop, unless the TCP window check is liberal -- and only
+        # while translating: then the BPF data path hands every decapsulated packet to
+        # netfilter (on_translating), so conntrack sees both directions of the pods' flows;
+        # otherwise it may see one (the other delivered straight to the pod), which it deems
+        # invalid, and there is no translation to protect.  Before the transaction: put in
+        # after the redirect is held, taken out before it is released.
+        self._liberal = self.tcp_liberal()
+        touched = self._table.drop_invalid(translating and not self._liberal)
+        if keys is not None:
+            keys |= touched
+        if touched:
+            log.info("forwarded TCP conntrack deems invalid (out of window): %s", "dropped, as kube-proxy does "
+                     "(nf_conntrack_tcp_be_liberal is not 1)" if self._table.dropping_invalid else "no longer dropped")
         try:
             if translating and self.on_translating is not None:
                 await self.on_translating(True)
@@ -551,6 +571,8 @@ class ServiceAgent:
         assert self.programmer is not None
         while True:
             await asyncio.sleep(COUNTERS_INTERVAL)
+            if self._liberal is not None and self.tcp_liberal() != self._liberal:
+                self._wake.set()  # the invalid-drop rule follows (a pass without Services to compile)
             with contextlib.suppress(NftError):
                 await self.refresh_counters()
 
@@ -581,42 +603,50 @@ class ServiceAgent:
             totals[name] = totals.get(name, 0) + packets
         self.counters = totals
 
-def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort], node: str | None = None,
-              *, short_circuit: tuple[str, ...] = ()) -> list[conntrack.Stale]:
-    """UDP endpoints that took new connections before and do not now (their flows are to be
-    flushed); an endpoint is its address and port, whatever its conditions (one that went from
-    ready to serving and terminating may still be used).  Each path on its own: on ``node``
-    a traffic policy turned Local keeps the cluster IP or the node port (from outside) off the
-    other nodes' endpoints, whose flows through it go then (as kube-proxy clears the stale
-    UDP entries of an endpoint a port stops using); a flow to the node port from the node
-    itself, which may still go to any endpoint, is chosen anew.
+def tcp_be_liberal() -> bool:
+    """Whether ``nf_conntrack_tcp_be_liberal`` is 1 in this namespace (unreadable: as the
+    kernel's default, 0 -- the rule is only a drop of what conntrack would not translate)."""
+    try:
+        with open(BE_LIBERAL) as f:
+            return f.read().strip() == "1"
+    except (OSError, ValueError):
+        return False
 
-    A node port reached from the node itself or from ``short_circuit`` (this node's pod
-    subnets) goes to every usable endpoint, also a Local one (kube-proxy's short-circuit,
-    compiler.compile_port): an endpoint that leaves that choice while the node port from
-    outside did not use it (one on another node gone) has the flows from those sources
-    through the node port flushed (a :class:`conntrack.Stale` with ``sources``)."""
 
-    def paths(sp: model.ServicePort) -> tuple[set[tuple[str, int]], set[tuple[str, int]], set[tuple[str, int]]]:
-        short = {(e.ip, e.port) for e in sp.short_circuit_endpoints(node)}
-        return ({(e.ip, e.port) for e in sp.cluster_ip_endpoints(node)},
-                {(e.ip, e.port) for e in sp.node_port_endpoints(node)}, short)  # fmt: skip
+def serving(sp: model.ServicePort) -> set[tuple[str, int]]:
+    """The port's serving endpoints (address and port), any node's: those that may take its
+    traffic -- ready, or serving while terminating."""
+    return {(e.ip, e.port) for e in sp.endpoints if e.ready or e.serving}
 
-    now = {sp.key: paths(sp) for sp in after}
+
+def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -> list[conntrack.Stale]:
+    """UDP endpoints whose flows through a port are to be flushed: those that left its serving
+    set (:func:`serving`: gone, or no longer serving), as kube-proxy's conntrack cleanup
+    (pkg/proxy/conntrack/cleanup.go: "we do not take traffic policies, topology, or
+    terminating status of the service into account").  One still serving keeps its flows
+    whatever else changed: turned terminating while others are ready (a rolling update's
+    graceful drain of stateful UDP: QUIC, VPN, game servers), a traffic policy turned Local
+    keeping new connections here off it; an endpoint that was not serving took no traffic.
+    The flows are those through the port's cluster IP and node port as they were (every
+    source).  A cluster IP or node port the port no longer has here (the Service gone, its
+    address changed, taken by an older Service) has the flows through it to every endpoint
+    it had flushed: it is no longer translated to them."""
+    now = {sp.key: sp for sp in after}
     out = []
     for sp in before:
         if sp.protocol != "UDP":
             continue
-        (cluster, node_port, short), (cluster_now, node_port_now, short_now) = paths(sp), now.get(sp.key, (set(), set(), set()))
-        for ip, port in cluster | node_port | short:
-            off_vip = (ip, port) in cluster and (ip, port) not in cluster_now
-            off_node_port = (ip, port) in node_port and (ip, port) not in node_port_now
-            if off_vip or off_node_port:
-                vip = sp.cluster_ip if off_vip else None
-                out.append(conntrack.Stale(ip, port, vip, sp.port, sp.node_port if off_node_port else None))
-            if not off_node_port and sp.node_port is not None and (ip, port) in short and (ip, port) not in short_now:
-                out.append(conntrack.Stale(ip, port, None, sp.port, sp.node_port, short_circuit))
-    return sorted(set(out), key=lambda s: (s.ip, s.port, s.vip or "", s.service_port, s.node_port or 0, s.sources or ()))
+        later = now.get(sp.key)
+        kept = serving(later) if later is not None else set()
+        vip_kept = later is not None and later.cluster_ip == sp.cluster_ip
+        node_port_kept = later is not None and later.node_port == sp.node_port
+        for ip, port in serving(sp):
+            left = (ip, port) not in kept
+            vip = sp.cluster_ip if left or not vip_kept else None
+            node_port = sp.node_port if left or not node_port_kept else None
+            if vip is not None or node_port is not None:
+                out.append(conntrack.Stale(ip, port, vip, sp.port, node_port))
+    return sorted(set(out), key=lambda s: (s.ip, s.port, s.vip or "", s.service_port, s.node_port or 0))
 
 
 def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort], node: str | None = None,
@@ -629,7 +659,7 @@ def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort]
     the ports as compiled (a cluster IP or node port another Service holds is None): one
     not translated to this Service's endpoints has flows that are not its own.
 
-    Each path on its own (one :class:`conntrack.Unusable` each), as :func:`stale_udp`: on
+    Each path on its own (one :class:`conntrack.Unusable` each): on
     ``node`` a traffic policy Local keeps the cluster IP or the node port (from outside) on
     this node's endpoints, so a flow through it to another node's endpoint goes too (one made
     before the policy turned Local while the agent was down).  A Local node port's flows from

@@ -18,6 +18,8 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
                          meta mark & 0x4000 == 0 return
                          meta mark set meta mark ^ 0x4000          (cleared: not on an encapsulated packet)
                          masquerade fully-random }
+    chain filter-forward { type filter hook forward priority dstnat + 1;     (only while translating with
+                         meta l4proto tcp ct state invalid drop }           nf_conntrack_tcp_be_liberal 0)
     chain filter-prerouting, filter-output { type filter hook prerouting / output priority dstnat + 1;
                          ct state new ip daddr . meta l4proto . th dport vmap @service-unavailable
                          ct state new fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @nodeport-unavailable
@@ -26,6 +28,7 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
     set cluster-ips    { ipv4_addr }                                            every cluster IP
 
     chain pick/N       (one per endpoint count N in use, shared by every service with N endpoints)
+                       ip saddr != <this node's pod subnet> meta mark set meta mark | 0x4000
                        counter name ip daddr . meta l4proto . th dport map @service-counters
                        numgen random mod N vmap { 0 : goto slot/0, ..., N-1 : goto slot/N-1 }
     chain slot/i       dnat to ip daddr . meta l4proto . th dport map @addr/i : ... map @port/i
@@ -58,8 +61,14 @@ kube-proxy marks only the endpoint reaching itself -- a pod reaching a sibling e
 keeps its address, on this node or another, whose reply comes back through this node
 anyway: it is routed to the client's node, where conntrack undoes the DNAT), node ports
 with externalTrafficPolicy Cluster (the endpoint may be on another node, whose reply would
-not come back through this node otherwise), and a node's own connections to its Local node
-ports (their source, the node port's address, is the node's).  A port without usable endpoints is not translated but
+not come back through this node otherwise), a node's own connections to its Local node
+ports (their source, the node port's address, is the node's), and connections to a cluster
+IP not from this node's pods (kube-proxy's mark of "off-cluster traffic to a service VIP",
+its detect-local NodeCIDR mode): the node itself and its hostNetwork pods, whose source
+address the kernel chose by the route to the VIP, before the translation -- the underlay
+address, where an endpoint on another node is reached through the tunnel, whose reply would
+cross the underlay unencapsulated with a pod's source address --, and traffic routed here
+from outside.  A port without usable endpoints is not translated but
 refused (ICMP port unreachable, as kube-proxy does), or dropped where a Local traffic policy
 keeps it off other nodes' endpoints.
 
@@ -120,6 +129,7 @@ SLOTS_MIN = 16  # endpoint counts prepared at start: up to this many, an endpoin
 RETAIN = 4  # pick chains of counts above SLOTS_MIN no longer in use kept (near one in use; the most recent)
 MASQ_MARK = 0x4000  # kube-proxy's masquerade bit
 DSTNAT, SRCNAT = -100, 100
+FORWARD_CHAIN = "filter-forward"  # ct state invalid drop, while conntrack's TCP window check is strict
 
 
 MARK_MASQ = {"mangle": {"key": meta("mark"), "value": {"|": [meta("mark"), MASQ_MARK]}}}
@@ -224,15 +234,31 @@ def slot_objects(i: int, fam: AddressFamily = IPV4) -> list[Any]:
     return out
 
 
-def pick_objects(n: int, fam: AddressFamily = IPV4) -> list[Any]:
-    """The chains choosing one of ``n`` endpoints: for VIPs, Cluster node ports, Local node ports
-    (the node's own traffic reaches those short-circuited only, masqueraded as by kube-proxy:
-    the node port's address, one of the node's, is its source)."""
+def not_from_pods(fam: AddressFamily, pod_subnet: str | None) -> list[Any]:
+    """The match of a connection to a cluster IP that is masqueraded: one not from this node's
+    pods (kube-proxy's "masquerade off-cluster traffic to a service VIP", its detect-local
+    NodeCIDR mode, as the short-circuit's "one of its pods"): the node itself and its
+    hostNetwork pods, whose source the kernel chose by the route to the VIP -- not the one
+    that reaches another node's endpoint through the tunnel, whose reply would come back
+    unencapsulated --, and anything routed here from outside.  Another node's pods translate
+    their connections on their own node; one of theirs reaching here untranslated is
+    masqueraded too (its endpoint's reply could not find its way back through this node
+    otherwise).  Without the pod subnet known: the node's own traffic only."""
+    if pod_subnet:
+        return [match(payload(fam.proto, "saddr"), prefix(pod_subnet), "!=")]
+    return [FROM_NODE]
+
+
+def pick_objects(n: int, fam: AddressFamily = IPV4, pod_subnet: str | None = None) -> list[Any]:
+    """The chains choosing one of ``n`` endpoints: for VIPs (a connection not from this node's
+    pods, ``pod_subnet``, marked for masquerading: :func:`not_from_pods`), Cluster node ports,
+    Local node ports (the node's own traffic reaches those short-circuited only, masqueraded as
+    by kube-proxy: the node port's address, one of the node's, is its source)."""
     count = rule_text([{"counter": {"map": {"key": vip_key(fam), "data": "@" + SVC_COUNTERS}}}])
     np_count = rule_text([{"counter": {"map": {"key": NP_KEY, "data": "@" + NP_COUNTERS}}}])
     t = fam.proto
     return [
-        NftChain(t, TABLE, pick_chain(n), (count, _numgen(n, "slot"))),
+        NftChain(t, TABLE, pick_chain(n), (rule_text([*not_from_pods(fam, pod_subnet), MARK_MASQ]), count, _numgen(n, "slot"))),
         NftChain(t, TABLE, np_pick_chain(n, False), (rule_text([MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
         NftChain(t, TABLE, np_pick_chain(n, True), (
             rule_text([FROM_NODE, MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
@@ -241,14 +267,15 @@ def pick_objects(n: int, fam: AddressFamily = IPV4) -> list[Any]:
 
 def base_objects(
     slots: int = SLOTS_MIN, log: DropLog | None = None, *, fam: AddressFamily = IPV4, pod_subnet: str | None = None,
-    service_range: str | None = None,
+    service_range: str | None = None, drop_invalid: bool = False,
 ) -> list[Any]:
     """The fixed part of family ``fam``'s table, prepared for services of up to ``slots``
     endpoints (the maps empty); with ``log`` the refusals are logged for flow records
     (prefix: the chain's name).  ``pod_subnet``: this node's pods' subnet of the family, whose
     traffic to a Local node port is short-circuited (none: only the node's own is).
     ``service_range``: the cluster IPs' range of the family, whose addresses no Service has
-    are dropped (none: not checked)."""
+    are dropped (none: not checked).  ``drop_invalid``: with the forward hook's chain dropping
+    TCP conntrack deems invalid (:func:`invalid_drop`)."""
     local = match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
     not_loopback = match(payload(fam.proto, "daddr"), prefix(fam.loopback), "!=")
     # Hairpin, decided after the endpoint is chosen: a translated connection from one of this
@@ -311,11 +338,28 @@ def base_objects(
               if service_range else []),
         ), hook=("filter", hook, DSTNAT + 1, "accept")) for hook in ("prerouting", "output")),
     ]  # fmt: skip
+    if drop_invalid:
+        out.append(invalid_drop(fam))
     for i in range(slots):
         out += slot_objects(i, fam)
     for n in range(1, slots + 1):
-        out += pick_objects(n, fam)
+        out += pick_objects(n, fam, pod_subnet)
     return out
+
+
+def invalid_drop(fam: AddressFamily = IPV4) -> NftChain:
+    """kube-proxy's ``ct state invalid drop`` on the forward hook (unless conntrackTCPLiberal;
+    kubernetes#74839, #117924): with conntrack's TCP window check strict
+    (``nf_conntrack_tcp_be_liberal`` 0), an endpoint's reply conntrack finds out of window is
+    invalid, not translated back: it would reach the client from the endpoint's own address,
+    the client answers with a RST, and a long or busy connection through a Service is reset.
+    TCP only: the window check is the case, and an ICMP error conntrack knows no flow of (one
+    the BPF data path or the pod fast path carried past it) still brings a path MTU or an
+    unreachable to its sender.  Only forwarded packets meet it: the node's own (BGP, BFD, the
+    tunnels' outer packets, the udp backend's) are on the input and output hooks."""
+    return NftChain(fam.proto, TABLE, FORWARD_CHAIN, (
+        rule_text([match(meta("l4proto"), "tcp"), match({"ct": {"key": "state"}}, "invalid", "in"), {"drop": None}]),
+    ), hook=("filter", "forward", DSTNAT + 1, "accept"))  # fmt: skip
 
 
 def _refusals(log: DropLog | None, fam: AddressFamily = IPV4) -> list[Any]:
@@ -344,9 +388,11 @@ class Compiled:
         self.sizes = sizes
 
 
-def compile_port(sp: ServicePort, node: str) -> Compiled:
+def compile_port(sp: ServicePort, node: str, pod_subnets: Mapping[int, str] | None = None) -> Compiled:
     """The objects and map elements of one service port on ``node``; its elements are keyed
-    by (table family, map name): the port's family decides the table."""
+    by (table family, map name): the port's family decides the table.  ``pod_subnets``: this
+    node's pod subnet per IP version (a ClientIP affinity Service's chain marks a connection
+    to its cluster IP not from them for masquerading, as the shared pick chains do)."""
     fam = FAMILIES[sp.family]
     counter = _counter(sp.namespace, sp.service, fam)
     objs: list[Any] = [counter]
@@ -358,7 +404,7 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
     if sp.cluster_ip is not None:
         put(CLUSTER_IPS, sp.cluster_ip)
     if sp.affinity_timeout is not None:
-        _compile_affinity(sp, node, fam, objs, put)
+        _compile_affinity(sp, node, fam, objs, put, (pod_subnets or {}).get(fam.version))
         return Compiled(objs, elements)
     every, local = sp.usable(), sp.usable(node)
     sizes: set[int] = set()
@@ -414,9 +460,12 @@ def _unavailable(every: tuple[Endpoint, ...]) -> tuple[str, str]:
 
 
 def _compile_affinity(
-    sp: ServicePort, node: str, fam: AddressFamily, objs: list[Any], put: Callable[[str, Any], None]
+    sp: ServicePort, node: str, fam: AddressFamily, objs: list[Any], put: Callable[[str, Any], None],
+    pod_subnet: str | None = None,
 ) -> None:
-    """ClientIP affinity: a chain for the service (``svc/``) and node port (``ext/``), one per endpoint."""
+    """ClientIP affinity: a chain for the service (``svc/``) and node port (``ext/``), one per
+    endpoint; the service's marks a connection not from this node's pods (``pod_subnet``) for
+    masquerading (:func:`not_from_pods`)."""
     counter = {"counter": counter_name(sp.namespace, sp.service)}
     every, local = sp.usable(), sp.usable(node)
     chains: dict[str, Endpoint] = {}
@@ -424,7 +473,8 @@ def _compile_affinity(
     if sp.cluster_ip is not None:
         chosen = local if sp.internal_local else every
         if chosen:
-            objs.append(NftChain(t, TABLE, svc_chain(sp), _dispatch(sp, fam, chosen, counter)))
+            mark = rule_text([*not_from_pods(fam, pod_subnet), MARK_MASQ])
+            objs.append(NftChain(t, TABLE, svc_chain(sp), (mark, *_dispatch(sp, fam, chosen, counter))))
             chains.update((ep_chain(sp, e), e) for e in chosen)
             put(SERVICE_IPS, ((sp.cluster_ip, sp.l4, sp.port), ("goto", svc_chain(sp))))
         else:
@@ -526,6 +576,7 @@ class Table:
         pod_subnets: Mapping[int, str] | None = None, service_ranges: Mapping[int, str] | None = None,
     ) -> None:  # fmt: skip
         self.node = node
+        self.pod_subnets = dict(pod_subnets or {})  # IP version -> this node's pod subnet
         self.families = rows(families)  # the IP versions this node serves (one table each)
         self._versions = {f.version for f in self.families}
         self._rs = Ruleset(tables(self._versions))
@@ -639,7 +690,7 @@ class Table:
         elems: dict[MapKey, set[Any]] = {}
         sizes: list[int] = []
         for sp in ports:
-            compiled = compile_port(sp, self.node)
+            compiled = compile_port(sp, self.node, self.pod_subnets)
             objs.update((o.key, o) for o in compiled.objects)
             for name, items in compiled.elements.items():
                 elems.setdefault(name, set()).update(items)
@@ -746,9 +797,9 @@ class Table:
         removed: list[Any] = []
         for fam in self.families:
             added += [o for i in range(self.slots, slots) for o in slot_objects(i, fam)]
-            added += [o for n in sorted(picks - self.picks) for o in pick_objects(n, fam)]
+            added += [o for n in sorted(picks - self.picks) for o in pick_objects(n, fam, self.pod_subnets.get(fam.version))]
             removed += [o for i in range(slots, self.slots) for o in slot_objects(i, fam)]
-            removed += [o for n in sorted(self.picks - picks) for o in pick_objects(n, fam)]
+            removed += [o for n in sorted(self.picks - picks) for o in pick_objects(n, fam, self.pod_subnets.get(fam.version))]
         touched: set[Any] = set()
         for obj in added:
             self._rs.add(obj)
@@ -761,6 +812,24 @@ class Table:
             touched.add(obj.key)
         self.slots, self.picks = slots, picks
         return touched
+
+    def drop_invalid(self, on: bool) -> set[Any]:
+        """Have the forward hook's chain dropping TCP conntrack deems invalid (``on``) or not
+        (:func:`invalid_drop`); the changed object keys."""
+        touched: set[Any] = set()
+        for fam in self.families:
+            chain = invalid_drop(fam)
+            if on and chain.key not in self._rs.objects:
+                self._rs.add(chain)
+                touched.add(chain.key)
+            elif not on and self._rs.objects.pop(chain.key, None) is not None:
+                touched.add(chain.key)
+        return touched
+
+    @property
+    def dropping_invalid(self) -> bool:
+        """Whether the forward hook's chain dropping invalid TCP is in the table."""
+        return any((f.proto, TABLE, "chain", FORWARD_CHAIN) in self._rs.objects for f in self.families)
 
     def translating(self) -> bool:
         """Whether any VIP or node port is translated here (a Local node port short-circuited

@@ -375,10 +375,12 @@ async def test_removed_endpoint_moves_udp_flows_and_terminating_keeps_tcp(world:
         await world.delete("Service", "manual")
 
 
-async def test_a_node_port_turned_local_moves_its_udp_flows_off_the_other_nodes_endpoints(world: World):
+async def test_a_node_port_turned_local_keeps_the_udp_flows_of_serving_endpoints(world: World):
     """externalTrafficPolicy Cluster -> Local: a UDP flow from node3 to node1's node port that
-    went to web-2 (node2) keeps its conntrack entry as long as it sends; node1 flushes it, and
-    the same flow (same source port) goes to web-1, node1's endpoint, from then on."""
+    went to web-2 (node2) keeps going there, as kube-proxy keeps it (its conntrack cleanup
+    flushes only endpoints leaving the serving set, whatever the traffic policies); a new
+    flow (another source port) goes to web-1, node1's endpoint; web-2 gone, the old flow
+    moves to web-1 too."""
     node1 = world.lab.nodes[0]
 
     def spec(policy: str) -> dict[str, Any]:
@@ -396,6 +398,11 @@ async def test_a_node_port_turned_local_moves_its_udp_flows_off_the_other_nodes_
         else:
             raise AssertionError("no flow went to web-2 in 40 tries")
         await world.apply(service("turned", spec("Local")))
+        kept = await world.echo["node3"].udp(node1.address, 30054, sport=sport, count=3)
+        assert kept == ["web-2"] * 3, kept
+        fresh = await world.echo["node3"].udp(node1.address, 30054, sport=22199, count=3)
+        assert fresh == ["web-1"] * 3, fresh
+        await world.apply(endpoint_slice("turned-1", "turned", _eps(world, ["web-1"]), slice_ports))
         moved = await world.echo["node3"].udp(node1.address, 30054, sport=sport, count=3)
         assert moved == ["web-1"] * 3, moved
     finally:

@@ -126,4 +126,57 @@ async def test_a_node_port_to_another_nodes_endpoint_does_not_masquerade_the_tun
     finally:
         await client.close()
         await _converged(lab, await res.delete("Service", "svc", "np"))
-        await res.close()
+        # (res is the lab's, which lab.down closes: the next test uses it too)
+
+
+SEEN = "svcseen"  # node2's probe table: the sources web-2's connections arrive with
+
+
+async def test_a_nodes_own_connection_to_a_cluster_ip_is_masqueraded_to_its_tunnel_address(lab: Lab):
+    """The node itself (or a hostNetwork pod) reaching a cluster IP whose endpoint is on
+    another node: its source, chosen by the route to the VIP before the translation, is its
+    underlay address; unmasqueraded, the endpoint's reply would cross the underlay
+    unencapsulated with the pod's source address, which strict reverse-path filtering drops
+    (as a cloud's source/destination check).  As kube-proxy, the connection (not from this
+    node's pods) is marked for masquerading: the endpoint sees node1's tunnel address, in its
+    pod subnet.  node1 runs with strict rp_filter on the vxlan backend (the user-space ipip
+    path's TUN needs it off), and a route covering the VIP (lab nodes have no default route)."""
+    node1, node2 = lab.nodes
+    res = await lab.resources()
+    svc: dict[str, Any] = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "vip", "namespace": "svc"},
+                           "spec": {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}  # fmt: skip
+    client = await Echo.start(node1, "node1")
+    strict = lab.spec.backend == "vxlan"
+    subnet = (node1.api("/status").get("node") or {}).get("subnet")
+    web = lab.web.ip  # type: ignore[attr-defined]
+    assert subnet, node1.api("/status")
+    try:
+        await _converged(lab, await res.apply([svc]))
+        vip = (await res.get("Service", "svc", "vip"))["spec"]["clusterIP"]
+        node2.ns.exec("nft", "-f", "-", input=f"""
+table ip {SEEN} {{
+    counter underlay {{ }}
+    counter tunnel {{ }}
+    chain forward {{
+        type filter hook forward priority filter - 10; policy accept;
+        ip daddr {web} tcp dport 8080 tcp flags syn ip saddr {node1.address} counter name underlay
+        ip daddr {web} tcp dport 8080 tcp flags syn ip saddr {subnet} counter name tunnel
+    }}
+}}
+""".encode())
+        node1.ns.ip("route", "add", "default", "via", node2.address)
+        if strict:
+            node1.ns.sysctl("net.ipv4.conf.all.rp_filter", 1)
+        try:
+            r = await client.tcp(vip, 80, count=20)
+        finally:
+            node1.ns.sysctl("net.ipv4.conf.all.rp_filter", 0)
+            node1.ns.ip("route", "del", "default", check=False)
+        out = json.loads(node2.ns.exec("nft", "-j", "list", "counters", "table", "ip", SEEN))
+        seen = {item["counter"]["name"]: item["counter"]["packets"] for item in out["nftables"] if "counter" in item}
+        assert r == {"names": {"web-2": 20}, "failed": 0}, (r, seen)
+        assert seen["underlay"] == 0 and seen["tunnel"] >= 20, seen
+    finally:
+        node2.ns.exec("nft", "delete", "table", "ip", SEEN, check=False)
+        await client.close()
+        await _converged(lab, await res.delete("Service", "svc", "vip"))

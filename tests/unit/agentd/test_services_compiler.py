@@ -148,7 +148,7 @@ def test_the_table_one_map_lookup_per_service_and_endpoints_as_map_elements():
     # that the choice sent back to itself is SNATed (kube-proxy's); one that reaches a
     # sibling, here or on n2, keeps its address (the sibling's NetworkPolicy sees the pod).
     assert _map(rs, compiler.HAIRPIN) == {("10.244.1.2", "10.244.1.2")}
-    count, choose = _chain(rs, "pick/2")
+    _mark, count, choose = _chain(rs, "pick/2")
     assert count == [{"counter": {"map": {"key": compiler.VIP_KEY, "data": "@" + compiler.SVC_COUNTERS}}}]
     vmap = choose[0]["vmap"]
     assert vmap["key"] == {"numgen": {"mode": "random", "mod": 2, "offset": 0}}
@@ -187,8 +187,8 @@ def test_hairpin_snat_is_decided_after_the_choice_for_an_endpoint_reaching_itsel
         {"match": {"op": "==", "left": {"concat": [compiler.SADDR, expr.payload("ip", "daddr")]}, "right": "@" + compiler.HAIRPIN}},
         compiler.MASQUERADE]  # fmt: skip
     assert _map(rs, compiler.HAIRPIN) == {("10.244.1.2", "10.244.1.2")}  # node2's endpoint is node2's to match
-    for n in (1, 2):  # no mark before the choice
-        assert not [r for r in _chain(rs, f"pick/{n}") if compiler.MARK_MASQ in r]
+    for n in (1, 2):  # no mark before the choice (but for the node's own connections: test_cluster_ip_masquerades_...)
+        assert [r for r in _chain(rs, f"pick/{n}") if compiler.MARK_MASQ in r] == [[compiler.FROM_NODE, compiler.MARK_MASQ]]
         assert [r for r in _chain(rs, f"np-local/{n}") if compiler.MARK_MASQ in r] == [[compiler.FROM_NODE, compiler.MARK_MASQ]]
     # Another Service with the same endpoint (a Local node port too): one element, which stays
     # while either has the endpoint.
@@ -200,6 +200,35 @@ def test_hairpin_snat_is_decided_after_the_choice_for_an_endpoint_reaching_itsel
     assert _map(table.rs, compiler.HAIRPIN) == frozenset()
     assert table.rs.objects == compiler.compile_services(
         [port("ro", "10.96.0.21", ("10.244.2.2", "node2"), node_port=30432, local=True)], "node1").objects
+
+
+def test_cluster_ip_masquerades_what_does_not_come_from_this_nodes_pods():
+    """kube-proxy marks a connection to a cluster IP for masquerading unless it comes from the
+    pods (detect-local; here NodeCIDR, this node's pod subnet): the node's own and its
+    hostNetwork pods' connections, whose source the route to the VIP chose (the underlay
+    address, not the tunnel's), would reach another node's endpoint over vxlan and have its
+    reply cross the underlay unencapsulated.  The shared pick chains and an affinity Service's
+    chain alike, both families; without a pod subnet known, the node's own traffic."""
+    s = svc("web", {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]})
+    sticky = svc("sticky", {"clusterIP": "10.96.0.11", "selector": {"app": "web"}, "sessionAffinity": "ClientIP",
+                            "ports": [{"port": 80, "targetPort": 8080}]})  # fmt: skip
+    pods = [pod("b", "n2", "10.244.2.2", {"app": "web"})]
+    rs = compiler.compile_services(model.build([s, sticky], [], pods), "n1", pod_subnets={4: "10.244.1.0/24"})
+    off_pods = [expr.match(compiler.SADDR, {"prefix": {"addr": "10.244.1.0", "len": 24}}, "!="), compiler.MARK_MASQ]
+    assert _chain(rs, "pick/1")[0] == off_pods
+    assert _chain(rs, "pick/1")[-1] == [{"goto": {"target": "slot/0"}}]
+    assert _chain(rs, "svc/shop/sticky/tcp/80")[0] == off_pods
+    assert _chain(compiler.compile_services([], "n1"), "pick/3")[0] == [compiler.FROM_NODE, compiler.MARK_MASQ]
+    # Above the prepared counts too (chains made as the endpoint count grows).
+    many = [pod(f"p{i}", "n2", f"10.244.2.{i + 10}", {"app": "web"}) for i in range(compiler.SLOTS_MIN + 2)]
+    table = compiler.Table("n1", pod_subnets={4: "10.244.1.0/24"})
+    table.update(("shop", "web"), model.build([s], [], many))
+    assert _chain(table.rs, f"pick/{compiler.SLOTS_MIN + 2}")[0] == off_pods
+    # IPv6: the IPv6 pod subnet in the ip6 table.
+    v6 = compiler.compile_services([], "n1", (4, 6), pod_subnets={4: "10.244.1.0/24", 6: "fd00:10:244:1::/64"})
+    first = json.loads(v6.objects[("ip6", compiler.TABLE, "chain", "pick/2")].rules[0])
+    assert first == [expr.match(expr.payload("ip6", "saddr"), {"prefix": {"addr": "fd00:10:244:1::", "len": 64}}, "!="),
+                     compiler.MARK_MASQ]  # fmt: skip
 
 
 def test_local_traffic_policies():
@@ -584,12 +613,14 @@ def test_a_rolling_update_back_and_forth_changes_rules_once_per_count():
     assert table.picks == {1010, *range(1010 - compiler.RETAIN, 1010)}  # the most recent ones
 
 
-def test_stale_udp_endpoints_are_those_no_longer_usable():
+def test_stale_udp_endpoints_are_those_no_longer_serving():
     s = svc("dns", {"type": "NodePort", "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}]})
     sl = eps_slice("dns-1", "dns", [{"addresses": ["192.0.2.1"]}, {"addresses": ["192.0.2.2"]}],
                    [{"name": "dns", "port": 5353, "protocol": "UDP"}])  # fmt: skip
     before = model.build([s], [sl], [])
-    sl["endpoints"][1]["conditions"] = {"ready": False}
+    sl["endpoints"][1]["conditions"] = {"ready": False}  # serving unset: serving (the API's nil, kube-proxy's)
+    assert stale_udp(before, model.build([s], [sl], [])) == []
+    sl["endpoints"][1]["conditions"] = {"ready": False, "serving": False}
     after = model.build([s], [sl], [])
     (stale,) = stale_udp(before, after)
     assert stale == Stale("192.0.2.2", 5353, "10.96.0.10", 53, 30053)
@@ -865,10 +896,10 @@ def test_ingress_proxies_to_the_primary_familys_endpoints():
 
 
 @pytest.mark.parametrize("policy", ["externalTrafficPolicy", "internalTrafficPolicy"])
-def test_a_traffic_policy_turned_local_flushes_the_udp_flows_to_the_other_nodes_endpoints(policy):
-    # Cluster -> Local: the endpoints stay usable, but the node port (from outside) or the
-    # cluster IP of this node no longer goes to the other nodes' ones: their flows through
-    # that path are flushed (the other path's are not), this node's endpoint keeps its own.
+def test_a_traffic_policy_turned_local_keeps_the_udp_flows_of_serving_endpoints(policy):
+    # Cluster -> Local: the other nodes' endpoints take no new connections through that path
+    # here, but they still serve: their flows stay, as kube-proxy keeps them (its cleanup does
+    # not take traffic policies into account).
     def built(local: bool) -> list:
         spec = {"type": "NodePort", "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}]}
         if local:
@@ -878,45 +909,30 @@ def test_a_traffic_policy_turned_local_flushes_the_udp_flows_to_the_other_nodes_
         return model.build([svc("dns", spec)], [sl], [])
 
     cluster, local = built(False), built(True)
-    (stale,) = stale_udp(cluster, local, "n1")
-    if policy == "externalTrafficPolicy":
-        assert stale == Stale("192.0.2.2", 5353, None, 53, 30053)
-        assert stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353, {"192.0.2.50"}) and not stale.matches("10.96.0.10", 53, "192.0.2.2", 5353)
-    else:
-        assert stale == Stale("192.0.2.2", 5353, "10.96.0.10", 53, None)
-        assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and not stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353, {"192.0.2.50"})
-    assert stale_udp(local, cluster, "n1") == []  # Local -> Cluster: more endpoints, none lost
-    assert stale_udp(cluster, local, "n2") == [Stale("192.0.2.1", 5353, *((None, 53, 30053) if policy == "externalTrafficPolicy" else ("10.96.0.10", 53, None)))]
+    assert stale_udp(cluster, local) == [] and stale_udp(local, cluster) == []
 
 
-def test_an_endpoint_elsewhere_gone_flushes_the_short_circuited_flows_of_a_local_node_port():
-    # The review's case: under externalTrafficPolicy Local the node itself and its pods reach
-    # the node port's every endpoint (the short-circuit); node2's endpoint 192.0.2.2 goes: the
-    # flows to it through n1's node port from n1's pods and from n1 itself go, as the docs
-    # promise; a flow from outside could not have been sent there (and is left alone).
-    def built(addresses: list) -> list:
-        spec = {"type": "NodePort", "externalTrafficPolicy": "Local",
-                "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}]}  # fmt: skip
-        sl = eps_slice("dns-1", "dns", [{"addresses": [a], "nodeName": n} for a, n in addresses],
-                       [{"name": "dns", "port": 5353, "protocol": "UDP"}])  # fmt: skip
-        return model.build([svc("dns", spec)], [sl], [])
+def test_udp_flows_are_flushed_when_their_endpoint_leaves_the_serving_set_only():
+    """The review's case: an endpoint going from ready to serving and terminating while
+    another is ready takes no new flow, but its flows stay (graceful drain of stateful UDP);
+    they go when it stops serving or leaves -- every node's endpoint, through the cluster IP
+    and the node port alike, from any source (kube-proxy's cleanup)."""
+    from agentd.services.model import Endpoint, ServicePort
 
-    before = built([("192.0.2.1", "n1"), ("192.0.2.2", "n2"), ("192.0.2.3", "n2")])
-    after = built([("192.0.2.1", "n1"), ("192.0.2.3", "n2")])
-    pods = ("10.244.1.0/24",)
-    got = stale_udp(before, after, "n1", short_circuit=pods)
-    assert Stale("192.0.2.2", 5353, None, 53, 30053, pods) in got
-    local = {"192.0.2.50"}  # n1's address
-    from_pod = ("192.0.2.50", 30053, "192.0.2.2", 5353, local, "10.244.1.9")
-    from_node = ("192.0.2.50", 30053, "192.0.2.2", 5353, local, "192.0.2.50")
-    from_outside = ("192.0.2.50", 30053, "192.0.2.2", 5353, local, "198.51.100.7")
-    assert any(s.matches(*from_pod) for s in got) and any(s.matches(*from_node) for s in got)
-    assert not any(s.matches(*from_outside) for s in got)
-    assert not any(s.matches("192.0.2.50", 30053, "192.0.2.3", 5353, local, "10.244.1.9") for s in got)  # still used
-    # This node's own endpoint going: every flow through the node port to it, whoever sent it.
-    (own,) = stale_udp(before, built([("192.0.2.2", "n2"), ("192.0.2.3", "n2")]), "n1", short_circuit=pods)
-    assert own == Stale("192.0.2.1", 5353, "10.96.0.10", 53, 30053) and own.matches(*from_outside[:2], "192.0.2.1", 5353, local, "198.51.100.7")
-    assert stale_udp(before, before, "n1", short_circuit=pods) == []
+    a, b = Endpoint("10.244.1.2", 53, "n1"), Endpoint("10.244.2.2", 53, "n2")
+    sp = ServicePort("kube-system", "dns", "dns", "UDP", 53, "10.96.0.10", 30053, None, False, True, (a, b))
+    draining = replace(sp, endpoints=(replace(a, ready=False, serving=True, terminating=True), b))
+    assert [e.ip for e in draining.usable()] == ["10.244.2.2"]
+    assert stale_udp([sp], [draining]) == []
+    done = replace(sp, endpoints=(replace(a, ready=False, serving=False, terminating=True), b))
+    assert stale_udp([draining], [done]) == [Stale("10.244.1.2", 53, "10.96.0.10", 53, 30053)]
+    assert stale_udp([sp], [replace(sp, endpoints=(a,))]) == [Stale("10.244.2.2", 53, "10.96.0.10", 53, 30053)]
+    # Not serving before: it took no traffic, nothing to flush.
+    assert stale_udp([done], [replace(done, endpoints=(b,))]) == []
+    # A cluster IP this port no longer has here (taken by an older Service): its flows to
+    # every endpoint go, the node port's stay.
+    assert stale_udp([sp], [replace(sp, cluster_ip=None)]) == [
+        Stale("10.244.1.2", 53, "10.96.0.10", 53, None), Stale("10.244.2.2", 53, "10.96.0.10", 53, None)]
 
 
 @pytest.mark.parametrize("policy", ["externalTrafficPolicy", "internalTrafficPolicy"])

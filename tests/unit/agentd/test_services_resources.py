@@ -13,6 +13,7 @@ import yaml
 from agentd.datastore.records import ClusterConfig, RecordError
 from agentd.resources import allocation, ipfamilies, kinds, manifests, service
 from agentd.resources.validation import Invalid
+from agentd.services import dns, model
 
 SERVICE = """\
 apiVersion: v1
@@ -89,6 +90,27 @@ def test_service_defaults_as_the_api_server():
     # An IPv4 cluster's store gives every Service what it gave before dual-stack existed.
     ipfamilies.default(spec, None, ["IPv4"])
     assert (spec["ipFamilies"], spec["ipFamilyPolicy"]) == (["IPv4"], "SingleStack")
+
+
+def test_a_target_port_0_or_empty_is_the_port_headless_included():
+    """Kubernetes' SetDefaults_Service: targetPort 0 or "" is the port, before validation (a
+    normal Service's was refused, a headless one kept 0: endpoints on port 0, SRV port 0)."""
+    for target in (0, ""):
+        doc = f"apiVersion: v1\nkind: Service\nmetadata: {{name: a}}\nspec: {{ports: [{{port: 80, targetPort: {target!r}}}]}}\n"
+        assert one(doc)["spec"]["ports"][0]["targetPort"] == 80, target
+    headless = kinds.validate({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "db", "namespace": "shop"},
+                               "spec": {"clusterIP": "None", "selector": {"app": "db"},
+                                        "ports": [{"name": "pg", "port": 5432, "targetPort": 0}]}})  # fmt: skip
+    assert headless["spec"]["ports"][0]["targetPort"] == 5432
+    db = kinds.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "a", "namespace": "shop", "labels": {"app": "db"}},
+                         "spec": {"nodeName": "n1", "containers": []}, "status": {"podIP": "10.244.1.2"}})  # fmt: skip
+    (port,) = model.build([headless], [], [db])
+    assert [(e.ip, e.port) for e in port.endpoints] == [("10.244.1.2", 5432)]
+    assert dns.names([port], "cluster.local").srv["_pg._tcp.db.shop.svc.cluster.local."] == (
+        (5432, "10-244-1-2.db.shop.svc.cluster.local."),)
+    # false is no 0: refused as a number that is not one
+    with pytest.raises(manifests.ManifestError, match="targetPort: Invalid value: false: must be an integer"):
+        one("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {ports: [{port: 80, targetPort: false}]}\n")
 
 
 @pytest.mark.parametrize(

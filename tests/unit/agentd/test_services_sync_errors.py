@@ -133,10 +133,10 @@ async def test_a_service_that_cannot_be_compiled_is_left_out_of_a_table_built_ag
     agent = _agent()
     real = compiler.compile_port
 
-    def compile_port(sp, node):
+    def compile_port(sp, node, *more):
         if sp.service == "bad":
             raise ValueError("a bug")
-        return real(sp, node)
+        return real(sp, node, *more)
 
     monkeypatch.setattr(compiler, "compile_port", compile_port)
     task = asyncio.get_running_loop().create_task(agent._sync_loop())
