@@ -233,9 +233,10 @@ def target_port(value: Any, path: str) -> int | str:
         # which int() refuses, and "٣", which it reads as 3: names, refused as the API server
         # refuses them), and no int() of more than a port has (int() refuses over 4300 digits).
         if value.isascii() and value.isdigit():
-            if len(value.lstrip("0")) > 5:
+            digits = value.lstrip("0") or "0"  # int() counts leading zeros toward its limit too
+            if len(digits) > 5:
                 raise invalid(path, value, "must be between 1 and 65535, inclusive")
-            return port_number(int(value), path)
+            return port_number(int(digits), path)
         return iana_svc_name(value, path)
     return port_number(integer(value, path), path)
 

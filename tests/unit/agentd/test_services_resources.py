@@ -129,6 +129,9 @@ def test_a_target_port_0_or_empty_is_the_port_headless_included():
         ("spec.ports.0.targetPort", "\u0663", 'spec.ports[0].targetPort: Invalid value: "\u0663": must contain only'),
         pytest.param("spec.ports.0.targetPort", "9" * 5000, 'spec.ports[0].targetPort: Invalid value: "999',
                      id="targetPort-5000-digits"),
+        # leading zeros count toward int()'s limit too (review r9: this still reached it)
+        pytest.param("spec.ports.0.targetPort", "0" * 5000, "spec.ports[0].targetPort: Invalid value: 0: must be between",
+                     id="targetPort-5000-zeros"),
         ("spec.ports.0.targetPort", "123456", 'targetPort: Invalid value: "123456": must be between 1 and 65535'),
         ("spec.ports.0.protocol", "ICMP", 'spec.ports[0].protocol: Unsupported value: "ICMP"'),
         ("spec.ports.1.nodePort", 8080, "spec.ports[1].nodePort: Invalid value: 8080: provided port is not in the valid range"),
@@ -394,3 +397,10 @@ def test_the_ipv6_service_range_key_and_record():
     assert six.service_ranges() == {"IPv6": IPv6Network("fd00:10:96::/112")}
     with pytest.raises(RecordError, match="service_cidr_v6"):
         ClusterConfig.from_json(dual.to_json().replace(b"fd00:10:96::/112", b"10.96.0.0/12"))
+
+
+def test_a_target_port_of_digits_behind_thousands_of_zeros_is_that_port():
+    # int() counts leading zeros toward its 4300-digit limit (review r9: a traceback in apply)
+    from agentd.resources.service import target_port
+
+    assert target_port("0" * 4998 + "80", "spec.ports[0].targetPort") == 80
