@@ -19,6 +19,7 @@ from agentd.kernel.route_model import (
     BESIDE,
     DELETE,
     REQUEST_FLAGS,
+    RTM_F_CLONED,
     RTPROT_AGENTD,
     Route,
     stray_of,
@@ -290,6 +291,11 @@ def test_a_route_to_go_beside_ours_at_an_ipv6_key_another_daemon_holds_is_a_conf
     assert conflicts([gateway, blackhole], multipath_message(V6, bird, [HOP3], priority=100),
                      multipath_message(V6, bird, [HOP3])._replace(table=100),
                      multipath_message(V6, RTPROT_AGENTD, [HOP3]), v6(blackhole, RTPROT_AGENTD)) == []
+    # Nor another key of the same destination and metric: another TOS, a source prefix (a
+    # source-specific route), a cached clone (review r12's surviving mutants).
+    assert conflicts([gateway, blackhole], v6(Route(V6, gateway=HOP3), bird, tos=0x10),
+                     v6(Route(V6, gateway=HOP3), bird, src_len=48, src=bytes(16)),
+                     v6(Route(V6, gateway=HOP3), bird, flags=RTM_F_CLONED)) == []
 
 
 # --- the pure side of the netlink I/O --------------------------------------------------------
