@@ -511,7 +511,9 @@ class BfdService:
         try:
             scope = peer.split("%", 1)[1] if "%" in peer else ""
             if scope:
-                nb.ifindex = int(scope) if scope.isdigit() else socket.if_nametoindex(scope)
+                # ASCII digits: "²" is a name (if_nametoindex's OSError), not int()'s ValueError
+                numeric = scope.isascii() and scope.isdigit() and len(scope) <= 10
+                nb.ifindex = int(scope) if numeric else socket.if_nametoindex(scope)
             else:
                 nb.ifindex = self.route(nb.address)
         except OSError as err:

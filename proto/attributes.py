@@ -244,7 +244,9 @@ def community_from_str(text: str) -> int:
     if text in _COMMUNITY_VALUES:
         return _COMMUNITY_VALUES[text]
     high, sep, low = text.partition(":")
-    if sep and high.isdigit() and low.isdigit() and int(high) <= 0xFFFF and int(low) <= 0xFFFF:
+    # ASCII digits ("٣" is no 3), not so many that int() refuses them
+    if sep and all(p.isascii() and p.isdigit() and len(p) <= 5 for p in (high, low)) \
+            and int(high) <= 0xFFFF and int(low) <= 0xFFFF:
         return (int(high) << 16) | int(low)
     raise ValueError(f"invalid community {text!r}: expected ASN:VALUE with both parts 0..65535")
 

@@ -22,6 +22,7 @@ from bgp import Speaker
 from agentd.daemon import auth
 from agentd.daemon import observe_api
 from agentd.daemon.bgp_json import RibQuery
+from agentd.digits import ascii_digits, whole_number
 
 log = logging.getLogger("agentd.api")
 
@@ -256,12 +257,12 @@ class _Runner(web.AppRunner):
 def _count(value: str, name: str, most: int) -> int:
     """A query parameter that is a whole number 1..``most``; ValueError naming it otherwise
     (Python's own int() message names no parameter, and 5000 digits meet its digit limit)."""
-    if not (value.isascii() and value.isdigit()) or len(value) > 12:
+    number = whole_number(value, 12)
+    if number is None:
         shown = value if len(value) <= 20 else value[:20] + "..."
-        if value.isascii() and value.isdigit():
+        if ascii_digits(value):  # too many of them
             raise ValueError(f"{name}: {shown} is out of range 1..{most}")
         raise ValueError(f"{name}: {shown!r} is not a whole number")
-    number = int(value)
     if not 1 <= number <= most:
         raise ValueError(f"{name}: {number} is out of range 1..{most}")
     return number

@@ -53,6 +53,7 @@ from agentd.daemon.cluster import (
     NodeAnswered,
     UnmarkedStream,
 )
+from agentd.digits import whole_number
 from agentd.flows.model import FilterError, FlowFilter
 from agentd.flows.ring import MAX_FOLLOWERS, Follower, LastSearch, TooManyFollowers
 from agentd.flows.views import FlowViews
@@ -557,8 +558,7 @@ def _since(value: str) -> float:
 
 def _after(value: str) -> str:
     ring, colon, seq = value.partition(":")
-    # ASCII digits, no more than a 64-bit number has (int() refuses over 4300 digits)
-    if not (ring and colon and seq.isascii() and seq.isdigit() and len(seq) <= 20):
+    if not (ring and colon and whole_number(seq, 20) is not None):  # no more than a 64-bit number has
         raise FilterError(f"after: {value!r} is not a cursor (ID:SEQ, as a followed answer's {RING} header)")
     return value
 

@@ -28,6 +28,7 @@ from proto.nlri import prefix_to_str
 
 from agentd.cni.netconf import atomic_write
 from agentd.config.settings import Config
+from agentd.digits import whole_number
 from agentd.daemon.mesh import Peering
 from agentd.dataplane.backends import Tunnels
 from agentd.datastore.store import ClusterConfig, SubnetLease
@@ -77,8 +78,9 @@ async def drop_previous_protocol(
         log.warning("cannot read %s (%s): routes of an earlier route_protocol are not looked for", path, err)
         text = None
     if text is not None:
-        if text.isascii() and text.isdigit() and len(text) <= 3 and 5 <= int(text) <= 255:  # not "²", nor 5000 digits
-            previous = int(text)
+        number = whole_number(text, 3)
+        if number is not None and 5 <= number <= 255:
+            previous = number
         else:
             log.warning("%s holds %r, not a route protocol: ignored", path, text[:40])
     if missing and protocol != RTPROT_AGENTD:

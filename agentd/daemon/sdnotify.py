@@ -14,6 +14,8 @@ import logging
 import os
 import socket
 
+from agentd.digits import whole_number
+
 log = logging.getLogger("agentd.sdnotify")
 
 
@@ -27,10 +29,9 @@ class Notifier:
         usec = env.get("WATCHDOG_USEC")
         pid = env.get("WATCHDOG_PID")
         self.watchdog_interval: float | None = None
-        # ASCII digits, a 64-bit number's at most: int() refuses "²" and over 4300 digits
-        if (usec and usec.isascii() and usec.isdigit() and len(usec) <= 20 and int(usec) > 0
-                and (not pid or pid == str(os.getpid()))):
-            self.watchdog_interval = int(usec) / 1e6 / 2  # sd_watchdog_enabled(3): ping at half the timeout
+        timeout = whole_number(usec or "", 20)  # a 64-bit number's digits at most
+        if timeout and (not pid or pid == str(os.getpid())):
+            self.watchdog_interval = timeout / 1e6 / 2  # sd_watchdog_enabled(3): ping at half the timeout
         self._sock: socket.socket | None = None
 
     @property

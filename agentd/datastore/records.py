@@ -26,6 +26,8 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_add
 from typing import Any, Literal, Self
 
 from agentd.backend_table import NAMES as BACKENDS
+from agentd.digits import whole_number
+
 ENCAPS = ("always", "cross-subnet")
 # A pod subnet needs room for the bridge gateway and at least one pod: /30 is the
 # smallest that has two usable addresses.
@@ -522,11 +524,11 @@ def parse_subnet_key(prefix: str, key: bytes | str) -> IPv4Network | IPv6Network
     if not text.startswith(head):
         raise RecordError(f"subnet key {_q(text)} is not under {head!r}")
     ip, sep, length = text[len(head) :].rpartition("-")
-    # ASCII digits, as in the address (int() reads "٣" as 3, refuses "²" and over 4300 digits)
-    if not sep or not (length.isascii() and length.isdigit()) or len(length) > 10:
+    bits = whole_number(length, 10) if sep else None
+    if bits is None:
         raise RecordError(f"subnet key {_q(text)} is not of the form <ip>-<len>")
     try:
-        subnet = ip_network(f"{ip}/{int(length)}")
+        subnet = ip_network(f"{ip}/{bits}")
     except ValueError as e:
         raise RecordError(f"subnet key {_q(text)} does not name a subnet ({_why(e, f'{ip}/{length}')})") from None
     canonical = subnet_key(prefix, subnet).decode()

@@ -402,17 +402,9 @@ class IngressController:
         self.settings_error = None
         return parsed
 
-    def _want_servers(self) -> dict[str, set[Server]]:
-        """The ready endpoints of every backend of the table (none: it answers 503), in one go."""
-        steps = servers_in_steps(self.table.backends, self.objects)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-
     async def _want_servers_in_steps(self, backends: Mapping[str, routing.Backend]) -> dict[str, set[Server]]:
-        """As :meth:`_want_servers`, of ``backends``, the event loop given back between steps."""
+        """The ready endpoints of every backend of ``backends`` (none: it answers 503), the
+        event loop given back between steps."""
         steps = servers_in_steps(backends, self.objects)
         while True:
             try:

@@ -119,6 +119,12 @@ def route_key(route: Route) -> tuple[int, bytes, int, int]:
     return (stray.family, stray.dst, stray.dst_len, kernel_metric(route))
 
 
+def message_key(msg: nl.RouteMessage) -> tuple[int, bytes, int, int]:
+    """The key the kernel files a dumped route under: ``route_key``'s, of a message (of a
+    family in ZERO_ADDRESS)."""
+    return (msg.family, msg.dst or ZERO_ADDRESS[msg.family], msg.dst_len, msg.priority or 0)
+
+
 class Existing(NamedTuple):
     """``classify_existing``'s verdict on the adds that met EEXIST."""
 
@@ -146,8 +152,7 @@ def classify_existing(
     for msg in messages:
         if msg.table != table or msg.tos or msg.flags & RTM_F_CLONED or msg.family not in ZERO_ADDRESS:
             continue
-        key = (msg.family, msg.dst or ZERO_ADDRESS[msg.family], msg.dst_len, msg.priority or 0)
-        route = wanted.get(key)
+        route = wanted.get(message_key(msg))
         if route is None or msg.protocol != protocol and route in holders:
             continue
         held = holders.get(route)
@@ -194,7 +199,7 @@ def others_at_keys(routes: list[Route], messages: Iterable[nl.RouteMessage], *, 
         if (msg.protocol == protocol or msg.table != table or msg.tos or msg.src_len or msg.flags & RTM_F_CLONED
                 or msg.family not in ZERO_ADDRESS):
             continue
-        route = wanted.get((msg.family, msg.dst or ZERO_ADDRESS[msg.family], msg.dst_len, msg.priority or 0))
+        route = wanted.get(message_key(msg))
         if route is None:
             continue
         name = PROTOCOL_NAMES.get(msg.protocol, str(msg.protocol))

@@ -15,6 +15,7 @@ import os
 import socket
 from collections.abc import Callable
 
+from agentd.digits import whole_number
 from agentd.kernel import netlink as nl
 from agentd.kernel.netlink_socket import NetlinkSocket
 from agentd.kernel.netns import entered, netns_path
@@ -484,9 +485,9 @@ class RouteNetlink:
             oif = 0
             if dev is not None:
                 oif = self.ifindex.get(dev, 0)
-                # ASCII digits: a link named "if#٣" (gone now) is no index 3, "if#²" none at all
-                if not oif and dev.startswith("if#") and dev[3:].isascii() and dev[3:].isdigit():
-                    oif = int(dev[3:])
+                # a link named "if#٣" (gone now) is no index 3, "if#²" none at all
+                if not oif and dev.startswith("if#"):
+                    oif = whole_number(dev[3:], 10) or 0
             # A source-specific route is deleted by its source prefix too: without it the
             # kernel would delete our route for (dst, metric) with no source prefix.  Without
             # the device's index the gateway alone names the next hop (unless link-local).

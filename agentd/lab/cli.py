@@ -9,6 +9,7 @@ import sys
 from agentd.backend_table import NAMES
 from agentd.cli import Command, seconds_arg
 from agentd.config.settings import DATAPATH_CHOICES
+from agentd.digits import whole_number
 
 NAME_RE = re.compile(r"[a-z0-9]{1,12}")  # fullmatch: "$" matches before a final newline
 MAX_NODES = 200  # agentd.lab.lab.MAX_NODES: node I is 172.30.s.(10+I), pod subnets are /24s of a /16
@@ -130,19 +131,20 @@ def _named_port(text: str) -> dict:
     name, eq, rest = text.partition("=")
     number, _, proto = rest.partition("/")
     try:
-        if not eq or not (number.isascii() and number.isdigit() and len(number) <= 5):  # "٣" is no 3
+        port = whole_number(number, 5) if eq else None
+        if port is None:
             raise Invalid("", "expected NAME=PORT[/PROTO], e.g. http=80/TCP")
-        return container_port({"name": name, "containerPort": int(number), "protocol": proto.upper() or "TCP"}, "port", set())
+        return container_port({"name": name, "containerPort": port, "protocol": proto.upper() or "TCP"}, "port", set())
     except Invalid as err:
         raise argparse.ArgumentTypeError(f"port {text!r}: {err}") from None
 
 
 def _host_port(text: str) -> tuple[str, int]:
     name, eq, number = text.partition("=")
-    digits = number.isascii() and number.isdigit() and len(number) <= 5  # not "٣" (int() reads 3), nor 5000 digits
-    if not eq or not name or not digits or not 1 <= int(number) <= 65535:
+    port = whole_number(number, 5)
+    if not eq or not name or port is None or not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"host port {text!r}: expected NAME=HOSTPORT (1-65535), e.g. http=8080")
-    return name, int(number)
+    return name, port
 
 
 def lab_command(args: argparse.Namespace) -> int:

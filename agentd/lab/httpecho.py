@@ -18,6 +18,8 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
+from agentd.digits import whole_number
+
 BYTES_MAX = 64 << 20  # the largest /bytes/N answered so; a larger N is echoed as any other path
 
 
@@ -33,9 +35,10 @@ def _app(name: str) -> web.Application:
                     await ws.send_str(f"{name}: {msg.data}")
             return ws
         size = request.path[7:] if request.path.startswith("/bytes/") else ""
-        # ASCII digits, at most BYTES_MAX: "²" was a 500 (int() refuses it), 10**12 a MemoryError
-        if size.isascii() and size.isdigit() and len(size) <= len(str(BYTES_MAX)) and int(size) <= BYTES_MAX:
-            return web.Response(body=b"x" * int(size), headers=headers, content_type="text/plain")
+        # at most BYTES_MAX: "²" was a 500 (int() refuses it), 10**12 a MemoryError
+        count = whole_number(size, len(str(BYTES_MAX)))
+        if count is not None and count <= BYTES_MAX:
+            return web.Response(body=b"x" * count, headers=headers, content_type="text/plain")
         await request.read()
         body = {"pod": name, "method": request.method, "path": request.path_qs, "host": request.headers.get("Host"),
                 "proto": f"HTTP/{request.version.major}.{request.version.minor}", "headers": dict(request.headers)}  # fmt: skip

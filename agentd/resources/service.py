@@ -21,6 +21,8 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from agentd.digits import ascii_digits, whole_number
+
 from . import ipfamilies
 from .validation import (
     Invalid,
@@ -229,14 +231,13 @@ def _ports(raw: list[Any], kind: str) -> list[dict[str, Any]]:
 
 def target_port(value: Any, path: str) -> int | str:
     if isinstance(value, str):
-        # An IntOrString written as a string of digits: ASCII ones (str.isdigit() also takes "²",
-        # which int() refuses, and "٣", which it reads as 3: names, refused as the API server
-        # refuses them), and no int() of more than a port has (int() refuses over 4300 digits).
-        if value.isascii() and value.isdigit():
-            digits = value.lstrip("0") or "0"  # int() counts leading zeros toward its limit too
-            if len(digits) > 5:
+        # An IntOrString written as a string of ASCII digits, however many zeros lead ("²" and
+        # "٣" are names, refused as the API server refuses them).
+        if ascii_digits(value):
+            number = whole_number(value, 5, zeros=True)
+            if number is None:
                 raise invalid(path, value, "must be between 1 and 65535, inclusive")
-            return port_number(int(digits), path)
+            return port_number(number, path)
         return iana_svc_name(value, path)
     return port_number(integer(value, path), path)
 

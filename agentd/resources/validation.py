@@ -22,6 +22,8 @@ import json
 import re
 from typing import Any
 
+from agentd.digits import ascii_digits, whole_number
+
 DNS1123_LABEL_MAX = 63
 DNS1123_SUBDOMAIN_MAX = 253
 QUALIFIED_NAME_MAX = 63
@@ -319,7 +321,7 @@ def cidr(value: Any, path: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network
     if "/" not in text or "%" in text:
         raise invalid(path, text, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)")
     address, _, length = text.partition("/")
-    if not (length.isascii() and length.isdigit()):
+    if not ascii_digits(length):
         # a prefix length only: ip_network would take a netmask (10.0.0.0/255.0.0.0) or a
         # hostmask (10.0.0.0/0.0.0.255, read as /24), which the API server refuses
         raise invalid(path, text, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)")
@@ -327,10 +329,9 @@ def cidr(value: Any, path: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network
         if ":" not in address and address.count(".") == 3:
             # IPv4 octets with leading zeros, which ParseCIDRSloppy reads as decimal (010 is 10)
             # and Python refuses: the API server takes "010.0.0.0/8" (strict validation off).
-            # In the try: int() refuses an octet of over 4300 digits.
-            octets = address.split(".")
-            if all(o.isascii() and o.isdigit() for o in octets):
-                text = ".".join(str(int(o)) for o in octets) + "/" + length
+            octets = [whole_number(o, 10) for o in address.split(".")]  # (more digits: invalid)
+            if None not in octets:
+                text = ".".join(map(str, octets)) + "/" + length
         return ipaddress.ip_network(text, strict=False)
     except ValueError:
         raise invalid(path, value, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)") from None

@@ -53,6 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentd.digits import whole_number
 from agentd.kernel import netlink_tc as tcm
 from agentd.kernel.netlink import NetlinkError
 from agentd.kernel.rtnl import Rtnl
@@ -118,8 +119,9 @@ class Pins:
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             for path in (self.dir / LINKS).iterdir():
                 name, _, ifindex = path.name.rpartition("-")
-                if name in PROGRAMS and ifindex.isascii() and ifindex.isdigit():  # not "²" (int() refuses it)
-                    out[path] = (name, int(ifindex))
+                index = whole_number(ifindex, 10)
+                if name in PROGRAMS and index is not None:
+                    out[path] = (name, index)
         return out
 
 

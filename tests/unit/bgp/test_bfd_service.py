@@ -471,3 +471,22 @@ def test_sessions_send_with_ttl_255_from_a_source_port_in_49152_to_65535():
             await bfd.stop()
 
     asyncio.run(run())
+
+
+def test_an_interface_scope_of_other_digits_is_a_name_not_an_index_nor_a_traceback(caplog):
+    # "fe80::7%²": str.isdigit() took "²" and int() refused it (a ValueError out of add(), the
+    # except caught OSError only); "%٣" was read as interface 3.  Both are names: no such link,
+    # so unbound with the one warning.  "%5" is interface 5.
+    from types import SimpleNamespace
+
+    from bgp.bfd_transport import ANY_INTERFACE
+
+    bfd = BfdService(port=0, clock=Clock(), on_change=lambda peer, change: None, route=lambda peer: ETH0)
+    nb = SimpleNamespace(ifindex=None, ifindex_at=None, written=None, address="fe80::7")
+    for scope in ("²", "٣", "9" * 5000):
+        bfd._bind_interface(nb, f"fe80::7%{scope}")
+        assert nb.ifindex == ANY_INTERFACE, scope
+    bfd._bind_interface(nb, "fe80::7%5")
+    assert nb.ifindex == 5
+    bfd._bind_interface(nb, "fe80::7")
+    assert nb.ifindex == ETH0

@@ -206,7 +206,8 @@ def test_community_text() -> None:
     assert community_from_str("no-export") == NO_EXPORT
     assert str(Communities((0xFDE80064, NO_EXPORT))) == "65000:100 65535:65281"
     assert str(LargeCommunities(((1, 2, 3),))) == "1:2:3"
-    for bad in ("65536:1", "1:", "x:y", "1:2:3"):
+    # "٣" is no 3 and "²" no digit to int(); 5000 digits are more than int() reads
+    for bad in ("65536:1", "1:", "x:y", "1:2:3", "٣:1", "1:٣", "²:1", "1:" + "9" * 5000, "0" * 5000 + "1:1"):
         with pytest.raises(ValueError, match="invalid community"):
             community_from_str(bad)
 
