@@ -103,6 +103,10 @@ NAMES_MAX = 65536  # addresses whose identity is remembered between changes of t
 HISTORY_MAX = 65536  # addresses
 HISTORY_PER_ADDRESS = 4  # changes of one address (the oldest forgotten first)
 HISTORY_AGE_NS = 900 * 10**9  # a change is forgotten 15 minutes after it
+# Events waiting in the ring that a change of the Services settles (:meth:`FlowRecorder._settle_step`)
+# between two turns of the event loop: some milliseconds (a settle is a few microseconds), as
+# flows.views' SEARCH_STEP, so BGP, etcd and other requests wait no longer.
+SETTLE_STEP = 2048
 SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this often
 SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
 CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
@@ -554,6 +558,12 @@ class FlowRecorder:
         self._services_then: Callable[[str, int, int], str | None] | None = None
         self._unsettled: deque[list[Entry]] = deque()
         self._unsettled_count = 0
+        # Reads of snapshots before it, waiting to be settled SETTLE_STEP events at a time
+        # (:meth:`_settle_step`): oldest first, the first from ``_settling_from`` on.
+        self._settling: deque[list[Entry]] = deque()
+        self._settling_count = 0
+        self._settling_from = 0
+        self._settle_due = False  # a step is asked of the loop
         self._timeouts_then: dict[str, int] | None = None
         # Addresses (packed: 4 or 16 bytes) that became someone else's or nobody's while
         # recording: [(when, CLOCK_TAI ns; whom it named until then)], oldest first -- an end
@@ -1233,6 +1243,8 @@ class FlowRecorder:
         if services is not self._services_then:  # the Services synced: the waiting let go of the old ones
             self._settle_services()
             self._services_then = services
+        elif self._settling:
+            self._settle_step()
         timeouts = self.ct_timeouts() if self.ct_timeouts is not None else None
         if timeouts is not None:  # one dict while they stay the same, however often read
             if timeouts == self._timeouts_then:
@@ -1305,13 +1317,45 @@ class FlowRecorder:
         """The Services synced (a new snapshot, :meth:`Directory.service_names`): each event
         still waiting in the ring unread names its Service as the snapshot it holds does, and
         holds that name (or None) instead -- a snapshot (a dict of every Service port) is kept
-        alive only while it is the current one, not by every event read under it."""
-        for entries in self._unsettled:
-            for entry in entries:
-                if type(entry) is PendingConnection:
-                    entry.settle()
-        self._unsettled.clear()
+        alive only while it is the current one (and settling), not by every event read under
+        it.  Up to the ring's size of them (a million): ``SETTLE_STEP`` now, the rest a step
+        at each turn of the loop (:meth:`_settle_step`); one read meanwhile makes its record
+        as the snapshot it holds names it, as settled."""
+        reads = self._settling
+        reads.extend(self._unsettled)
+        self._settling_count += self._unsettled_count
+        self._unsettled = deque()
         self._unsettled_count = 0
+        while reads and self._settling_count - len(reads[0]) >= self.ring.size:  # those out of the ring: none to settle
+            self._settling_count -= len(reads.popleft())
+            self._settling_from = 0
+        self._settle_step()
+
+    def _settle_step(self) -> None:
+        """``SETTLE_STEP`` of the events waiting to be settled, oldest first; a next step asked
+        of the loop while some are left (where there is none, the next read takes it)."""
+        reads, budget, pending = self._settling, SETTLE_STEP, PendingConnection
+        while reads and budget > 0:
+            entries, first = reads[0], self._settling_from
+            last = min(len(entries), first + budget)
+            for i in range(first, last):
+                entry = entries[i]
+                if type(entry) is pending:
+                    entry.settle()  # type: ignore[union-attr]
+            budget -= last - first
+            if last < len(entries):
+                self._settling_from = last
+            else:
+                reads.popleft()
+                self._settling_count -= len(entries)
+                self._settling_from = 0
+        if reads and not self._settle_due and self._loop is not None:
+            self._settle_due = True
+            self._loop.call_soon(self._settle_next)
+
+    def _settle_next(self) -> None:
+        self._settle_due = False
+        self._settle_step()
 
     def _on_conntrack_datagram(self, data: bytes, now: float) -> None:
         """One datagram of conntrack events, whatever its layout."""

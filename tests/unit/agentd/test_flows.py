@@ -59,13 +59,13 @@ def _counters(kind: int, packets: int, nbytes: int) -> bytes:
                      nl.attr(ct.CTA_COUNTERS_BYTES, struct.pack("!Q", nbytes)))
 
 
-def destroy_event(status: int = 0) -> bytes:
+def destroy_event(status: int = 0, start_ns: int = 1_000_000_000_000) -> bytes:
     body = (_tuple(ct.CTA_TUPLE_ORIG, "10.244.1.2", "10.96.0.10", 6, 40000, 80)
             + _tuple(ct.CTA_TUPLE_REPLY, "10.244.2.3", "10.244.1.2", 6, 8080, 40000)
             + nl.attr(ct.CTA_STATUS, struct.pack("!I", status)) + nl.attr(ct.CTA_ID, struct.pack("!I", 7))
             + _counters(ct.CTA_COUNTERS_ORIG, 5, 400) + _counters(ct.CTA_COUNTERS_REPLY, 4, 900)
-            + nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", 1_000_000_000_000)),
-                        nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", 1_000_250_000_000))))
+            + nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", start_ns)),
+                        nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", start_ns + 250_000_000))))
     return nl.encode_nfgen(ct.MSG_DELETE, 0, 0, socket.AF_INET, body)
 
 
@@ -312,6 +312,48 @@ def test_a_record_read_later_names_the_service_of_when_the_event_came():
     assert flow.service == "shop/web"
     r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT)], 1001.0)
     assert list(r.ring)[-1].service == "shop/other"
+
+
+def test_a_change_of_the_services_settles_the_waiting_events_a_step_at_a_time(monkeypatch):
+    """A Services change with the ring full of events read under the snapshot before: each
+    read, and each turn of the loop, settles SETTLE_STEP of them, oldest first -- not all of
+    them (up to a million: seconds) in one go on the event loop; each keeps the Service of
+    when it came, and the new read's events the new snapshot."""
+    from agentd.flows import recorder as rec_mod
+
+    monkeypatch.setattr(rec_mod, "SETTLE_STEP", 100)
+    d = Directory()
+    snapshot = [d.service_names()]
+    d.service_names = lambda: snapshot[0]  # the same until the Services change, as FlowDirectory's
+    r = FlowRecorder("node2", d, "/nonexistent", group=143, ring_size=1000, clock=lambda: 1000.0)
+    settled: list[object] = []
+    settle = rec_mod.PendingConnection.settle
+    monkeypatch.setattr(rec_mod.PendingConnection, "settle", lambda self: (settled.append(self), settle(self))[1])
+    for _ in range(5):  # 1250 events: the first 250 left the ring (nothing to settle there)
+        r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT)] * 250, 1000.0)
+    assert not settled
+
+    class Loop:
+        def __init__(self) -> None:
+            self.soon: list[object] = []
+
+        def call_soon(self, callback):
+            self.soon.append(callback)
+
+    r._loop = loop = Loop()  # type: ignore[assignment]
+    d.vips = {("10.96.0.10", 6, 80): "shop/other"}
+    snapshot[0] = Directory.service_names(d)
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT, start_ns=1_000_500_000_000)], 1000.5)
+    assert len(settled) == 100 and len(loop.soon) == 1  # a step now, the next asked of the loop
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT, start_ns=1_000_600_000_000)], 1000.6)
+    assert len(settled) == 200 and len(loop.soon) == 1  # a read takes a step too, asking the loop once
+    while loop.soon:
+        loop.soon.pop(0)()  # type: ignore[operator]
+    assert len(settled) == 1000 and len({id(e) for e in settled}) == 1000
+    assert [e.seq for e in settled] == list(range(251, 1251))  # oldest first, those in the ring
+    flows = list(r.ring)
+    assert {f.service for f in flows[:-2]} == {"shop/web"}
+    assert [f.service for f in flows[-2:]] == ["shop/other", "shop/other"]  # started after the change
 
 
 def test_nodes_own_connections_are_not_recorded():
