@@ -107,6 +107,9 @@ HISTORY_AGE_NS = 900 * 10**9  # a change is forgotten 15 minutes after it
 # between two turns of the event loop: some milliseconds (a settle is a few microseconds), as
 # flows.views' SEARCH_STEP, so BGP, etcd and other requests wait no longer.
 SETTLE_STEP = 2048
+# The Services before they changed, each with when it was last seen current: an end names the
+# Service of its connection's start, as its ``new`` did (:meth:`FlowRecorder._services_at`).
+SERVICES_HISTORY = 4  # snapshots (the oldest forgotten first; and HISTORY_AGE_NS after they were)
 SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this often
 SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
 CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
@@ -564,6 +567,12 @@ class FlowRecorder:
         self._settling_count = 0
         self._settling_from = 0
         self._settle_due = False  # a step is asked of the loop
+        # The snapshots before the current one, oldest first, each with the last read under it
+        # (CLOCK_REALTIME ns): a connection that started by then was named by it when it came,
+        # and its end is named alike (:meth:`_services_at`); when conntrack was last read (s).
+        self._services_past: deque[tuple[int, Callable[[str, int, int], str | None]]] = deque()
+        self._services_forgot = 0  # the last read under a snapshot forgotten since (ns): what started by then is named as read
+        self._ct_read_at: float | None = None
         self._timeouts_then: dict[str, int] | None = None
         # Addresses (packed: 4 or 16 bytes) that became someone else's or nobody's while
         # recording: [(when, CLOCK_TAI ns; whom it named until then)], oldest first -- an end
@@ -1240,11 +1249,19 @@ class FlowRecorder:
         entries: list[Entry] = []
         carried = self._carried
         services = self.directory.service_names()
+        past = self._services_past
         if services is not self._services_then:  # the Services synced: the waiting let go of the old ones
+            if self._services_then is not None and self._ct_read_at is not None:
+                past.append((int(self._ct_read_at * 1e9), self._services_then))
+                if len(past) > SERVICES_HISTORY:
+                    self._services_forgot = past.popleft()[0]
             self._settle_services()
             self._services_then = services
         elif self._settling:
             self._settle_step()
+        self._ct_read_at = now
+        while past and now * 1e9 - past[0][0] > HISTORY_AGE_NS:
+            self._services_forgot = past.popleft()[0]
         timeouts = self.ct_timeouts() if self.ct_timeouts is not None else None
         if timeouts is not None:  # one dict while they stay the same, however often read
             if timeouts == self._timeouts_then:
@@ -1259,13 +1276,44 @@ class FlowRecorder:
                     entries = []
                 self._on_conntrack_long(item)
                 continue
-            if history and item[1] == delete:  # type: ignore[index]
-                item = self._ct_named_then(item)  # type: ignore[arg-type]
+            named_by = services
+            if item[1] == delete:  # type: ignore[index]
+                if history:
+                    item = self._ct_named_then(item)  # type: ignore[arg-type]
+                if past:
+                    named_by = self._services_of(item, services)  # type: ignore[arg-type]
             carry = item[5]  # type: ignore[index]
             entries.append(PendingConnection(self, item, carried(*carry) if carry else None, now,  # type: ignore[arg-type]
-                                             services, timeouts))
+                                             named_by, timeouts))
         if entries:
             self._extend(entries)
+
+    def _services_of(self, item: Event,
+                     services: Callable[[str, int, int], str | None]) -> Callable[[str, int, int], str | None]:
+        """The Services a DESTROY read at fixed offsets (:meth:`_decode`) is named by: as they
+        were when its entry was made (CTA_TIMESTAMP_START, :meth:`_services_at`), else
+        ``services`` (now; an entry made before timestamps were on too)."""
+        carry = item[5]
+        if carry is not None:
+            start = carry[2]
+        else:
+            try:
+                start = ct.lifetime(item[0], nl.NLMSG_HDRLEN, len(item[0]))[0]
+            except nl.NetlinkDecodeError:
+                return services
+        return self._services_at(start) or services
+
+    def _services_at(self, start: int) -> Callable[[str, int, int], str | None] | None:
+        """The Services as they were when a connection started at ``start`` (CLOCK_REALTIME
+        ns; 0: not known) if they changed since: the first snapshot before the current one
+        last seen current then or after -- its ``new`` record, read by then, was named by it --
+        else None (as now; a start before what is kept too: not known)."""
+        if not start or start <= self._services_forgot:
+            return None
+        for until, names in self._services_past:
+            if start <= until:
+                return names
+        return None
 
     def _ct_named_then(self, item: Event) -> Event:
         """A DESTROY read at fixed offsets (:meth:`_decode`), its ends named as they were when
@@ -1317,7 +1365,8 @@ class FlowRecorder:
         """The Services synced (a new snapshot, :meth:`Directory.service_names`): each event
         still waiting in the ring unread names its Service as the snapshot it holds does, and
         holds that name (or None) instead -- a snapshot (a dict of every Service port) is kept
-        alive only while it is the current one (and settling), not by every event read under
+        alive only while it is the current one (and settling; and for ends, one of the
+        ``SERVICES_HISTORY`` before it: :meth:`_services_at`), not by every event read under
         it.  Up to the ring's size of them (a million): ``SETTLE_STEP`` now, the rest a step
         at each turn of the loop (:meth:`_settle_step`); one read meanwhile makes its record
         as the snapshot it holds names it, as settled."""
@@ -1523,7 +1572,8 @@ class FlowRecorder:
         if event is not None:
             self.events += 1
             names = self._ct_names(event)
-            flow = self.connection(event, names=names, carried=self._carried_of(event, names))
+            services = self._services_at(event.start_ns) if event.destroyed and self._services_past else None
+            flow = self.connection(event, names=names, carried=self._carried_of(event, names), services=services)
             if flow is not None:
                 flow.received = self.clock()  # when taken in: what ``since`` orders the ring by
                 self.ring.add(flow)

@@ -24,6 +24,7 @@ from agentd.flows.recorder import (
     CONN_RESET_LO,
     CONN_VALUE,
     HELD_RECHECK_NS,
+    HISTORY_AGE_NS,
     REC_FIN,
     REC_GONE,
     REC_REUSED,
@@ -310,8 +311,59 @@ def test_a_record_read_later_names_the_service_of_when_the_event_came():
     r.directory.vips = {("10.96.0.10", 6, 80): "shop/other"}  # the Service deleted, its address reused
     (flow,) = list(r.ring)
     assert flow.service == "shop/web"
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT, start_ns=1_000_500_000_000)], 1001.0)
+    assert list(r.ring)[-1].service == "shop/other"  # a connection made after the change
+
+
+def _new_event(status: int) -> bytes:
+    """destroy_event's connection confirmed (NEW: no counters, no stamps)."""
+    body = (_tuple(ct.CTA_TUPLE_ORIG, "10.244.1.2", "10.96.0.10", 6, 40000, 80)
+            + _tuple(ct.CTA_TUPLE_REPLY, "10.244.2.3", "10.244.1.2", 6, 8080, 40000)
+            + nl.attr(ct.CTA_STATUS, struct.pack("!I", status)) + nl.attr(ct.CTA_ID, struct.pack("!I", 7)))
+    return nl.encode_nfgen(ct.MSG_NEW, 0x400, 0, socket.AF_INET, body)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_an_end_names_the_service_of_when_its_connection_started(fast):
+    """A connection outlives its Service (deleted; or deleted and its cluster IP given to
+    another): its end names the Service its ``new`` named -- the Services as they were when it
+    started (CTA_TIMESTAMP_START), not when its DESTROY is read.  One that started after the
+    change is named as the Services are then; where no Service is known of a translated
+    connection, its record keeps the address and port the client used (service name null),
+    and the port and service filters agree with what it shows.  Also read the long way."""
+    r = recorder()
+    r.fast = fast and r.fast
+    r._on_conntrack_datagrams([_new_event(ct.IPS_DST_NAT | ct.IPS_CONFIRMED)], 1000.0)  # started by then
+    r.directory.vips = {}  # the Service deleted: established TCP goes on to its endpoint
     r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT)], 1001.0)
+    r.directory.vips = {("10.96.0.10", 6, 80): "shop/other"}  # its address reused
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT)], 1002.0)
+    msg = destroy_event(ct.IPS_DST_NAT)
+    for mtype, _f, _s, _p, start, end in nl.iter_messages(msg):  # the long way (IPv6, laid out otherwise)
+        r._on_conntrack(mtype, msg, start, end)
+    new, *ends = list(r.ring)
+    assert new.event == "new" and new.service == "shop/web"
+    assert [(f.event, f.service) for f in ends] == [("end", "shop/web")] * 3
+    for f in ends:
+        assert f.json()["service"] == {"name": "shop/web", "ip": "10.96.0.10", "port": 80}
+        assert FlowFilter.parse([("service", "shop/web")]).matches(f)
+    # Started after the Service was deleted (between the reads at 1000 and 1001): named as then.
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT, start_ns=1_000_500_000_000)], 1003.0)
+    gone = list(r.ring)[-1]
+    assert gone.service is None
+    assert gone.json()["service"] == {"name": None, "ip": "10.96.0.10", "port": 80}
+    assert gone.json()["dst"]["ip"] == "10.244.2.3"
+    for key, value, matches in (("ip", "10.96.0.10", True), ("port", "80", True), ("port", "8080", True),
+                                ("port", "81", False), ("service", "shop/web", False)):
+        assert FlowFilter.parse([(key, value)]).matches(gone) is matches, (key, value)
+    assert "svc 10.96.0.10:80 => shop/web 10.244.2.3:8080" in line(gone.json())
+    assert "svc shop/web 10.96.0.10:80 => shop/web 10.244.2.3:8080" in line(ends[0].json())
+    # Started after the address was reused (after the read at 1001): the other Service.
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT, start_ns=1_001_500_000_000)], 1004.0)
     assert list(r.ring)[-1].service == "shop/other"
+    # The Services as they were are forgotten HISTORY_AGE_NS after: then named as now.
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT)], 1004.0 + HISTORY_AGE_NS / 1e9 + 1)
+    assert list(r.ring)[-1].service == "shop/other" and not r._services_past
 
 
 def test_a_change_of_the_services_settles_the_waiting_events_a_step_at_a_time(monkeypatch):
