@@ -402,6 +402,29 @@ class Recording(Protocol):
     def reset_hints(self) -> list[tuple[bytes, int]]: ...
 
 
+class Leftovers:
+    """Connections the pod programs held when they were told not to record, as they were then
+    (key -> struct podconn_value): what the sweep looks over of them as it does the programs'
+    map (:meth:`FlowRecorder.sweep`), taking each out as it ends."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: dict[bytes, bytes] = {}
+
+    def recorded_open(self) -> list[tuple[bytes, bytes]]:
+        return list(self.held.items())
+
+    def recorded_entry(self, key: bytes) -> bytes | None:
+        return self.held.get(key)
+
+    def take_recorded(self, key: bytes) -> bytes | None:
+        return self.held.pop(key, None)
+
+    def put_recorded(self, key: bytes, value: bytes) -> bool:
+        return self.held.setdefault(key, value) is value
+
+
 class RecordedBatch(Batch):
     """Starts and ends of connections the pod programs recorded, as one read of their ring gave
     them (struct podconn_record each, side by side), the addresses they hold named when they
@@ -540,6 +563,10 @@ class FlowRecorder:
         self.record_remote = record_remote
         self.mask = mask
         self.recording: Recording | None = None  # the pod programs, once they record connections
+        # What they held when told not to record (:meth:`_keep_leftovers`), until the sweep
+        # ended each; and what their ring held then, taken in when the recorder runs.
+        self.leftovers: Leftovers | None = None
+        self._leftover_records: list[bytes] = []
         self._get_sock: NetlinkSocket | None = None  # the sweep's conntrack look-ups
         self._get_seq = 0  # the last one's sequence number
         self.swept = 0  # recorded connections the sweep ended
@@ -693,9 +720,11 @@ class FlowRecorder:
 
     def _stop_recording(self) -> None:
         """The programs told not to record (an earlier agent may have told them to), then the
-        mask removed: nothing is masked that no program records."""
+        mask removed: nothing is masked that no program records.  What they hold is kept first
+        (:meth:`_keep_leftovers`): told, they drop it."""
         self.recording = None
         if self.programs is not None:
+            self._keep_leftovers(self.programs)
             try:
                 self.programs.set_recording(False)
             except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls unreadable)
@@ -703,6 +732,32 @@ class FlowRecorder:
         if self.mask is not None:
             with contextlib.suppress(OSError, RuntimeError):
                 self.mask.remove()
+
+    def _keep_leftovers(self, programs: Recording) -> None:
+        """The connections the programs hold (podconns) and the starts and ends their ring
+        holds, before they are told not to record -- they drop both then (podpath's
+        _drop_recorded) -- which an earlier agent's told them to record, or this one's: their
+        conntrack entries' events were masked at their SYN, so nobody else would ever end them.
+        The connections are kept (:attr:`leftovers`) for the sweep to end each as it would
+        have in the map (gone from conntrack, closing, reset: :meth:`sweep`), nothing new
+        recorded; the records are taken in when the recorder runs."""
+        look = getattr(programs, "recorded_open", None)
+        if look is None:
+            return
+        try:
+            held = look()
+            records = programs.recorded() if hasattr(programs, "recorded") else []
+        except OSError as err:
+            log.warning("flows: the connections the pod programs recorded could not be read, "
+                        "their ends will not be recorded: %s", err)
+            return
+        if held:
+            if self.leftovers is None:
+                self.leftovers = Leftovers()
+            self.leftovers.held.update(held)
+            log.info("flows: %d connections the pod programs recorded are ended as they end, "
+                     "nothing new is recorded by them", len(held))
+        self._leftover_records += records
 
     def close(self) -> None:
         for sock in (self.ct_sock, self.log_sock, self._get_sock):
@@ -724,7 +779,11 @@ class FlowRecorder:
         sweeper = None
         if self.recording is not None:
             loop.call_later(RECORDED_INTERVAL, self._drain_recorded)
+        if self.recording is not None or self.leftovers is not None:
             sweeper = asyncio.ensure_future(self._sweep_loop())
+        if self._leftover_records:  # what the programs' ring held when they were told not to record
+            records, self._leftover_records = self._leftover_records, []
+            self._on_recorded(records, self.clock())
         try:
             await asyncio.Event().wait()
         finally:
@@ -885,6 +944,10 @@ class FlowRecorder:
 
     async def _sweep_loop(self) -> None:
         while True:
+            if self.leftovers is not None and not self.leftovers.held:  # every one ended
+                self.leftovers = None
+            if self.recording is None and self.leftovers is None:
+                return
             await asyncio.sleep(SWEEP_INTERVAL)
             try:
                 ended = await asyncio.to_thread(self.sweep)
@@ -913,15 +976,33 @@ class FlowRecorder:
         ``HELD_RECHECK_NS`` later, not at every sweep.  An entry is taken only if it is still
         the one judged (the tuple may have been reused meanwhile: a new SYN's entry is left
         where it is -- but for one made between that look and the take, which is taken out
-        for that moment and put back: :meth:`_take`).  A key whose look-up fails is left for the next sweep.  Returns the
-        ends, laid out as the ring gives them."""
-        rec = self.recording
-        if rec is None:
+        for that moment and put back: :meth:`_take`).  A key whose look-up fails is left
+        for the next sweep.  The same of what the programs held when
+        they were told not to record (:attr:`leftovers`).  Returns the ends, laid out as the
+        ring gives them."""
+        sources = [rec for rec in (self.recording, self.leftovers) if rec is not None]
+        if not sources:
             return []
         now = tai_now() if now_tai is None else now_tai
         out: list[bytes] = []
         held_at = self._held_at
-        conns = rec.recorded_open()
+        keys: set[bytes] = set()
+        failed: Exception | None = None
+        for rec in sources:
+            conns = rec.recorded_open()
+            keys.update(key for key, _raw in conns)
+            failed = self._sweep_of(rec, conns, now, out) or failed
+        if failed is not None:  # once a sweep: the next one tries those keys again
+            log.warning("flows: looking over the recorded connections, some were left for the next look: %s", failed)
+        if held_at:  # those the programs no longer hold are forgotten
+            self._held_at = {key: seen for key, seen in held_at.items() if key in keys}
+        return out
+
+    def _sweep_of(self, rec: Recording | Leftovers, conns: list[tuple[bytes, bytes]], now: int,
+                  out: list[bytes]) -> Exception | None:
+        """:meth:`sweep` of the connections ``rec`` holds (``conns``): their ends into ``out``;
+        the last trouble of a key left for the next sweep, if any."""
+        held_at = self._held_at
         failed: Exception | None = None
         for key, raw in conns:
             # One key's trouble (a conntrack look-up or a map operation failing) skips that key
@@ -949,14 +1030,9 @@ class FlowRecorder:
                 held_at.pop(key, None)
                 out.append(CONN_RECORD.pack(key, kind, taken))
                 self.swept += 1
-        if failed is not None:  # once a sweep: the next one tries those keys again
-            log.warning("flows: looking over the recorded connections, some were left for the next look: %s", failed)
-        if held_at:  # those the programs no longer hold are forgotten
-            keys = {key for key, _raw in conns}
-            self._held_at = {key: seen for key, seen in held_at.items() if key in keys}
-        return out
+        return failed
 
-    def _take(self, rec: Recording, key: bytes, judged: tuple[int, ...], out: list[bytes]) -> bytes | None:
+    def _take(self, rec: Recording | Leftovers, key: bytes, judged: tuple[int, ...], out: list[bytes]) -> bytes | None:
         """``key``'s entry out of the programs' map if it is still the one the sweep judged
         (``judged``: its value then, unpacked) -- the same SYN's, in the same state, with the same
         last packet --, else None.  It is looked at first and taken only if it still is (a
@@ -975,7 +1051,7 @@ class FlowRecorder:
             return None
         return taken
 
-    def _put_back(self, rec: Recording, key: bytes, taken: bytes, v: tuple[int, ...], out: list[bytes]) -> None:
+    def _put_back(self, rec: Recording | Leftovers, key: bytes, taken: bytes, v: tuple[int, ...], out: list[bytes]) -> None:
         """A connection taken that was not the one judged, back into the programs' map.  Where
         it cannot go back -- the programs made a new SYN's entry of the tuple since (which
         stays), or the map is full (the programs took the freed slot) -- it is ended here

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import socket
 import struct
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
@@ -1891,6 +1892,80 @@ def test_a_recorder_whose_programs_cannot_be_told_opens_without_them(monkeypatch
     assert off.log_sock is not None and told.done == ["record False", "unmask"]
 
 
+def test_what_the_programs_recorded_is_ended_when_the_recorder_cannot_have_them_record(monkeypatch):
+    """The pinned podconns and podrecs outlive the agent: an earlier agent's programs recorded
+    a connection (its conntrack entry's events masked at its SYN: conntrack never tells its
+    end) and an end nobody read.  This recorder cannot turn recording on (the mask table
+    refused): the programs are told to stop -- which drops both -- yet the connection still
+    gets its end, from the sweep, when conntrack no longer holds it; the end in the ring is
+    taken in when the recorder runs; nothing new is recorded, and the sweep stops once every
+    one is ended."""
+    from agentd.flows import recorder as rec_mod
+    from agentd.flows.recorder import IDLE_NS
+
+    pipe = os.pipe()
+
+    class Sock(_QuietSock):
+        def fileno(self):
+            return pipe[0]
+
+    class Dropping(Programs):
+        """podpath's PodFastPath as the recorder tells it: told to stop, it drops what it holds."""
+
+        def __init__(self, held):
+            super().__init__(held)
+            self.told = []
+
+        def set_recording(self, on, remote=False):
+            self.told.append(on)
+            if not on:
+                self.held.clear()
+                self.rings = []
+
+    class Refusing:
+        def install(self):
+            raise RuntimeError("nft: table agentd-flows: Operation not permitted")
+
+        def remove(self):
+            pass
+
+    monkeypatch.setattr(rec_mod, "NetlinkSocket", Sock)
+    monkeypatch.setattr(rec_mod, "enable_sysctls", lambda _d: None)
+    s = 10**9
+    key, value = _conn(False, CONN_OPEN, 900 * s, 950 * s)
+    other = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + (40001).to_bytes(2, "big") + (80).to_bytes(2, "big")
+    programs = Dropping({key: value})
+    programs.rings = [CONN_RECORD.pack(other, REC_FIN, _conn(False, 3, 800 * s, 850 * s)[1])]
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, carried=programs, mask=Refusing(),
+                     clock=lambda: 1000.0)
+    r.tai_offset = lambda: 0
+    try:
+        r.open()
+        assert r.recording is None and programs.told == [False] and not programs.held  # nothing new recorded
+        held = [True]
+        r._held = lambda k: held[0]  # type: ignore[method-assign]
+        assert r.sweep(950 * s + IDLE_NS + 1) == []  # idle, but conntrack holds it: still open
+        held[0] = False
+        (end,) = r.sweep(950 * s + IDLE_NS + HELD_RECHECK_NS + 1)
+        assert CONN_RECORD.unpack(end)[:2] == (key, REC_GONE) and r.swept == 1
+        assert r.sweep(950 * s + IDLE_NS + HELD_RECHECK_NS + 2) == []  # ended once
+
+        async def run() -> None:
+            task = asyncio.ensure_future(r.run())
+            for _ in range(3):
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(r._sweep_loop(), 1)  # every one ended: the sweep is over
+
+        asyncio.run(run())
+        assert [(f.event, f.src.port) for f in r.ring] == [("end", 40001)] and r.leftovers is None
+    finally:
+        os.close(pipe[0])
+        os.close(pipe[1])
+
+
 def _observability(monkeypatch, tmp_path, **env):
     from agentd.config.settings import load_config
     from agentd.daemon import observe
@@ -3658,6 +3733,8 @@ def test_the_sweep_task_goes_on_after_a_sweep_fails_unexpectedly(monkeypatch):
         return []
 
     r.sweep = sweep
+    r.recording = programs = Programs({})  # it runs while the programs record (or leftovers wait)
+    programs.recorded_lost = lambda: 0  # type: ignore[attr-defined]
     with pytest.raises(Stop):
         asyncio.run(r._sweep_loop())
     assert len(swept) == 3
