@@ -747,7 +747,7 @@ class FlowRecorder:
         try:
             held = look()
             records = programs.recorded() if hasattr(programs, "recorded") else []
-        except OSError as err:
+        except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable
             log.warning("flows: the connections the pod programs recorded could not be read, "
                         "their ends will not be recorded: %s", err)
             return
