@@ -130,7 +130,9 @@ class Flow:
     policies: tuple[str, ...] = ()  # the policies isolating the pod that denied it ("ns/name")
     default_deny: bool = False  # those policies have no rule in that direction at all
     service: str | None = None  # "ns/name" when the destination was a virtual IP or node port
-    service_ip: str | None = None  # the address and port the client used (VIP, node address)
+    # The address and port the client used (VIP, node address): set wherever the connection was
+    # translated (a Service's, named or not: ``service`` None where no Service is known of it).
+    service_ip: str | None = None
     service_port: int = 0
     bytes_sent: int | None = None  # end: original direction (from src), reply direction
     bytes_received: int | None = None
@@ -157,7 +159,7 @@ class Flow:
             if self.reason == "policy":
                 out["policies"] = list(self.policies)
                 out["default_deny"] = self.default_deny
-        if self.service is not None:
+        if self.service is not None or self.service_ip is not None:  # name null: translated, no Service known
             out["service"] = {"name": self.service, "ip": self.service_ip, "port": self.service_port}
         if self.event == "end":
             out.update(bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
@@ -264,7 +266,7 @@ class FlowFilter:
                                or (sender and _labels_match(sender.labels, self.label))):  # fmt: skip
             return False
         if self.port and not ((f.protocol in PORTED and (f.src.port in self.port or f.dst.port in self.port))
-                              or (f.service is not None and f.service_port in self.port)):  # fmt: skip
+                              or (f.service_ip is not None and f.service_port in self.port)):  # fmt: skip
             return False
         if self.ip and not (f.src.ip in self.ip or f.dst.ip in self.ip or f.service_ip in self.ip):
             return False

@@ -103,6 +103,13 @@ NAMES_MAX = 65536  # addresses whose identity is remembered between changes of t
 HISTORY_MAX = 65536  # addresses
 HISTORY_PER_ADDRESS = 4  # changes of one address (the oldest forgotten first)
 HISTORY_AGE_NS = 900 * 10**9  # a change is forgotten 15 minutes after it
+# Events waiting in the ring that a change of the Services settles (:meth:`FlowRecorder._settle_step`)
+# between two turns of the event loop: some milliseconds (a settle is a few microseconds), as
+# flows.views' SEARCH_STEP, so BGP, etcd and other requests wait no longer.
+SETTLE_STEP = 2048
+# The Services before they changed, each with when it was last seen current: an end names the
+# Service of its connection's start, as its ``new`` did (:meth:`FlowRecorder._services_at`).
+SERVICES_HISTORY = 4  # snapshots (the oldest forgotten first; and HISTORY_AGE_NS after they were)
 SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this often
 SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
 CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
@@ -395,6 +402,29 @@ class Recording(Protocol):
     def reset_hints(self) -> list[tuple[bytes, int]]: ...
 
 
+class Leftovers:
+    """Connections the pod programs held when they were told not to record, as they were then
+    (key -> struct podconn_value): what the sweep looks over of them as it does the programs'
+    map (:meth:`FlowRecorder.sweep`), taking each out as it ends."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: dict[bytes, bytes] = {}
+
+    def recorded_open(self) -> list[tuple[bytes, bytes]]:
+        return list(self.held.items())
+
+    def recorded_entry(self, key: bytes) -> bytes | None:
+        return self.held.get(key)
+
+    def take_recorded(self, key: bytes) -> bytes | None:
+        return self.held.pop(key, None)
+
+    def put_recorded(self, key: bytes, value: bytes) -> bool:
+        return self.held.setdefault(key, value) is value
+
+
 class RecordedBatch(Batch):
     """Starts and ends of connections the pod programs recorded, as one read of their ring gave
     them (struct podconn_record each, side by side), the addresses they hold named when they
@@ -533,6 +563,10 @@ class FlowRecorder:
         self.record_remote = record_remote
         self.mask = mask
         self.recording: Recording | None = None  # the pod programs, once they record connections
+        # What they held when told not to record (:meth:`_keep_leftovers`), until the sweep
+        # ended each; and what their ring held then, taken in when the recorder runs.
+        self.leftovers: Leftovers | None = None
+        self._leftover_records: list[bytes] = []
         self._get_sock: NetlinkSocket | None = None  # the sweep's conntrack look-ups
         self._get_seq = 0  # the last one's sequence number
         self.swept = 0  # recorded connections the sweep ended
@@ -554,6 +588,18 @@ class FlowRecorder:
         self._services_then: Callable[[str, int, int], str | None] | None = None
         self._unsettled: deque[list[Entry]] = deque()
         self._unsettled_count = 0
+        # Reads of snapshots before it, waiting to be settled SETTLE_STEP events at a time
+        # (:meth:`_settle_step`): oldest first, the first from ``_settling_from`` on.
+        self._settling: deque[list[Entry]] = deque()
+        self._settling_count = 0
+        self._settling_from = 0
+        self._settle_due = False  # a step is asked of the loop
+        # The snapshots before the current one, oldest first, each with the last read under it
+        # (CLOCK_REALTIME ns): a connection that started by then was named by it when it came,
+        # and its end is named alike (:meth:`_services_at`); when conntrack was last read (s).
+        self._services_past: deque[tuple[int, Callable[[str, int, int], str | None]]] = deque()
+        self._services_forgot = 0  # the last read under a snapshot forgotten since (ns): what started by then is named as read
+        self._ct_read_at: float | None = None
         self._timeouts_then: dict[str, int] | None = None
         # Addresses (packed: 4 or 16 bytes) that became someone else's or nobody's while
         # recording: [(when, CLOCK_TAI ns; whom it named until then)], oldest first -- an end
@@ -674,9 +720,11 @@ class FlowRecorder:
 
     def _stop_recording(self) -> None:
         """The programs told not to record (an earlier agent may have told them to), then the
-        mask removed: nothing is masked that no program records."""
+        mask removed: nothing is masked that no program records.  What they hold is kept first
+        (:meth:`_keep_leftovers`): told, they drop it."""
         self.recording = None
         if self.programs is not None:
+            self._keep_leftovers(self.programs)
             try:
                 self.programs.set_recording(False)
             except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls unreadable)
@@ -684,6 +732,32 @@ class FlowRecorder:
         if self.mask is not None:
             with contextlib.suppress(OSError, RuntimeError):
                 self.mask.remove()
+
+    def _keep_leftovers(self, programs: Recording) -> None:
+        """The connections the programs hold (podconns) and the starts and ends their ring
+        holds, before they are told not to record -- they drop both then (podpath's
+        _drop_recorded) -- which an earlier agent's told them to record, or this one's: their
+        conntrack entries' events were masked at their SYN, so nobody else would ever end them.
+        The connections are kept (:attr:`leftovers`) for the sweep to end each as it would
+        have in the map (gone from conntrack, closing, reset: :meth:`sweep`), nothing new
+        recorded; the records are taken in when the recorder runs."""
+        look = getattr(programs, "recorded_open", None)
+        if look is None:
+            return
+        try:
+            held = look()
+            records = programs.recorded() if hasattr(programs, "recorded") else []
+        except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable
+            log.warning("flows: the connections the pod programs recorded could not be read, "
+                        "their ends will not be recorded: %s", err)
+            return
+        if held:
+            if self.leftovers is None:
+                self.leftovers = Leftovers()
+            self.leftovers.held.update(held)
+            log.info("flows: %d connections the pod programs recorded are ended as they end, "
+                     "nothing new is recorded by them", len(held))
+        self._leftover_records += records
 
     def close(self) -> None:
         for sock in (self.ct_sock, self.log_sock, self._get_sock):
@@ -705,7 +779,11 @@ class FlowRecorder:
         sweeper = None
         if self.recording is not None:
             loop.call_later(RECORDED_INTERVAL, self._drain_recorded)
+        if self.recording is not None or self.leftovers is not None:
             sweeper = asyncio.ensure_future(self._sweep_loop())
+        if self._leftover_records:  # what the programs' ring held when they were told not to record
+            records, self._leftover_records = self._leftover_records, []
+            self._on_recorded(records, self.clock())
         try:
             await asyncio.Event().wait()
         finally:
@@ -866,6 +944,10 @@ class FlowRecorder:
 
     async def _sweep_loop(self) -> None:
         while True:
+            if self.leftovers is not None and not self.leftovers.held:  # every one ended
+                self.leftovers = None
+            if self.recording is None and self.leftovers is None:
+                return
             await asyncio.sleep(SWEEP_INTERVAL)
             try:
                 ended = await asyncio.to_thread(self.sweep)
@@ -894,15 +976,33 @@ class FlowRecorder:
         ``HELD_RECHECK_NS`` later, not at every sweep.  An entry is taken only if it is still
         the one judged (the tuple may have been reused meanwhile: a new SYN's entry is left
         where it is -- but for one made between that look and the take, which is taken out
-        for that moment and put back: :meth:`_take`).  A key whose look-up fails is left for the next sweep.  Returns the
-        ends, laid out as the ring gives them."""
-        rec = self.recording
-        if rec is None:
+        for that moment and put back: :meth:`_take`).  A key whose look-up fails is left
+        for the next sweep.  The same of what the programs held when
+        they were told not to record (:attr:`leftovers`).  Returns the ends, laid out as the
+        ring gives them."""
+        sources = [rec for rec in (self.recording, self.leftovers) if rec is not None]
+        if not sources:
             return []
         now = tai_now() if now_tai is None else now_tai
         out: list[bytes] = []
         held_at = self._held_at
-        conns = rec.recorded_open()
+        keys: set[bytes] = set()
+        failed: Exception | None = None
+        for rec in sources:
+            conns = rec.recorded_open()
+            keys.update(key for key, _raw in conns)
+            failed = self._sweep_of(rec, conns, now, out) or failed
+        if failed is not None:  # once a sweep: the next one tries those keys again
+            log.warning("flows: looking over the recorded connections, some were left for the next look: %s", failed)
+        if held_at:  # those the programs no longer hold are forgotten
+            self._held_at = {key: seen for key, seen in held_at.items() if key in keys}
+        return out
+
+    def _sweep_of(self, rec: Recording | Leftovers, conns: list[tuple[bytes, bytes]], now: int,
+                  out: list[bytes]) -> Exception | None:
+        """:meth:`sweep` of the connections ``rec`` holds (``conns``): their ends into ``out``;
+        the last trouble of a key left for the next sweep, if any."""
+        held_at = self._held_at
         failed: Exception | None = None
         for key, raw in conns:
             # One key's trouble (a conntrack look-up or a map operation failing) skips that key
@@ -930,14 +1030,9 @@ class FlowRecorder:
                 held_at.pop(key, None)
                 out.append(CONN_RECORD.pack(key, kind, taken))
                 self.swept += 1
-        if failed is not None:  # once a sweep: the next one tries those keys again
-            log.warning("flows: looking over the recorded connections, some were left for the next look: %s", failed)
-        if held_at:  # those the programs no longer hold are forgotten
-            keys = {key for key, _raw in conns}
-            self._held_at = {key: seen for key, seen in held_at.items() if key in keys}
-        return out
+        return failed
 
-    def _take(self, rec: Recording, key: bytes, judged: tuple[int, ...], out: list[bytes]) -> bytes | None:
+    def _take(self, rec: Recording | Leftovers, key: bytes, judged: tuple[int, ...], out: list[bytes]) -> bytes | None:
         """``key``'s entry out of the programs' map if it is still the one the sweep judged
         (``judged``: its value then, unpacked) -- the same SYN's, in the same state, with the same
         last packet --, else None.  It is looked at first and taken only if it still is (a
@@ -956,7 +1051,7 @@ class FlowRecorder:
             return None
         return taken
 
-    def _put_back(self, rec: Recording, key: bytes, taken: bytes, v: tuple[int, ...], out: list[bytes]) -> None:
+    def _put_back(self, rec: Recording | Leftovers, key: bytes, taken: bytes, v: tuple[int, ...], out: list[bytes]) -> None:
         """A connection taken that was not the one judged, back into the programs' map.  Where
         it cannot go back -- the programs made a new SYN's entry of the tuple since (which
         stays), or the map is full (the programs took the freed slot) -- it is ended here
@@ -1230,9 +1325,19 @@ class FlowRecorder:
         entries: list[Entry] = []
         carried = self._carried
         services = self.directory.service_names()
+        past = self._services_past
         if services is not self._services_then:  # the Services synced: the waiting let go of the old ones
+            if self._services_then is not None and self._ct_read_at is not None:
+                past.append((int(self._ct_read_at * 1e9), self._services_then))
+                if len(past) > SERVICES_HISTORY:
+                    self._services_forgot = past.popleft()[0]
             self._settle_services()
             self._services_then = services
+        elif self._settling:
+            self._settle_step()
+        self._ct_read_at = now
+        while past and now * 1e9 - past[0][0] > HISTORY_AGE_NS:
+            self._services_forgot = past.popleft()[0]
         timeouts = self.ct_timeouts() if self.ct_timeouts is not None else None
         if timeouts is not None:  # one dict while they stay the same, however often read
             if timeouts == self._timeouts_then:
@@ -1247,13 +1352,44 @@ class FlowRecorder:
                     entries = []
                 self._on_conntrack_long(item)
                 continue
-            if history and item[1] == delete:  # type: ignore[index]
-                item = self._ct_named_then(item)  # type: ignore[arg-type]
+            named_by = services
+            if item[1] == delete:  # type: ignore[index]
+                if history:
+                    item = self._ct_named_then(item)  # type: ignore[arg-type]
+                if past:
+                    named_by = self._services_of(item, services)  # type: ignore[arg-type]
             carry = item[5]  # type: ignore[index]
             entries.append(PendingConnection(self, item, carried(*carry) if carry else None, now,  # type: ignore[arg-type]
-                                             services, timeouts))
+                                             named_by, timeouts))
         if entries:
             self._extend(entries)
+
+    def _services_of(self, item: Event,
+                     services: Callable[[str, int, int], str | None]) -> Callable[[str, int, int], str | None]:
+        """The Services a DESTROY read at fixed offsets (:meth:`_decode`) is named by: as they
+        were when its entry was made (CTA_TIMESTAMP_START, :meth:`_services_at`), else
+        ``services`` (now; an entry made before timestamps were on too)."""
+        carry = item[5]
+        if carry is not None:
+            start = carry[2]
+        else:
+            try:
+                start = ct.lifetime(item[0], nl.NLMSG_HDRLEN, len(item[0]))[0]
+            except nl.NetlinkDecodeError:
+                return services
+        return self._services_at(start) or services
+
+    def _services_at(self, start: int) -> Callable[[str, int, int], str | None] | None:
+        """The Services as they were when a connection started at ``start`` (CLOCK_REALTIME
+        ns; 0: not known) if they changed since: the first snapshot before the current one
+        last seen current then or after -- its ``new`` record, read by then, was named by it --
+        else None (as now; a start before what is kept too: not known)."""
+        if not start or start <= self._services_forgot:
+            return None
+        for until, names in self._services_past:
+            if start <= until:
+                return names
+        return None
 
     def _ct_named_then(self, item: Event) -> Event:
         """A DESTROY read at fixed offsets (:meth:`_decode`), its ends named as they were when
@@ -1305,13 +1441,46 @@ class FlowRecorder:
         """The Services synced (a new snapshot, :meth:`Directory.service_names`): each event
         still waiting in the ring unread names its Service as the snapshot it holds does, and
         holds that name (or None) instead -- a snapshot (a dict of every Service port) is kept
-        alive only while it is the current one, not by every event read under it."""
-        for entries in self._unsettled:
-            for entry in entries:
-                if type(entry) is PendingConnection:
-                    entry.settle()
-        self._unsettled.clear()
+        alive only while it is the current one (and settling; and for ends, one of the
+        ``SERVICES_HISTORY`` before it: :meth:`_services_at`), not by every event read under
+        it.  Up to the ring's size of them (a million): ``SETTLE_STEP`` now, the rest a step
+        at each turn of the loop (:meth:`_settle_step`); one read meanwhile makes its record
+        as the snapshot it holds names it, as settled."""
+        reads = self._settling
+        reads.extend(self._unsettled)
+        self._settling_count += self._unsettled_count
+        self._unsettled = deque()
         self._unsettled_count = 0
+        while reads and self._settling_count - len(reads[0]) >= self.ring.size:  # those out of the ring: none to settle
+            self._settling_count -= len(reads.popleft())
+            self._settling_from = 0
+        self._settle_step()
+
+    def _settle_step(self) -> None:
+        """``SETTLE_STEP`` of the events waiting to be settled, oldest first; a next step asked
+        of the loop while some are left (where there is none, the next read takes it)."""
+        reads, budget, pending = self._settling, SETTLE_STEP, PendingConnection
+        while reads and budget > 0:
+            entries, first = reads[0], self._settling_from
+            last = min(len(entries), first + budget)
+            for i in range(first, last):
+                entry = entries[i]
+                if type(entry) is pending:
+                    entry.settle()  # type: ignore[union-attr]
+            budget -= last - first
+            if last < len(entries):
+                self._settling_from = last
+            else:
+                reads.popleft()
+                self._settling_count -= len(entries)
+                self._settling_from = 0
+        if reads and not self._settle_due and self._loop is not None:
+            self._settle_due = True
+            self._loop.call_soon(self._settle_next)
+
+    def _settle_next(self) -> None:
+        self._settle_due = False
+        self._settle_step()
 
     def _on_conntrack_datagram(self, data: bytes, now: float) -> None:
         """One datagram of conntrack events, whatever its layout."""
@@ -1479,7 +1648,8 @@ class FlowRecorder:
         if event is not None:
             self.events += 1
             names = self._ct_names(event)
-            flow = self.connection(event, names=names, carried=self._carried_of(event, names))
+            services = self._services_at(event.start_ns) if event.destroyed and self._services_past else None
+            flow = self.connection(event, names=names, carried=self._carried_of(event, names), services=services)
             if flow is not None:
                 flow.received = self.clock()  # when taken in: what ``since`` orders the ring by
                 self.ring.add(flow)

@@ -83,8 +83,9 @@ def line(r: dict[str, Any]) -> str:
     src, dst = r.get("src") or {}, r.get("dst") or {}
     svc = r.get("service")
     target = _end(dst)
-    if svc:
-        target = f"svc {_clean(svc.get('name'))} {_where(svc.get('ip'), svc.get('port'))} => {target}"
+    if svc:  # a translated connection whose Service is not known (deleted since): its address alone
+        name = f"{_clean(svc['name'])} " if svc.get("name") else ""
+        target = f"svc {name}{_where(svc.get('ip'), svc.get('port'))} => {target}"
     verdict = _clean(str(r.get("verdict", "-"))).upper()
     return (f"{stamp}  {_clean(r.get('node'))}  {_end(src)} -> {target}  {_clean(r.get('protocol'))}  "
             f"{verdict}  {info(r)}")

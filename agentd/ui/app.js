@@ -353,7 +353,9 @@ function flowRow(r) {
     const size = (n) => (n === null || n === undefined ? "unknown" : `${n} B`);
     info = `end · sent ${size(r.bytes_sent)} · received ${size(r.bytes_received)}${r.duration !== null && r.duration !== undefined ? " · " + r.duration.toFixed(3) + " s" : ""}`;
   }
-  const dst = r.service ? el("span", {}, pill(`svc ${r.service.name} ${hostPort(r.service.ip, r.service.port)}`), " → ", end(r.dst)) : end(r.dst);
+  // A translated connection whose Service is not known (deleted since): name null, its address alone.
+  const svc = r.service ? `svc ${r.service.name ? r.service.name + " " : ""}${hostPort(r.service.ip, r.service.port)}` : null;
+  const dst = svc ? el("span", {}, pill(svc), " → ", end(r.dst)) : end(r.dst);
   return el("tr", { class: `verdict-${r.verdict}`, "data-verdict": r.verdict, "data-reason": r.reason || null, "data-node": r.node },
     el("td", { class: "mono" }, when(r.time)), el("td", {}, r.node), el("td", {}, end(r.src)), el("td", {}, dst),
     el("td", {}, r.protocol), el("td", { class: "verdict" }, r.verdict), el("td", { class: "info" }, info));

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import socket
 import struct
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
@@ -24,6 +25,7 @@ from agentd.flows.recorder import (
     CONN_RESET_LO,
     CONN_VALUE,
     HELD_RECHECK_NS,
+    HISTORY_AGE_NS,
     REC_FIN,
     REC_GONE,
     REC_REUSED,
@@ -59,13 +61,13 @@ def _counters(kind: int, packets: int, nbytes: int) -> bytes:
                      nl.attr(ct.CTA_COUNTERS_BYTES, struct.pack("!Q", nbytes)))
 
 
-def destroy_event(status: int = 0) -> bytes:
+def destroy_event(status: int = 0, start_ns: int = 1_000_000_000_000) -> bytes:
     body = (_tuple(ct.CTA_TUPLE_ORIG, "10.244.1.2", "10.96.0.10", 6, 40000, 80)
             + _tuple(ct.CTA_TUPLE_REPLY, "10.244.2.3", "10.244.1.2", 6, 8080, 40000)
             + nl.attr(ct.CTA_STATUS, struct.pack("!I", status)) + nl.attr(ct.CTA_ID, struct.pack("!I", 7))
             + _counters(ct.CTA_COUNTERS_ORIG, 5, 400) + _counters(ct.CTA_COUNTERS_REPLY, 4, 900)
-            + nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", 1_000_000_000_000)),
-                        nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", 1_000_250_000_000))))
+            + nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", start_ns)),
+                        nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", start_ns + 250_000_000))))
     return nl.encode_nfgen(ct.MSG_DELETE, 0, 0, socket.AF_INET, body)
 
 
@@ -310,8 +312,101 @@ def test_a_record_read_later_names_the_service_of_when_the_event_came():
     r.directory.vips = {("10.96.0.10", 6, 80): "shop/other"}  # the Service deleted, its address reused
     (flow,) = list(r.ring)
     assert flow.service == "shop/web"
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT, start_ns=1_000_500_000_000)], 1001.0)
+    assert list(r.ring)[-1].service == "shop/other"  # a connection made after the change
+
+
+def _new_event(status: int) -> bytes:
+    """destroy_event's connection confirmed (NEW: no counters, no stamps)."""
+    body = (_tuple(ct.CTA_TUPLE_ORIG, "10.244.1.2", "10.96.0.10", 6, 40000, 80)
+            + _tuple(ct.CTA_TUPLE_REPLY, "10.244.2.3", "10.244.1.2", 6, 8080, 40000)
+            + nl.attr(ct.CTA_STATUS, struct.pack("!I", status)) + nl.attr(ct.CTA_ID, struct.pack("!I", 7)))
+    return nl.encode_nfgen(ct.MSG_NEW, 0x400, 0, socket.AF_INET, body)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_an_end_names_the_service_of_when_its_connection_started(fast):
+    """A connection outlives its Service (deleted; or deleted and its cluster IP given to
+    another): its end names the Service its ``new`` named -- the Services as they were when it
+    started (CTA_TIMESTAMP_START), not when its DESTROY is read.  One that started after the
+    change is named as the Services are then; where no Service is known of a translated
+    connection, its record keeps the address and port the client used (service name null),
+    and the port and service filters agree with what it shows.  Also read the long way."""
+    r = recorder()
+    r.fast = fast and r.fast
+    r._on_conntrack_datagrams([_new_event(ct.IPS_DST_NAT | ct.IPS_CONFIRMED)], 1000.0)  # started by then
+    r.directory.vips = {}  # the Service deleted: established TCP goes on to its endpoint
     r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT)], 1001.0)
+    r.directory.vips = {("10.96.0.10", 6, 80): "shop/other"}  # its address reused
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT)], 1002.0)
+    msg = destroy_event(ct.IPS_DST_NAT)
+    for mtype, _f, _s, _p, start, end in nl.iter_messages(msg):  # the long way (IPv6, laid out otherwise)
+        r._on_conntrack(mtype, msg, start, end)
+    new, *ends = list(r.ring)
+    assert new.event == "new" and new.service == "shop/web"
+    assert [(f.event, f.service) for f in ends] == [("end", "shop/web")] * 3
+    for f in ends:
+        assert f.json()["service"] == {"name": "shop/web", "ip": "10.96.0.10", "port": 80}
+        assert FlowFilter.parse([("service", "shop/web")]).matches(f)
+    # Started after the Service was deleted (between the reads at 1000 and 1001): named as then.
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT, start_ns=1_000_500_000_000)], 1003.0)
+    gone = list(r.ring)[-1]
+    assert gone.service is None
+    assert gone.json()["service"] == {"name": None, "ip": "10.96.0.10", "port": 80}
+    assert gone.json()["dst"]["ip"] == "10.244.2.3"
+    for key, value, matches in (("ip", "10.96.0.10", True), ("port", "80", True), ("port", "8080", True),
+                                ("port", "81", False), ("service", "shop/web", False)):
+        assert FlowFilter.parse([(key, value)]).matches(gone) is matches, (key, value)
+    assert "svc 10.96.0.10:80 => shop/web 10.244.2.3:8080" in line(gone.json())
+    assert "svc shop/web 10.96.0.10:80 => shop/web 10.244.2.3:8080" in line(ends[0].json())
+    # Started after the address was reused (after the read at 1001): the other Service.
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT, start_ns=1_001_500_000_000)], 1004.0)
     assert list(r.ring)[-1].service == "shop/other"
+    # The Services as they were are forgotten HISTORY_AGE_NS after: then named as now.
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT)], 1004.0 + HISTORY_AGE_NS / 1e9 + 1)
+    assert list(r.ring)[-1].service == "shop/other" and not r._services_past
+
+
+def test_a_change_of_the_services_settles_the_waiting_events_a_step_at_a_time(monkeypatch):
+    """A Services change with the ring full of events read under the snapshot before: each
+    read, and each turn of the loop, settles SETTLE_STEP of them, oldest first -- not all of
+    them (up to a million: seconds) in one go on the event loop; each keeps the Service of
+    when it came, and the new read's events the new snapshot."""
+    from agentd.flows import recorder as rec_mod
+
+    monkeypatch.setattr(rec_mod, "SETTLE_STEP", 100)
+    d = Directory()
+    snapshot = [d.service_names()]
+    d.service_names = lambda: snapshot[0]  # the same until the Services change, as FlowDirectory's
+    r = FlowRecorder("node2", d, "/nonexistent", group=143, ring_size=1000, clock=lambda: 1000.0)
+    settled: list[object] = []
+    settle = rec_mod.PendingConnection.settle
+    monkeypatch.setattr(rec_mod.PendingConnection, "settle", lambda self: (settled.append(self), settle(self))[1])
+    for _ in range(5):  # 1250 events: the first 250 left the ring (nothing to settle there)
+        r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT)] * 250, 1000.0)
+    assert not settled
+
+    class Loop:
+        def __init__(self) -> None:
+            self.soon: list[object] = []
+
+        def call_soon(self, callback):
+            self.soon.append(callback)
+
+    r._loop = loop = Loop()  # type: ignore[assignment]
+    d.vips = {("10.96.0.10", 6, 80): "shop/other"}
+    snapshot[0] = Directory.service_names(d)
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT, start_ns=1_000_500_000_000)], 1000.5)
+    assert len(settled) == 100 and len(loop.soon) == 1  # a step now, the next asked of the loop
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT, start_ns=1_000_600_000_000)], 1000.6)
+    assert len(settled) == 200 and len(loop.soon) == 1  # a read takes a step too, asking the loop once
+    while loop.soon:
+        loop.soon.pop(0)()  # type: ignore[operator]
+    assert len(settled) == 1000 and len({id(e) for e in settled}) == 1000
+    assert [e.seq for e in settled] == list(range(251, 1251))  # oldest first, those in the ring
+    flows = list(r.ring)
+    assert {f.service for f in flows[:-2]} == {"shop/web"}
+    assert [f.service for f in flows[-2:]] == ["shop/other", "shop/other"]  # started after the change
 
 
 def test_nodes_own_connections_are_not_recorded():
@@ -1795,6 +1890,80 @@ def test_a_recorder_whose_programs_cannot_be_told_opens_without_them(monkeypatch
     off = FlowRecorder("node2", Directory(), "/nonexistent", group=143, carried=told, mask=told, connections=False)
     off.open()
     assert off.log_sock is not None and told.done == ["record False", "unmask"]
+
+
+def test_what_the_programs_recorded_is_ended_when_the_recorder_cannot_have_them_record(monkeypatch):
+    """The pinned podconns and podrecs outlive the agent: an earlier agent's programs recorded
+    a connection (its conntrack entry's events masked at its SYN: conntrack never tells its
+    end) and an end nobody read.  This recorder cannot turn recording on (the mask table
+    refused): the programs are told to stop -- which drops both -- yet the connection still
+    gets its end, from the sweep, when conntrack no longer holds it; the end in the ring is
+    taken in when the recorder runs; nothing new is recorded, and the sweep stops once every
+    one is ended."""
+    from agentd.flows import recorder as rec_mod
+    from agentd.flows.recorder import IDLE_NS
+
+    pipe = os.pipe()
+
+    class Sock(_QuietSock):
+        def fileno(self):
+            return pipe[0]
+
+    class Dropping(Programs):
+        """podpath's PodFastPath as the recorder tells it: told to stop, it drops what it holds."""
+
+        def __init__(self, held):
+            super().__init__(held)
+            self.told = []
+
+        def set_recording(self, on, remote=False):
+            self.told.append(on)
+            if not on:
+                self.held.clear()
+                self.rings = []
+
+    class Refusing:
+        def install(self):
+            raise RuntimeError("nft: table agentd-flows: Operation not permitted")
+
+        def remove(self):
+            pass
+
+    monkeypatch.setattr(rec_mod, "NetlinkSocket", Sock)
+    monkeypatch.setattr(rec_mod, "enable_sysctls", lambda _d: None)
+    s = 10**9
+    key, value = _conn(False, CONN_OPEN, 900 * s, 950 * s)
+    other = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + (40001).to_bytes(2, "big") + (80).to_bytes(2, "big")
+    programs = Dropping({key: value})
+    programs.rings = [CONN_RECORD.pack(other, REC_FIN, _conn(False, 3, 800 * s, 850 * s)[1])]
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, carried=programs, mask=Refusing(),
+                     clock=lambda: 1000.0)
+    r.tai_offset = lambda: 0
+    try:
+        r.open()
+        assert r.recording is None and programs.told == [False] and not programs.held  # nothing new recorded
+        held = [True]
+        r._held = lambda k: held[0]  # type: ignore[method-assign]
+        assert r.sweep(950 * s + IDLE_NS + 1) == []  # idle, but conntrack holds it: still open
+        held[0] = False
+        (end,) = r.sweep(950 * s + IDLE_NS + HELD_RECHECK_NS + 1)
+        assert CONN_RECORD.unpack(end)[:2] == (key, REC_GONE) and r.swept == 1
+        assert r.sweep(950 * s + IDLE_NS + HELD_RECHECK_NS + 2) == []  # ended once
+
+        async def run() -> None:
+            task = asyncio.ensure_future(r.run())
+            for _ in range(3):
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(r._sweep_loop(), 1)  # every one ended: the sweep is over
+
+        asyncio.run(run())
+        assert [(f.event, f.src.port) for f in r.ring] == [("end", 40001)] and r.leftovers is None
+    finally:
+        os.close(pipe[0])
+        os.close(pipe[1])
 
 
 def _observability(monkeypatch, tmp_path, **env):
@@ -3564,6 +3733,8 @@ def test_the_sweep_task_goes_on_after_a_sweep_fails_unexpectedly(monkeypatch):
         return []
 
     r.sweep = sweep
+    r.recording = programs = Programs({})  # it runs while the programs record (or leftovers wait)
+    programs.recorded_lost = lambda: 0  # type: ignore[attr-defined]
     with pytest.raises(Stop):
         asyncio.run(r._sweep_loop())
     assert len(swept) == 3
