@@ -79,12 +79,16 @@ def _pod_json(ident: Identity) -> dict[str, Any]:
 
 
 def protocol_name(number: int) -> str:
-    """An IP protocol's name (or number); past 255 an EtherType (a logged frame that is no IP
-    nor ARP packet: no addresses), in hex."""
+    """An IP protocol's name (or number)."""
     name = PROTOCOLS.get(number)
-    if name is not None:
-        return name
-    return str(number) if number <= 255 else f"0x{number:04x}"
+    return name if name is not None else str(number)
+
+
+def ethertype_name(number: int) -> str:
+    """The EtherType of a logged frame that is no IP nor ARP packet (no addresses), in hex --
+    whatever its value: an 802.3 frame's is the kernel's ETH_P_802_3 (1) or ETH_P_802_2 (4),
+    no IP protocol (not ICMP)."""
+    return f"0x{number:04x}"
 
 
 @dataclass(frozen=True, slots=True)

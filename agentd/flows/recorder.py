@@ -80,7 +80,15 @@ from agentd.kernel import netlink_ct as ct
 from agentd.kernel import netlink_log as nflog
 from agentd.kernel.netlink_socket import NetlinkSocket
 
-from .model import SENDER_REASONS, Flow, Identity, Peer, direction_of, protocol_name
+from .model import (
+    SENDER_REASONS,
+    Flow,
+    Identity,
+    Peer,
+    direction_of,
+    ethertype_name,
+    protocol_name,
+)
 from .ring import Batch, Deferred, DropLimiter, Entry, FlowRing
 
 log = logging.getLogger("agentd.flows")
@@ -1803,7 +1811,7 @@ class FlowRecorder:
             service_at = p.orig_dst
         service = d.service(service_at[0], p.proto, service_at[1]) if service_at is not None else None
         flow = Flow(
-            time=now, node=self.node, event="drop", protocol=protocol_name(p.proto),
+            time=now, node=self.node, event="drop", protocol=protocol_name(p.proto) if p.read else ethertype_name(p.proto),
             src=Peer(p.src, p.sport, src_id), dst=Peer(p.dst, p.dport, dst_id), direction=direction,
             verdict="dropped", reason=reason, suppressed=folded, service=service,
         )  # fmt: skip

@@ -4187,12 +4187,18 @@ def test_a_logged_drop_of_a_frame_that_is_no_ip_nor_arp_packet_is_recorded_all_t
     feed("spoofed", 0x8100, b"\x00\x05\x08\x00" + P.udp_datagram("10.244.1.2", "10.244.1.3", 1, 2, b"x"), 2)
     feed("spoofed", 0x0800, P.udp_datagram("10.244.1.2", "10.244.1.3", 1, 2, b"x"), 3)
     feed("someone-elses", 0x88B5, bytes(46), 4)
-    assert sum(r.drops.values()) == 3 and r.events == 3 and dict(r.lost) == {} and r.malformed == 0
+    # 802.3 frames (an LLC one: STP's BPDU; a raw 802.3 one): no EtherType but the kernel's
+    # ETH_P_802_2 (4) and ETH_P_802_3 (1) -- no IP protocols (1 is no ICMP)
+    feed("spoofed-mac", 0x0004, bytes(46), 5)
+    feed("spoofed-mac", 0x0001, bytes(46), 6)
+    assert sum(r.drops.values()) == 5 and r.events == 5 and dict(r.lost) == {} and r.malformed == 0
     records = [f.json() for f in list(r.ring)]
     assert [(j["reason"], j["protocol"], j["src"]["ip"], j["sender"]["pod"]) for j in records] == [
         ("spoofed-mac", "0x88b5", "", "shop/client"), ("spoofed", "0x8100", "", "shop/client"),
-        ("spoofed", "UDP", "10.244.1.2", "shop/client")]
+        ("spoofed", "UDP", "10.244.1.2", "shop/client"), ("spoofed-mac", "0x0004", "", "shop/client"),
+        ("spoofed-mac", "0x0001", "", "shop/client")]
     assert "- -> -" in line(records[0])
+    assert [f.protocol for f in r.ring if FlowFilter.parse([("protocol", "ICMP")]).matches(f)] == []
 
 
 def test_an_address_two_records_of_another_node_claim_names_one_pod_whatever_their_order():
