@@ -99,7 +99,15 @@ class DockerEngine:
         return self.run_root / "dockerd.log"
 
     @property
+    def config_file(self) -> Path:
+        """Its own daemon.json (``{}``): never the host engine's /etc/docker/daemon.json, whose
+        keys would conflict with this engine's flags (``bip``, ``data-root``: dockerd refuses
+        to start) or change the lab (``iptables``, ``userns-remap``, a cgroup driver)."""
+        return self.run_root / "daemon.json"
+
+    @property
     def cgroup_parent(self) -> str:
+        """A path, not a systemd slice: the engine runs with the cgroupfs driver (``start``)."""
         return f"/ad-docker-{self.name}"
 
     # ------------------------------------------------------------ the client
@@ -159,13 +167,20 @@ class DockerEngine:
             raise LabError(f"engine {self.name}: a private engine needs a network namespace")
         for d in (self.run_root, self.exec_root, self.data_root):
             d.mkdir(parents=True, exist_ok=True)
+        self.config_file.write_text("{}\n")
         argv = [
             "nsenter", f"--net={self.netns.path}", "dockerd",
             "--data-root", str(self.data_root),
             "--exec-root", str(self.exec_root),
             "--host", self.host,
             "--pidfile", str(self.pidfile),
+            "--config-file", str(self.config_file),
             "--cgroup-parent", self.cgroup_parent,
+            # The cgroupfs driver, which takes a path parent: on a cgroup-v2 host booted with
+            # systemd, dockerd 20.10 picks the systemd driver by itself, and that one refuses
+            # any parent but a "xxx.slice" ("cgroup-parent for systemd cgroup should be a valid
+            # slice"): the engine would not start.
+            "--exec-opt", "native.cgroupdriver=cgroupfs",
             # No DNS of the host's to copy into containers: the lab has no outside world.
             "--dns", "127.0.0.1",
             *([f"--add-runtime={BPF_CAPS_RUNTIME}={BPF_CAPS_RUNC}"] if BPF_CAPS_RUNC.exists() else []),

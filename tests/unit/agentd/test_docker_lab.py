@@ -179,3 +179,46 @@ def test_unmount_under_decodes_every_octal_escape_of_mountinfo(tmp_path, monkeyp
     monkeypatch.setattr(dockerd.subprocess, "run", lambda argv, **kw: umounted.append(argv[-1]))
     dockerd.unmount_under(root, info)
     assert umounted == [f"{root}/c d\te\\", f"{root}/a\nb", str(root)]
+
+
+def _start_argv(tmp_path, monkeypatch, **kw) -> tuple[list[str], dockerd.DockerEngine]:
+    """The command line DockerEngine.start runs dockerd with (Popen captured: nothing is run)."""
+
+    class Started(Exception):
+        pass
+
+    argvs = []
+
+    def popen(argv, **_):
+        argvs.append(argv)
+        raise Started
+
+    monkeypatch.setattr(dockerd.subprocess, "Popen", popen)
+    engine = dockerd.DockerEngine("compose-t1", netns=Netns("ad-compose_t1-docker"), run_root=tmp_path / "run",
+                                  data_root=tmp_path / "data", **kw)  # fmt: skip
+    with pytest.raises(Started):
+        engine.start()
+    return argvs[0], engine
+
+
+def _flag(argv: list[str], name: str) -> list[str]:
+    return [argv[i + 1] for i, word in enumerate(argv) if word == name]
+
+
+def test_a_private_engine_pins_the_cgroupfs_driver_for_its_path_cgroup_parent(tmp_path, monkeypatch):
+    """A path --cgroup-parent and no cgroup driver: on a cgroup-v2 host booted with systemd
+    (Debian 12), dockerd 20.10 takes the systemd driver by itself and refuses to start
+    ("cgroup-parent for systemd cgroup should be a valid slice named as "xxx.slice"")."""
+    argv, engine = _start_argv(tmp_path, monkeypatch)
+    assert _flag(argv, "--cgroup-parent") == ["/ad-docker-compose-t1"] == [engine.cgroup_parent]
+    assert _flag(argv, "--exec-opt") == ["native.cgroupdriver=cgroupfs"]
+
+
+def test_a_private_engine_has_a_config_file_of_its_own_not_the_hosts_daemon_json(tmp_path, monkeypatch):
+    """No --config-file: every private engine read the host's /etc/docker/daemon.json, and the
+    docs' own recipe (bip, mtu, ip-masq there) made each Docker-host lab node's dockerd, given
+    those as flags, refuse to start ("specified both as a flag and in the configuration file")."""
+    argv, engine = _start_argv(tmp_path, monkeypatch, daemon_args=["--bip", "10.244.1.1/24", "--mtu", "1450"])
+    assert _flag(argv, "--config-file") == [str(tmp_path / "run" / "daemon.json")]
+    assert (tmp_path / "run" / "daemon.json").read_text().strip() == "{}"
+    assert argv[-4:] == ["--bip", "10.244.1.1/24", "--mtu", "1450"]
