@@ -33,6 +33,7 @@ import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from agentd.lab.errors import LabError
 from agentd.lab.netns import Netns, tied
@@ -48,6 +49,22 @@ BPF_CAPS_RUNC = Path(__file__).resolve().parents[2] / "docker" / "runc-bpf-caps"
 # Short paths: containerd's socket lives under the exec root, and AF_UNIX paths end at 107 bytes.
 RUN_ROOT = Path(os.environ.get("AGENTD_DOCKER_RUN", "/run/ad-docker"))
 DATA_ROOT = Path(os.environ.get("AGENTD_DOCKER_DATA", "/var/lib/ad-docker"))
+
+
+class DockerTimeout(LabError):
+    """A ``docker`` or ``docker-compose`` command that did not finish in its time."""
+
+
+def run_client(argv: list[str], what: str, *, timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv)``, its output captured as text; a client that cannot be run
+    (missing, not executable) is a :class:`LabError`, one that runs out of time a
+    :class:`DockerTimeout` -- never a traceback out of ``scripts/dev compose`` or ``agentd lab up``."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+    except subprocess.TimeoutExpired:
+        raise DockerTimeout(f"{what}: timed out after {timeout:g}s") from None
+    except OSError as err:
+        raise LabError(f"{what}: cannot run {argv[0]}: {err.strerror or err}") from None
 
 
 class DockerEngine:
@@ -121,10 +138,11 @@ class DockerEngine:
     def docker(
         self, *args: str, check: bool = True, timeout: float = 300, input: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """``docker ARGS...`` against this engine; raises LabError with its stderr on failure."""
-        proc = subprocess.run(
-            [DOCKER, *args], env=self.env(), capture_output=True, text=True, timeout=timeout, input=input
-        )
+        """``docker ARGS...`` against this engine; raises LabError with its stderr on failure,
+        :class:`DockerTimeout` (a LabError) when it does not finish in ``timeout`` seconds, and
+        LabError when the client cannot be run at all (no /usr/bin/docker)."""
+        what = f"docker {' '.join(args)} ({self.name})"
+        proc = run_client([DOCKER, *args], what, env=self.env(), timeout=timeout, input=input)
         if check and proc.returncode != 0:
             raise LabError(f"docker {' '.join(args)} ({self.name}) exited {proc.returncode}: {proc.stderr.strip()}")
         return proc
@@ -132,7 +150,7 @@ class DockerEngine:
     def answers(self) -> bool:
         try:
             return self.docker("version", "--format", "{{.Server.Version}}", check=False, timeout=10).returncode == 0
-        except subprocess.TimeoutExpired:
+        except DockerTimeout:
             return False
 
     def inspect(self, *names: str) -> list[dict]:
@@ -233,7 +251,7 @@ class DockerEngine:
         pid = self.running_pid() or (self.proc.pid if self.proc is not None and self.proc.poll() is None else None)
         stuck: LabError | None = None  # a dockerd that outlived SIGKILL (stuck in the kernel)
         if pid is not None:
-            with contextlib.suppress(LabError, subprocess.TimeoutExpired):
+            with contextlib.suppress(LabError):
                 self.remove_containers()
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -402,10 +420,8 @@ def compose(
     """``docker-compose -p PROJECT -f FILE ARGS...`` against ``engine``."""
     full_env = engine.env() | (env or {})
     full_env["COMPOSE_PROJECT_NAME"] = project
-    proc = subprocess.run(
-        [COMPOSE, "--ansi", "never", "-p", project, "-f", str(file), *args],
-        env=full_env, cwd=file.parent, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+    proc = run_client([COMPOSE, "--ansi", "never", "-p", project, "-f", str(file), *args],
+                      f"docker-compose {' '.join(args)}", env=full_env, cwd=file.parent, timeout=timeout)
     if check and proc.returncode != 0:
         raise LabError(f"docker-compose {' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()[-3000:]}")
     return proc

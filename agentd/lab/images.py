@@ -27,7 +27,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import tomllib
@@ -35,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentd.lab.dockerd import DockerEngine
+from agentd.lab.dockerd import DockerEngine, DockerTimeout, run_client
 from agentd.lab.errors import LabError
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: Dockerfile, compose.yaml, docker/
@@ -102,10 +101,10 @@ def base_tarball(progress: Callable[[str], None] = lambda line: None) -> Path:
         _remove(tmp)
         # --format=tar: mmdebstrap takes the format from the target's name otherwise, and makes
         # a directory of a name it does not know (".part").
-        proc = subprocess.run(
+        proc = run_client(
             ["mmdebstrap", "--variant=minbase", "--format=tar", "--include=" + ",".join(BASE_PACKAGES), SUITE,
              str(tmp)],
-            capture_output=True, text=True, timeout=1800,
+            "mmdebstrap", timeout=1800,
         )  # fmt: skip
         if proc.returncode != 0 or not tmp.is_file():
             _remove(tmp)
@@ -129,7 +128,11 @@ def busybox_tarball() -> Path:
     with _locked(tar):
         if tar.exists():
             return tar
-        applets = subprocess.run([str(BUSYBOX), "--list"], capture_output=True, text=True, check=True).stdout.split()
+        listed = run_client([str(BUSYBOX), "--list"], f"{BUSYBOX} --list", timeout=60)
+        applets = listed.stdout.split()
+        if listed.returncode != 0 or not applets:
+            raise LabError(f"{BUSYBOX} --list exited {listed.returncode} listing {len(applets)} applets: "
+                           f"{listed.stderr.strip()[-500:]}")
         tmp = tar.with_suffix(".tar.part")
         with tarfile.open(tmp, "w") as out:
             for d in ("bin", "etc", "tmp", "proc", "sys", "dev", "root"):
@@ -180,11 +183,11 @@ def fetch_wheels(dest: Path | None = None) -> Path:
     dest = dest or ROOT / "docker" / "wheels"
     base = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(dest)]
     # Already there from an earlier build: then the index is not asked at all.
-    local = subprocess.run([*base, "--no-index", "--find-links", str(dest), *python_requirements()],
-                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    local = run_client([*base, "--no-index", "--find-links", str(dest), *python_requirements()],
+                       "pip download (from docker/wheels/)", timeout=300)  # fmt: skip
     if local.returncode == 0:
         return dest
-    proc = subprocess.run([*base, *python_requirements()], capture_output=True, text=True, timeout=900, check=False)
+    proc = run_client([*base, *python_requirements()], "pip download", timeout=900)
     if proc.returncode != 0:
         raise LabError(f"pip download of the Python dependencies failed: {proc.stderr.strip()[-2000:]}")
     return dest
@@ -198,7 +201,7 @@ def registry_reachable(engine: DockerEngine) -> bool:
         return True
     try:
         return engine.docker("pull", "--quiet", REGISTRY_BASE, check=False, timeout=120).returncode == 0
-    except subprocess.TimeoutExpired:
+    except DockerTimeout:
         return False
 
 

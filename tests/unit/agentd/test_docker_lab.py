@@ -218,7 +218,120 @@ def test_a_private_engine_has_a_config_file_of_its_own_not_the_hosts_daemon_json
     """No --config-file: every private engine read the host's /etc/docker/daemon.json, and the
     docs' own recipe (bip, mtu, ip-masq there) made each Docker-host lab node's dockerd, given
     those as flags, refuse to start ("specified both as a flag and in the configuration file")."""
-    argv, engine = _start_argv(tmp_path, monkeypatch, daemon_args=["--bip", "10.244.1.1/24", "--mtu", "1450"])
+    argv, _ = _start_argv(tmp_path, monkeypatch, daemon_args=["--bip", "10.244.1.1/24", "--mtu", "1450"])
     assert _flag(argv, "--config-file") == [str(tmp_path / "run" / "daemon.json")]
     assert (tmp_path / "run" / "daemon.json").read_text().strip() == "{}"
     assert argv[-4:] == ["--bip", "10.244.1.1/24", "--mtu", "1450"]
+
+
+def test_a_missing_docker_client_is_one_line_from_compose_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """DockerEngine.docker let FileNotFoundError through: `scripts/dev compose up --user-engine`
+    with no /usr/bin/docker ended in a Python traceback."""
+    monkeypatch.setattr(compose, "STATE_ROOT", tmp_path / "state")
+    monkeypatch.setattr(dockerd, "DOCKER", str(tmp_path / "nonexistent" / "docker"))
+    monkeypatch.setattr(dockerd.subprocess, "run", _no_such_file)
+    assert compose.main(["--name", "zz", "up", "--user-engine"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot run {tmp_path}/nonexistent/docker: No such file" in err, err
+
+
+def _no_such_file(argv, **_):
+    raise FileNotFoundError(2, "No such file or directory", argv[0])
+
+
+def _times_out(argv, *, timeout, **_):
+    import subprocess
+
+    raise subprocess.TimeoutExpired(argv, timeout)
+
+
+def test_a_docker_or_compose_command_that_times_out_is_a_lab_error(monkeypatch):
+    """subprocess.TimeoutExpired is neither an OSError nor a RuntimeError: it went through the
+    lab's stages and compose's main as a traceback."""
+    monkeypatch.setattr(dockerd.subprocess, "run", _times_out)
+    engine = dockerd.DockerEngine("e1", netns=None)
+    with pytest.raises(LabError, match=r"^docker run -d x \(e1\): timed out after 60s$"):
+        engine.docker("run", "-d", "x", timeout=60)
+    assert engine.answers() is False  # a timed-out `docker version`: the engine does not answer
+    with pytest.raises(LabError, match=r"^docker-compose up -d: timed out after 600s$"):
+        dockerd.compose(engine, "up", "-d", project="p", file=dockerd.Path("/nonexistent/compose.yaml"))
+    monkeypatch.setattr(dockerd.subprocess, "run", _no_such_file)
+    monkeypatch.setattr(dockerd, "COMPOSE", "/nonexistent/docker-compose")
+    with pytest.raises(LabError, match="^docker-compose ps: cannot run /nonexistent/docker-compose: No such file"):
+        dockerd.compose(engine, "ps", project="p", file=dockerd.Path("/nonexistent/compose.yaml"))
+
+
+def test_a_failed_compose_up_that_times_out_keeps_the_down_hint(tmp_path, monkeypatch, capsys):
+    """A timeout after up had recorded its state: a traceback, and no word that `down` removes
+    what was made."""
+    monkeypatch.setattr(compose, "STATE_ROOT", tmp_path / "state")
+    monkeypatch.setattr(compose.DockerEngine, "answers", lambda self: True)
+    monkeypatch.setattr(dockerd.subprocess, "run", _times_out)  # `docker image inspect`, the first image check
+    assert compose.main(["--name", "zz", "up", "--user-engine"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("scripts/dev compose: docker image inspect ") and err[0].endswith("timed out after 60s")
+    assert err[1:] == ["(left as it is for a look; `scripts/dev compose down` removes what was made)"]
+    assert compose.ComposeState.load("zz") is not None
+
+
+def test_a_failing_busybox_list_is_a_lab_error(tmp_path, monkeypatch):
+    """busybox --list ran with check=True: its CalledProcessError went through `agentd lab up
+    --docker`'s stage as a traceback."""
+    import subprocess
+
+    from agentd.lab import images
+
+    fake = tmp_path / "busybox"
+    fake.write_bytes(b"\x7fELF")
+    monkeypatch.setattr(images, "BUSYBOX", fake)
+    monkeypatch.setattr(images, "IMAGE_CACHE", tmp_path / "cache")
+    (tmp_path / "cache").mkdir()
+    monkeypatch.setattr(dockerd.subprocess, "run",
+                        lambda argv, **_: subprocess.CompletedProcess(argv, 1, "", "busybox: applet not found"))
+    with pytest.raises(LabError, match="busybox --list exited 1 listing 0 applets: busybox: applet not found"):
+        images.busybox_tarball()
+    assert not list((tmp_path / "cache").glob("*.tar"))
+
+
+def test_a_subprocess_error_in_a_lab_stage_is_a_lab_error(tmp_path, monkeypatch):
+    """Lab.up turned NetnsError, OSError and RuntimeError into "stage ... failed", not a
+    command's timeout or check=True failure (subprocess.SubprocessError)."""
+    import asyncio
+    import subprocess
+
+    from agentd.lab import lab as lab_module
+
+    monkeypatch.setattr(lab_module, "list_names", lambda prefix: [])
+    monkeypatch.setattr(lab_module.bpffs, "sweep_dead", lambda root: None)
+    monkeypatch.setattr(lab_module.bpffs, "umount", lambda path: None)
+    monkeypatch.setattr(lab_module.bpffs, "mount", lambda path: None)
+    lab = lab_module.Lab(lab_module.LabSpec(name="zz", nodes=1), root=tmp_path)
+
+    def build(*_, **__):
+        raise subprocess.CalledProcessError(2, ["ip", "link", "add"])
+
+    monkeypatch.setattr(lab.network, "build", build)
+    with pytest.raises(LabError, match=r"^stage 'network namespaces' failed: Command .*ip.* returned non-zero"):
+        asyncio.run(lab.up(1))
+
+
+def test_compose_commands_say_what_could_not_run_in_one_line(tmp_path, monkeypatch, capsys):
+    """A pass-through command without docker-compose exited 127 without a word (spawnvp's
+    child); a timeout of another command of up's (nsenter ... ip addr) was a traceback."""
+    import subprocess
+
+    monkeypatch.setattr(compose, "STATE_ROOT", tmp_path / "state")
+    monkeypatch.setattr(compose, "COMPOSE", str(tmp_path / "docker-compose"))
+    compose.ComposeState(name="zz", project="agentdzz", host="unix:///x.sock", private=False, netns=None,
+                         backend="host-gw", images=[], env={}).save()  # fmt: skip
+    assert compose.main(["--name", "zz", "ps"]) == 1
+    assert capsys.readouterr().err == (f"scripts/dev compose: cannot run {tmp_path}/docker-compose: not an executable "
+                                       "file (apt-get install docker-compose)\n")  # fmt: skip
+
+    def up(args):
+        raise subprocess.TimeoutExpired(["nsenter", "ip"], 30)
+
+    monkeypatch.setattr(compose, "cmd_up", up)
+    assert compose.main(["--name", "zz", "up"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "scripts/dev compose: Command '['nsenter', 'ip']' timed out after 30 seconds" and len(err) == 2
