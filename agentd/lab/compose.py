@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agentd.cli import seconds_arg  # `agentd lab`'s and `agentd leave`'s: a finite number in 1..3600
-from agentd.lab.dockerd import COMPOSE, DockerEngine, cgroup_pids, compose, engine_cgroups, ensure_netns, mount_points
+from agentd.lab.dockerd import (COMPOSE, DockerEngine, cgroup_pids, compose, engine_cgroups, ensure_netns, mentions,
+                                 mount_points)
 from agentd.lab.errors import LabError
 from agentd.lab.images import AGENT_IMAGE, LOCAL_BASE, ROOT, Images, build_images, has_image
 from agentd.lab.netns import Netns, record_owner
@@ -48,6 +49,7 @@ from agentd.lab.wait import until
 COMPOSE_FILE = ROOT / "compose.yaml"
 STATE_ROOT = Path(os.environ.get("AGENTD_COMPOSE_STATE", "/run/agentd-compose"))
 NODES = ("node1", "node2", "node3")
+PROC = Path("/proc")
 
 
 @dataclass
@@ -239,12 +241,11 @@ def cli(name: str, *args: str, timeout: float = 900, env: dict[str, str] | None 
 def leftovers(engine: DockerEngine) -> list[str]:
     """What of a private engine is still there: namespace, processes, mounts, cgroups, files."""
     left = [f"namespace {engine.netns.name}"] if engine.netns is not None and engine.netns.exists() else []
-    marks = (str(engine.run_root).encode(), str(engine.data_root).encode())
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir(PROC):
         if entry.isdigit():
             with contextlib.suppress(OSError):
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-                if any(m in cmdline for m in marks):
+                cmdline = (PROC / entry / "cmdline").read_bytes()
+                if mentions(cmdline, (engine.run_root, engine.data_root)):  # not compose-lab2's for compose-lab
                     args = cmdline.replace(b"\0", b" ").decode(errors="replace")
                     left.append(f"process {entry}: {args}")
     for point in mount_points():

@@ -294,7 +294,6 @@ class DockerEngine:
         """containerd and its shims, which a killed dockerd leaves behind: found by the paths of
         this engine on their command lines (their network namespace may be a node's, shared
         with other processes that must live)."""
-        marks = (str(self.exec_root).encode(), str(self.data_root).encode())
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -302,9 +301,20 @@ class DockerEngine:
                 cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
-            if any(m in cmdline for m in marks) and b"containerd" in cmdline:
+            if mentions(cmdline, (self.exec_root, self.data_root)) and b"containerd" in cmdline:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(entry), signal.SIGKILL)
+
+
+def mentions(cmdline: bytes, paths: Sequence[Path]) -> bool:
+    """Does a /proc/PID/cmdline name one of ``paths`` or a file below it?  A path counts only
+    up to a "/", the end of an argument or of the line: ``/var/lib/ad-docker/compose-lab`` is
+    not in the ``--data-root /var/lib/ad-docker/compose-lab2`` of another lab's dockerd."""
+    for path in paths:
+        mark = str(path).rstrip("/").encode()
+        if re.search(re.escape(mark) + rb"(?:/|\0|$)", cmdline):
+            return True
+    return False
 
 
 def _alive(pid: int) -> bool:

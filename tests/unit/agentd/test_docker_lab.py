@@ -172,7 +172,9 @@ def test_unmount_under_decodes_every_octal_escape_of_mountinfo(tmp_path, monkeyp
     root = tmp_path / "data"
     info = tmp_path / "mountinfo"
     lines = [f"36 35 0:1 / {root}/a\\012b rw - tmpfs t rw", f"37 35 0:1 / {root}/c\\040d\\011e\\134 rw - tmpfs t rw",
-             f"38 35 0:1 / {root} rw - tmpfs t rw", "39 35 0:1 / /elsewhere rw - tmpfs t rw"]
+             f"38 35 0:1 / {root} rw - tmpfs t rw", "39 35 0:1 / /elsewhere rw - tmpfs t rw",
+             # a sibling engine's (lab-dk-node10 beside lab-dk-node1, compose-lab2 beside compose-lab)
+             f"40 35 0:1 / {root}2 rw - tmpfs t rw", f"41 35 0:1 / {root}2/x rw - tmpfs t rw"]
     info.write_text("\n".join(lines) + "\n")
     assert dockerd.mount_point("/x\\012y\\040z\\134") == "/x\ny z\\"
     umounted = []
@@ -335,3 +337,26 @@ def test_compose_commands_say_what_could_not_run_in_one_line(tmp_path, monkeypat
     assert compose.main(["--name", "zz", "up"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "scripts/dev compose: Command '['nsenter', 'ip']' timed out after 30 seconds" and len(err) == 2
+
+
+def test_leftovers_of_an_engine_are_not_another_engines_whose_path_it_begins(no_host, tmp_path, monkeypatch):
+    """leftovers() matched the data root as a plain substring of every command line:
+    compose-lab2's dockerd (--data-root .../compose-lab2) was reported as compose-lab's."""
+    proc = tmp_path / "proc"
+    cmdlines = {"100": b"dockerd\0--data-root\0/var/lib/ad-docker/compose-lab2\0--exec-root\0/run/ad-docker/x\0",
+                "101": b"containerd-shim\0-namespace\0moby\0--data-root=/var/lib/ad-docker/compose-lab\0",
+                "102": b"containerd\0--root\0/var/lib/ad-docker/compose-lab/containerd/daemon\0",
+                "103": b"dockerd\0--data-root\0/var/lib/ad-docker/compose-lab",
+                "self": b"python\0/var/lib/ad-docker/compose-lab\0"}  # not a pid
+    for pid, cmdline in cmdlines.items():
+        (proc / pid).mkdir(parents=True)
+        (proc / pid / "cmdline").write_bytes(cmdline)
+    monkeypatch.setattr(compose, "PROC", proc)
+    engine = dockerd.DockerEngine("compose-lab", netns=None, run_root=tmp_path / "no-run",
+                                  data_root=dockerd.Path("/var/lib/ad-docker/compose-lab"))  # fmt: skip
+    assert sorted(line.split(":")[0] for line in compose.leftovers(engine)) == ["process 101", "process 102", "process 103"]
+    # _kill_leftovers' test of a command line, the same boundary
+    data = dockerd.Path("/var/lib/ad-docker/compose-lab")
+    assert not dockerd.mentions(cmdlines["100"], [data])
+    assert all(dockerd.mentions(cmdlines[p], [data]) for p in ("101", "102", "103"))
+    assert dockerd.mentions(b"x\0/var/lib/ad-docker/compose-lab/\0", [dockerd.Path("/var/lib/ad-docker/compose-lab/")])
