@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import platform
 import shutil
 import sys
 import tarfile
@@ -178,10 +179,29 @@ def python_requirements() -> list[str]:
     return list(project["build-system"]["requires"]) + list(project["project"]["dependencies"])
 
 
+# The image's interpreter and C library (Debian bookworm's python3 and glibc), which the wheels
+# must fit -- not the host's: a 3.12 venv or a newer glibc fetched wheels the image cannot use.
+IMAGE_PYTHON = ("3.11", "cp", "cp311")
+IMAGE_GLIBC_MINOR = 36
+
+
+def wheel_target(machine: str | None = None) -> list[str]:
+    """``pip download``'s flags for the image's interpreter and platform (manylinux up to
+    bookworm's glibc 2.36; the host's architecture, the engine's)."""
+    arch = machine or platform.machine()
+    version, implementation, abi = IMAGE_PYTHON
+    platforms = [f"manylinux_2_{minor}_{arch}" for minor in range(IMAGE_GLIBC_MINOR, 16, -1)]
+    platforms.append(f"manylinux2014_{arch}")  # pip adds manylinux2010 and manylinux1 to it
+    return ["--python-version", version, "--implementation", implementation, "--abi", abi,
+            *(word for p in platforms for word in ("--platform", p))]  # fmt: skip
+
+
 def fetch_wheels(dest: Path | None = None) -> Path:
-    """Wheels of every Python requirement into docker/wheels/ (the Dockerfile's offline source)."""
+    """Wheels of every Python requirement into docker/wheels/ (the Dockerfile's offline source),
+    for the image's interpreter and platform (:func:`wheel_target`)."""
     dest = dest or ROOT / "docker" / "wheels"
-    base = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(dest)]
+    base = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *wheel_target(),
+            "--dest", str(dest)]  # fmt: skip
     # Already there from an earlier build: then the index is not asked at all.
     local = run_client([*base, "--no-index", "--find-links", str(dest), *python_requirements()],
                        "pip download (from docker/wheels/)", timeout=300)  # fmt: skip
@@ -194,11 +214,11 @@ def fetch_wheels(dest: Path | None = None) -> Path:
 
 
 def registry_reachable(engine: DockerEngine) -> bool:
-    """Can ``engine`` get the slim Python image (has it, or pulls it)?  AGENTD_LOCAL_BASE=1 says no."""
+    """Does ``engine`` reach the registry: a pull of the slim Python image succeeds.  The image
+    cached from an earlier run says nothing: without a registry the Dockerfile's apt-get and
+    pip install, and docker-compose's etcd pull, fail all the same.  AGENTD_LOCAL_BASE=1 says no."""
     if os.environ.get("AGENTD_LOCAL_BASE") == "1":
         return False
-    if has_image(engine, REGISTRY_BASE):
-        return True
     try:
         return engine.docker("pull", "--quiet", REGISTRY_BASE, check=False, timeout=120).returncode == 0
     except DockerTimeout:

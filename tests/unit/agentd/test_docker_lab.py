@@ -360,3 +360,47 @@ def test_leftovers_of_an_engine_are_not_another_engines_whose_path_it_begins(no_
     assert not dockerd.mentions(cmdlines["100"], [data])
     assert all(dockerd.mentions(cmdlines[p], [data]) for p in ("101", "102", "103"))
     assert dockerd.mentions(b"x\0/var/lib/ad-docker/compose-lab/\0", [dockerd.Path("/var/lib/ad-docker/compose-lab/")])
+
+
+class _Engine:
+    """A DockerEngine's docker(): each call recorded, the return code of each subcommand given."""
+
+    def __init__(self, codes):
+        self.codes, self.calls = codes, []
+
+    def docker(self, *args, check=True, timeout=300, input=None):
+        import subprocess
+
+        self.calls.append(args)
+        return subprocess.CompletedProcess(args, self.codes.get(args[0], 0), "", "")
+
+
+def test_a_cached_base_image_does_not_make_an_unreachable_registry_reachable(monkeypatch):
+    """registry_reachable returned True as soon as the engine had python:3.11-slim-bookworm:
+    offline, the build then took the registry path (apt-get, pip from PyPI, etcd from quay.io)."""
+    from agentd.lab import images
+
+    monkeypatch.delenv("AGENTD_LOCAL_BASE", raising=False)
+    offline = _Engine({"image": 0, "pull": 1})  # has the image, cannot pull
+    assert images.registry_reachable(offline) is False
+    assert ("pull", "--quiet", images.REGISTRY_BASE) in offline.calls
+    assert images.registry_reachable(_Engine({"image": 0, "pull": 0})) is True
+
+
+def test_wheels_are_fetched_for_the_images_python_and_platform_not_the_hosts(tmp_path, monkeypatch):
+    """pip download ran for the host's interpreter (a 3.12 venv, a newer glibc): the image's
+    --no-index install then found "No matching distribution"."""
+    import subprocess
+
+    from agentd.lab import images
+
+    argvs = []
+    monkeypatch.setattr(dockerd.subprocess, "run", lambda argv, **_: argvs.append(argv) or
+                        subprocess.CompletedProcess(argv, 0, "", ""))  # fmt: skip
+    monkeypatch.setattr(images.platform, "machine", lambda: "aarch64")
+    images.fetch_wheels(tmp_path)
+    argv = argvs[0]
+    flag = lambda name: [argv[i + 1] for i, w in enumerate(argv) if w == name]
+    assert flag("--python-version") == ["3.11"] and flag("--implementation") == ["cp"] and flag("--abi") == ["cp311"]
+    assert "manylinux_2_36_aarch64" in flag("--platform") and "manylinux2014_aarch64" in flag("--platform")
+    assert "manylinux_2_37_aarch64" not in flag("--platform")  # newer than bookworm's glibc
