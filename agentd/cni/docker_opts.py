@@ -30,6 +30,11 @@ node's pod subnet, so the containers get cluster addresses that every other node
   ``"allow-direct-routing": true`` in daemon.json) is set.  Older daemons (20.10) refuse the
   unknown option, so it is never given unasked.
 
+Docker's own address pools: the networks Docker makes itself (``docker network create``,
+docker-compose) take subnets of 172.17.0.0/16-172.31.0.0/16 and 192.168.0.0/16; a cluster
+network that overlaps them (192.168.0.0/16, Calico's default) is warned of in one line, and
+``--format json`` adds ``default-address-pools``: Docker's pools without the cluster network.
+
 One or the other: Docker's bridge and agentd-cni's ``cni0`` would both take the node's whole
 subnet, both hold its gateway and both hand out its addresses.  It refuses, in one line, a
 node whose agent writes agentd-cni's conflist (the subnet file's ``AGENTD_WRITE_CONFLIST=true``,
@@ -52,6 +57,7 @@ import json
 import os
 import re
 import sys
+from ipaddress import IPv4Network
 from typing import Any
 
 from agentd.cni.endpoints import SUFFIX, endpoints_dir
@@ -86,6 +92,43 @@ def docker_options(sf: SubnetFile, allow_direct_routing: bool = False) -> dict[s
     if allow_direct_routing:
         out["allow-direct-routing"] = True
     return out
+
+
+# Docker's own default address pools (libnetwork's ipamutils, daemon.json's
+# "default-address-pools" when not given): what `docker network create`, docker-compose and
+# docker0 without --bip take their subnets from.
+DOCKER_DEFAULT_POOLS: tuple[tuple[IPv4Network, int], ...] = (
+    *((IPv4Network(f"172.{n}.0.0/16"), 16) for n in range(17, 32)),
+    (IPv4Network("192.168.0.0/16"), 20),
+)
+
+
+def pools_outside(network: IPv4Network) -> tuple[list[dict[str, Any]], bool]:
+    """Docker's default address pools without ``network`` (the cluster's), as daemon.json's
+    ``default-address-pools`` names them, and whether any overlapped it.  A pool the network
+    lies inside keeps the pieces around it that still hold whole networks of the pool's size
+    (192.168.0.0/16's /20s around a 192.168.64.0/18; none of a /16 pool's)."""
+    pools: list[dict[str, Any]] = []
+    overlap = False
+    for base, size in DOCKER_DEFAULT_POOLS:
+        if not base.overlaps(network):
+            pools.append({"base": str(base), "size": size})
+            continue
+        overlap = True
+        if network.supernet_of(base):
+            continue  # all of it is the cluster's
+        pools += [{"base": str(piece), "size": size} for piece in sorted(base.address_exclude(network))
+                  if piece.prefixlen <= size]  # fmt: skip
+    return pools, overlap
+
+
+def pools_warning(network: IPv4Network, pools: list[dict[str, Any]], fmt: str) -> str:
+    said = ("--format json adds them as default-address-pools" if fmt == "json" and pools
+            else "give dockerd default-address-pools outside it (agentd docker-opts --format json prints them)"
+            if pools else "give dockerd default-address-pools outside it")
+    return (f"agentd docker-opts: warning: the cluster network {network} overlaps Docker's default address pools "
+            f"(172.17.0.0/16-172.31.0.0/16, 192.168.0.0/16 in /20s): a network Docker makes (docker network "
+            f"create, docker-compose) could take other nodes' pod addresses; {said} (docs/docker.md)")
 
 
 def render(options: dict[str, Any], fmt: str, key: str = "DOCKER_OPTS") -> str:
@@ -257,6 +300,12 @@ def run(args: argparse.Namespace, agent_masquerades: bool | None = None, cni: An
     if agent_masquerades is False:
         print(IP_MASQ_OFF, file=sys.stderr)
     options = docker_options(sf, args.allow_direct_routing)
+    if sf.network is not None:
+        pools, overlap = pools_outside(sf.network)
+        if overlap:
+            print(pools_warning(sf.network, pools, args.format), file=sys.stderr)
+            if args.format == "json" and pools:
+                options["default-address-pools"] = pools
     text = render_individual(options) if args.individual else render(options, args.format, args.key)
     if args.output is not None:
         try:

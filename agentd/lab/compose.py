@@ -2,7 +2,7 @@
 
     python -m agentd.lab.compose up [--backend B] [--name NAME] [--user-engine] [--timeout S]
     python -m agentd.lab.compose down [--name NAME] [--images]
-    python -m agentd.lab.compose status|ps|logs|exec ... [--name NAME]   docker-compose, pointed at the lab
+    python -m agentd.lab.compose ps|logs|exec|top ... [--name NAME]   docker-compose, pointed at the lab
 
 ``up`` starts a Docker engine of its own in a network namespace (agentd.lab.dockerd:
 ``ad-compose_<name>-docker``, its docker0 and iptables rules in there: nothing of the lab in
@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agentd.cli import seconds_arg  # `agentd lab`'s and `agentd leave`'s: a finite number in 1..3600
-from agentd.lab.dockerd import DockerEngine, cgroup_pids, compose, engine_cgroups, ensure_netns, mount_points
+from agentd.lab.dockerd import (COMPOSE, DockerEngine, cgroup_pids, compose, engine_cgroups, ensure_netns, mentions,
+                                 mount_points)
 from agentd.lab.errors import LabError
 from agentd.lab.images import AGENT_IMAGE, LOCAL_BASE, ROOT, Images, build_images, has_image
 from agentd.lab.netns import Netns, record_owner
@@ -48,6 +49,7 @@ from agentd.lab.wait import until
 COMPOSE_FILE = ROOT / "compose.yaml"
 STATE_ROOT = Path(os.environ.get("AGENTD_COMPOSE_STATE", "/run/agentd-compose"))
 NODES = ("node1", "node2", "node3")
+PROC = Path("/proc")
 
 
 @dataclass
@@ -239,12 +241,11 @@ def cli(name: str, *args: str, timeout: float = 900, env: dict[str, str] | None 
 def leftovers(engine: DockerEngine) -> list[str]:
     """What of a private engine is still there: namespace, processes, mounts, cgroups, files."""
     left = [f"namespace {engine.netns.name}"] if engine.netns is not None and engine.netns.exists() else []
-    marks = (str(engine.run_root).encode(), str(engine.data_root).encode())
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir(PROC):
         if entry.isdigit():
             with contextlib.suppress(OSError):
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-                if any(m in cmdline for m in marks):
+                cmdline = (PROC / entry / "cmdline").read_bytes()
+                if mentions(cmdline, (engine.run_root, engine.data_root)):  # not compose-lab2's for compose-lab
                     args = cmdline.replace(b"\0", b" ").decode(errors="replace")
                     left.append(f"process {entry}: {args}")
     for point in mount_points():
@@ -388,8 +389,10 @@ def cmd_passthrough(args: argparse.Namespace, argv: list[str]) -> int:
         raise LabError(f"no compose lab {args.name} (`scripts/dev compose up` makes one)")
     lab = ComposeLab(engine_of(state), state.project, state.env)
     env = lab.engine.env() | lab.env | {"COMPOSE_PROJECT_NAME": lab.project}
-    cmd = ["docker-compose", "-p", lab.project, "-f", str(COMPOSE_FILE), *argv]
-    return os.spawnvpe(os.P_WAIT, cmd[0], cmd, env)
+    cmd = [COMPOSE, "-p", lab.project, "-f", str(COMPOSE_FILE), *argv]  # up's docker-compose, by path
+    if not os.access(COMPOSE, os.X_OK):  # spawnv's child would exit 127 without a word
+        raise LabError(f"cannot run {COMPOSE}: not an executable file (apt-get install docker-compose)")
+    return os.spawnve(os.P_WAIT, cmd[0], cmd, env)
 
 
 def _name(text: str) -> str:
@@ -424,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_passthrough(args, argv[i:])
         args = p.parse_args(argv)
         return cmd_up(args) if args.command == "up" else cmd_down(args)
-    except LabError as err:
+    except (LabError, OSError, subprocess.SubprocessError) as err:
+        # OSError, SubprocessError: a command that could not run or ran out of time (those of
+        # docker and docker-compose are LabErrors already): one line, never a traceback.
         print(f"scripts/dev compose: {err}", file=sys.stderr)
         if argv[i:i + 1] == ["up"] and ComposeState.load(args.name) is not None:
             print("(left as it is for a look; `scripts/dev compose down` removes what was made)", file=sys.stderr)

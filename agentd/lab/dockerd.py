@@ -33,6 +33,7 @@ import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from agentd.lab.errors import LabError
 from agentd.lab.netns import Netns, tied
@@ -48,6 +49,22 @@ BPF_CAPS_RUNC = Path(__file__).resolve().parents[2] / "docker" / "runc-bpf-caps"
 # Short paths: containerd's socket lives under the exec root, and AF_UNIX paths end at 107 bytes.
 RUN_ROOT = Path(os.environ.get("AGENTD_DOCKER_RUN", "/run/ad-docker"))
 DATA_ROOT = Path(os.environ.get("AGENTD_DOCKER_DATA", "/var/lib/ad-docker"))
+
+
+class DockerTimeout(LabError):
+    """A ``docker`` or ``docker-compose`` command that did not finish in its time."""
+
+
+def run_client(argv: list[str], what: str, *, timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv)``, its output captured as text; a client that cannot be run
+    (missing, not executable) is a :class:`LabError`, one that runs out of time a
+    :class:`DockerTimeout` -- never a traceback out of ``scripts/dev compose`` or ``agentd lab up``."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+    except subprocess.TimeoutExpired:
+        raise DockerTimeout(f"{what}: timed out after {timeout:g}s") from None
+    except OSError as err:
+        raise LabError(f"{what}: cannot run {argv[0]}: {err.strerror or err}") from None
 
 
 class DockerEngine:
@@ -99,7 +116,15 @@ class DockerEngine:
         return self.run_root / "dockerd.log"
 
     @property
+    def config_file(self) -> Path:
+        """Its own daemon.json (``{}``): never the host engine's /etc/docker/daemon.json, whose
+        keys would conflict with this engine's flags (``bip``, ``data-root``: dockerd refuses
+        to start) or change the lab (``iptables``, ``userns-remap``, a cgroup driver)."""
+        return self.run_root / "daemon.json"
+
+    @property
     def cgroup_parent(self) -> str:
+        """A path, not a systemd slice: the engine runs with the cgroupfs driver (``start``)."""
         return f"/ad-docker-{self.name}"
 
     # ------------------------------------------------------------ the client
@@ -113,10 +138,11 @@ class DockerEngine:
     def docker(
         self, *args: str, check: bool = True, timeout: float = 300, input: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """``docker ARGS...`` against this engine; raises LabError with its stderr on failure."""
-        proc = subprocess.run(
-            [DOCKER, *args], env=self.env(), capture_output=True, text=True, timeout=timeout, input=input
-        )
+        """``docker ARGS...`` against this engine; raises LabError with its stderr on failure,
+        :class:`DockerTimeout` (a LabError) when it does not finish in ``timeout`` seconds, and
+        LabError when the client cannot be run at all (no /usr/bin/docker)."""
+        what = f"docker {' '.join(args)} ({self.name})"
+        proc = run_client([DOCKER, *args], what, env=self.env(), timeout=timeout, input=input)
         if check and proc.returncode != 0:
             raise LabError(f"docker {' '.join(args)} ({self.name}) exited {proc.returncode}: {proc.stderr.strip()}")
         return proc
@@ -124,7 +150,7 @@ class DockerEngine:
     def answers(self) -> bool:
         try:
             return self.docker("version", "--format", "{{.Server.Version}}", check=False, timeout=10).returncode == 0
-        except subprocess.TimeoutExpired:
+        except DockerTimeout:
             return False
 
     def inspect(self, *names: str) -> list[dict]:
@@ -159,13 +185,20 @@ class DockerEngine:
             raise LabError(f"engine {self.name}: a private engine needs a network namespace")
         for d in (self.run_root, self.exec_root, self.data_root):
             d.mkdir(parents=True, exist_ok=True)
+        self.config_file.write_text("{}\n")
         argv = [
             "nsenter", f"--net={self.netns.path}", "dockerd",
             "--data-root", str(self.data_root),
             "--exec-root", str(self.exec_root),
             "--host", self.host,
             "--pidfile", str(self.pidfile),
+            "--config-file", str(self.config_file),
             "--cgroup-parent", self.cgroup_parent,
+            # The cgroupfs driver, which takes a path parent: on a cgroup-v2 host booted with
+            # systemd, dockerd 20.10 picks the systemd driver by itself, and that one refuses
+            # any parent but a "xxx.slice" ("cgroup-parent for systemd cgroup should be a valid
+            # slice"): the engine would not start.
+            "--exec-opt", "native.cgroupdriver=cgroupfs",
             # No DNS of the host's to copy into containers: the lab has no outside world.
             "--dns", "127.0.0.1",
             *([f"--add-runtime={BPF_CAPS_RUNTIME}={BPF_CAPS_RUNC}"] if BPF_CAPS_RUNC.exists() else []),
@@ -218,7 +251,7 @@ class DockerEngine:
         pid = self.running_pid() or (self.proc.pid if self.proc is not None and self.proc.poll() is None else None)
         stuck: LabError | None = None  # a dockerd that outlived SIGKILL (stuck in the kernel)
         if pid is not None:
-            with contextlib.suppress(LabError, subprocess.TimeoutExpired):
+            with contextlib.suppress(LabError):
                 self.remove_containers()
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -261,7 +294,6 @@ class DockerEngine:
         """containerd and its shims, which a killed dockerd leaves behind: found by the paths of
         this engine on their command lines (their network namespace may be a node's, shared
         with other processes that must live)."""
-        marks = (str(self.exec_root).encode(), str(self.data_root).encode())
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -269,9 +301,20 @@ class DockerEngine:
                 cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
-            if any(m in cmdline for m in marks) and b"containerd" in cmdline:
+            if mentions(cmdline, (self.exec_root, self.data_root)) and b"containerd" in cmdline:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(entry), signal.SIGKILL)
+
+
+def mentions(cmdline: bytes, paths: Sequence[Path]) -> bool:
+    """Does a /proc/PID/cmdline name one of ``paths`` or a file below it?  A path counts only
+    up to a "/", the end of an argument or of the line: ``/var/lib/ad-docker/compose-lab`` is
+    not in the ``--data-root /var/lib/ad-docker/compose-lab2`` of another lab's dockerd."""
+    for path in paths:
+        mark = str(path).rstrip("/").encode()
+        if re.search(re.escape(mark) + rb"(?:/|\0|$)", cmdline):
+            return True
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -387,10 +430,8 @@ def compose(
     """``docker-compose -p PROJECT -f FILE ARGS...`` against ``engine``."""
     full_env = engine.env() | (env or {})
     full_env["COMPOSE_PROJECT_NAME"] = project
-    proc = subprocess.run(
-        [COMPOSE, "--ansi", "never", "-p", project, "-f", str(file), *args],
-        env=full_env, cwd=file.parent, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+    proc = run_client([COMPOSE, "--ansi", "never", "-p", project, "-f", str(file), *args],
+                      f"docker-compose {' '.join(args)}", env=full_env, cwd=file.parent, timeout=timeout)
     if check and proc.returncode != 0:
         raise LabError(f"docker-compose {' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()[-3000:]}")
     return proc

@@ -26,8 +26,8 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import platform
 import shutil
-import subprocess
 import sys
 import tarfile
 import tomllib
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentd.lab.dockerd import DockerEngine
+from agentd.lab.dockerd import DockerEngine, DockerTimeout, run_client
 from agentd.lab.errors import LabError
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: Dockerfile, compose.yaml, docker/
@@ -102,10 +102,10 @@ def base_tarball(progress: Callable[[str], None] = lambda line: None) -> Path:
         _remove(tmp)
         # --format=tar: mmdebstrap takes the format from the target's name otherwise, and makes
         # a directory of a name it does not know (".part").
-        proc = subprocess.run(
+        proc = run_client(
             ["mmdebstrap", "--variant=minbase", "--format=tar", "--include=" + ",".join(BASE_PACKAGES), SUITE,
              str(tmp)],
-            capture_output=True, text=True, timeout=1800,
+            "mmdebstrap", timeout=1800,
         )  # fmt: skip
         if proc.returncode != 0 or not tmp.is_file():
             _remove(tmp)
@@ -129,7 +129,11 @@ def busybox_tarball() -> Path:
     with _locked(tar):
         if tar.exists():
             return tar
-        applets = subprocess.run([str(BUSYBOX), "--list"], capture_output=True, text=True, check=True).stdout.split()
+        listed = run_client([str(BUSYBOX), "--list"], f"{BUSYBOX} --list", timeout=60)
+        applets = listed.stdout.split()
+        if listed.returncode != 0 or not applets:
+            raise LabError(f"{BUSYBOX} --list exited {listed.returncode} listing {len(applets)} applets: "
+                           f"{listed.stderr.strip()[-500:]}")
         tmp = tar.with_suffix(".tar.part")
         with tarfile.open(tmp, "w") as out:
             for d in ("bin", "etc", "tmp", "proc", "sys", "dev", "root"):
@@ -175,30 +179,49 @@ def python_requirements() -> list[str]:
     return list(project["build-system"]["requires"]) + list(project["project"]["dependencies"])
 
 
+# The image's interpreter and C library (Debian bookworm's python3 and glibc), which the wheels
+# must fit -- not the host's: a 3.12 venv or a newer glibc fetched wheels the image cannot use.
+IMAGE_PYTHON = ("3.11", "cp", "cp311")
+IMAGE_GLIBC_MINOR = 36
+
+
+def wheel_target(machine: str | None = None) -> list[str]:
+    """``pip download``'s flags for the image's interpreter and platform (manylinux up to
+    bookworm's glibc 2.36; the host's architecture, the engine's)."""
+    arch = machine or platform.machine()
+    version, implementation, abi = IMAGE_PYTHON
+    platforms = [f"manylinux_2_{minor}_{arch}" for minor in range(IMAGE_GLIBC_MINOR, 16, -1)]
+    platforms.append(f"manylinux2014_{arch}")  # pip adds manylinux2010 and manylinux1 to it
+    return ["--python-version", version, "--implementation", implementation, "--abi", abi,
+            *(word for p in platforms for word in ("--platform", p))]  # fmt: skip
+
+
 def fetch_wheels(dest: Path | None = None) -> Path:
-    """Wheels of every Python requirement into docker/wheels/ (the Dockerfile's offline source)."""
+    """Wheels of every Python requirement into docker/wheels/ (the Dockerfile's offline source),
+    for the image's interpreter and platform (:func:`wheel_target`)."""
     dest = dest or ROOT / "docker" / "wheels"
-    base = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(dest)]
+    base = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *wheel_target(),
+            "--dest", str(dest)]  # fmt: skip
     # Already there from an earlier build: then the index is not asked at all.
-    local = subprocess.run([*base, "--no-index", "--find-links", str(dest), *python_requirements()],
-                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    local = run_client([*base, "--no-index", "--find-links", str(dest), *python_requirements()],
+                       "pip download (from docker/wheels/)", timeout=300)  # fmt: skip
     if local.returncode == 0:
         return dest
-    proc = subprocess.run([*base, *python_requirements()], capture_output=True, text=True, timeout=900, check=False)
+    proc = run_client([*base, *python_requirements()], "pip download", timeout=900)
     if proc.returncode != 0:
         raise LabError(f"pip download of the Python dependencies failed: {proc.stderr.strip()[-2000:]}")
     return dest
 
 
 def registry_reachable(engine: DockerEngine) -> bool:
-    """Can ``engine`` get the slim Python image (has it, or pulls it)?  AGENTD_LOCAL_BASE=1 says no."""
+    """Does ``engine`` reach the registry: a pull of the slim Python image succeeds.  The image
+    cached from an earlier run says nothing: without a registry the Dockerfile's apt-get and
+    pip install, and docker-compose's etcd pull, fail all the same.  AGENTD_LOCAL_BASE=1 says no."""
     if os.environ.get("AGENTD_LOCAL_BASE") == "1":
         return False
-    if has_image(engine, REGISTRY_BASE):
-        return True
     try:
         return engine.docker("pull", "--quiet", REGISTRY_BASE, check=False, timeout=120).returncode == 0
-    except subprocess.TimeoutExpired:
+    except DockerTimeout:
         return False
 
 

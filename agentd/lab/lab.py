@@ -488,7 +488,8 @@ class Lab:
             self._stage(f"all pods reachable ({len(self.pods) * (len(self.pods) - 1)} pod pairs{over})")
         except LabError as err:
             raise LabError(f"stage '{stage}' did not complete: {err}") from None
-        except (NetnsError, OSError, RuntimeError) as err:
+        except (NetnsError, OSError, RuntimeError, subprocess.SubprocessError) as err:
+            # SubprocessError: a command's timeout or check=True failure, neither an OSError
             raise LabError(f"stage '{stage}' failed: {err}") from None
 
     # ------------------------------------------------------------ changes to a running lab

@@ -61,6 +61,24 @@ def test_the_daemon_json_route_still_orders_docker_after_the_agent():
     assert "After=agentd.service" in after
 
 
+def test_the_docker_drop_in_keeps_the_operators_docker_opts_and_names_each_packages_dockerd():
+    """The drop-in wrote agentd's options as DOCKER_OPTS, read after Debian's
+    /etc/default/docker: the operator's own DOCKER_OPTS (--dns, --insecure-registry) were
+    silently replaced.  And its ExecStart's /usr/sbin/dockerd is Debian's: Docker CE's is
+    /usr/bin/dockerd (docker.service failed with 203/EXEC)."""
+    docker = (ROOT / "docs" / "docker.md").read_text()
+    drop_in = docker[docker.index("[Service]\n        ExecStartPre=/usr/local/bin/agentd docker-opts"):]
+    pre = re.search(r"ExecStartPre=/usr/local/bin/agentd docker-opts (.*)", drop_in)
+    assert pre is not None
+    key = re.search(r"--key (\w+)", pre.group(1))
+    assert key is not None and key.group(1) != "DOCKER_OPTS", pre.group(0)
+    starts = re.findall(r"^ +ExecStart=(\S+) (.*)$", drop_in[:3000], re.MULTILINE)
+    assert {path for path, _ in starts} == {"/usr/sbin/dockerd", "/usr/bin/dockerd"}, starts
+    for path, args in starts:  # agentd's variable on each; Debian's keeps the operator's DOCKER_OPTS
+        assert f"${key.group(1)}" in args.split()
+        assert ("$DOCKER_OPTS" in args.split()) == (path == "/usr/sbin/dockerd")
+
+
 
 # ------------------------------------------------------------------ agentd command lines
 

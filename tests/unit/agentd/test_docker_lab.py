@@ -172,10 +172,235 @@ def test_unmount_under_decodes_every_octal_escape_of_mountinfo(tmp_path, monkeyp
     root = tmp_path / "data"
     info = tmp_path / "mountinfo"
     lines = [f"36 35 0:1 / {root}/a\\012b rw - tmpfs t rw", f"37 35 0:1 / {root}/c\\040d\\011e\\134 rw - tmpfs t rw",
-             f"38 35 0:1 / {root} rw - tmpfs t rw", "39 35 0:1 / /elsewhere rw - tmpfs t rw"]
+             f"38 35 0:1 / {root} rw - tmpfs t rw", "39 35 0:1 / /elsewhere rw - tmpfs t rw",
+             # a sibling engine's (lab-dk-node10 beside lab-dk-node1, compose-lab2 beside compose-lab)
+             f"40 35 0:1 / {root}2 rw - tmpfs t rw", f"41 35 0:1 / {root}2/x rw - tmpfs t rw"]
     info.write_text("\n".join(lines) + "\n")
     assert dockerd.mount_point("/x\\012y\\040z\\134") == "/x\ny z\\"
     umounted = []
     monkeypatch.setattr(dockerd.subprocess, "run", lambda argv, **kw: umounted.append(argv[-1]))
     dockerd.unmount_under(root, info)
     assert umounted == [f"{root}/c d\te\\", f"{root}/a\nb", str(root)]
+
+
+def _start_argv(tmp_path, monkeypatch, **kw) -> tuple[list[str], dockerd.DockerEngine]:
+    """The command line DockerEngine.start runs dockerd with (Popen captured: nothing is run)."""
+
+    class Started(Exception):
+        pass
+
+    argvs = []
+
+    def popen(argv, **_):
+        argvs.append(argv)
+        raise Started
+
+    monkeypatch.setattr(dockerd.subprocess, "Popen", popen)
+    engine = dockerd.DockerEngine("compose-t1", netns=Netns("ad-compose_t1-docker"), run_root=tmp_path / "run",
+                                  data_root=tmp_path / "data", **kw)  # fmt: skip
+    with pytest.raises(Started):
+        engine.start()
+    return argvs[0], engine
+
+
+def _flag(argv: list[str], name: str) -> list[str]:
+    return [argv[i + 1] for i, word in enumerate(argv) if word == name]
+
+
+def test_a_private_engine_pins_the_cgroupfs_driver_for_its_path_cgroup_parent(tmp_path, monkeypatch):
+    """A path --cgroup-parent and no cgroup driver: on a cgroup-v2 host booted with systemd
+    (Debian 12), dockerd 20.10 takes the systemd driver by itself and refuses to start
+    ("cgroup-parent for systemd cgroup should be a valid slice named as "xxx.slice"")."""
+    argv, engine = _start_argv(tmp_path, monkeypatch)
+    assert _flag(argv, "--cgroup-parent") == ["/ad-docker-compose-t1"] == [engine.cgroup_parent]
+    assert _flag(argv, "--exec-opt") == ["native.cgroupdriver=cgroupfs"]
+
+
+def test_a_private_engine_has_a_config_file_of_its_own_not_the_hosts_daemon_json(tmp_path, monkeypatch):
+    """No --config-file: every private engine read the host's /etc/docker/daemon.json, and the
+    docs' own recipe (bip, mtu, ip-masq there) made each Docker-host lab node's dockerd, given
+    those as flags, refuse to start ("specified both as a flag and in the configuration file")."""
+    argv, _ = _start_argv(tmp_path, monkeypatch, daemon_args=["--bip", "10.244.1.1/24", "--mtu", "1450"])
+    assert _flag(argv, "--config-file") == [str(tmp_path / "run" / "daemon.json")]
+    assert (tmp_path / "run" / "daemon.json").read_text().strip() == "{}"
+    assert argv[-4:] == ["--bip", "10.244.1.1/24", "--mtu", "1450"]
+
+
+def test_a_missing_docker_client_is_one_line_from_compose_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """DockerEngine.docker let FileNotFoundError through: `scripts/dev compose up --user-engine`
+    with no /usr/bin/docker ended in a Python traceback."""
+    monkeypatch.setattr(compose, "STATE_ROOT", tmp_path / "state")
+    monkeypatch.setattr(dockerd, "DOCKER", str(tmp_path / "nonexistent" / "docker"))
+    monkeypatch.setattr(dockerd.subprocess, "run", _no_such_file)
+    assert compose.main(["--name", "zz", "up", "--user-engine"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot run {tmp_path}/nonexistent/docker: No such file" in err, err
+
+
+def _no_such_file(argv, **_):
+    raise FileNotFoundError(2, "No such file or directory", argv[0])
+
+
+def _times_out(argv, *, timeout, **_):
+    import subprocess
+
+    raise subprocess.TimeoutExpired(argv, timeout)
+
+
+def test_a_docker_or_compose_command_that_times_out_is_a_lab_error(monkeypatch):
+    """subprocess.TimeoutExpired is neither an OSError nor a RuntimeError: it went through the
+    lab's stages and compose's main as a traceback."""
+    monkeypatch.setattr(dockerd.subprocess, "run", _times_out)
+    engine = dockerd.DockerEngine("e1", netns=None)
+    with pytest.raises(LabError, match=r"^docker run -d x \(e1\): timed out after 60s$"):
+        engine.docker("run", "-d", "x", timeout=60)
+    assert engine.answers() is False  # a timed-out `docker version`: the engine does not answer
+    with pytest.raises(LabError, match=r"^docker-compose up -d: timed out after 600s$"):
+        dockerd.compose(engine, "up", "-d", project="p", file=dockerd.Path("/nonexistent/compose.yaml"))
+    monkeypatch.setattr(dockerd.subprocess, "run", _no_such_file)
+    monkeypatch.setattr(dockerd, "COMPOSE", "/nonexistent/docker-compose")
+    with pytest.raises(LabError, match="^docker-compose ps: cannot run /nonexistent/docker-compose: No such file"):
+        dockerd.compose(engine, "ps", project="p", file=dockerd.Path("/nonexistent/compose.yaml"))
+
+
+def test_a_failed_compose_up_that_times_out_keeps_the_down_hint(tmp_path, monkeypatch, capsys):
+    """A timeout after up had recorded its state: a traceback, and no word that `down` removes
+    what was made."""
+    monkeypatch.setattr(compose, "STATE_ROOT", tmp_path / "state")
+    monkeypatch.setattr(compose.DockerEngine, "answers", lambda self: True)
+    monkeypatch.setattr(dockerd.subprocess, "run", _times_out)  # `docker image inspect`, the first image check
+    assert compose.main(["--name", "zz", "up", "--user-engine"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("scripts/dev compose: docker image inspect ") and err[0].endswith("timed out after 60s")
+    assert err[1:] == ["(left as it is for a look; `scripts/dev compose down` removes what was made)"]
+    assert compose.ComposeState.load("zz") is not None
+
+
+def test_a_failing_busybox_list_is_a_lab_error(tmp_path, monkeypatch):
+    """busybox --list ran with check=True: its CalledProcessError went through `agentd lab up
+    --docker`'s stage as a traceback."""
+    import subprocess
+
+    from agentd.lab import images
+
+    fake = tmp_path / "busybox"
+    fake.write_bytes(b"\x7fELF")
+    monkeypatch.setattr(images, "BUSYBOX", fake)
+    monkeypatch.setattr(images, "IMAGE_CACHE", tmp_path / "cache")
+    (tmp_path / "cache").mkdir()
+    monkeypatch.setattr(dockerd.subprocess, "run",
+                        lambda argv, **_: subprocess.CompletedProcess(argv, 1, "", "busybox: applet not found"))
+    with pytest.raises(LabError, match="busybox --list exited 1 listing 0 applets: busybox: applet not found"):
+        images.busybox_tarball()
+    assert not list((tmp_path / "cache").glob("*.tar"))
+
+
+def test_a_subprocess_error_in_a_lab_stage_is_a_lab_error(tmp_path, monkeypatch):
+    """Lab.up turned NetnsError, OSError and RuntimeError into "stage ... failed", not a
+    command's timeout or check=True failure (subprocess.SubprocessError)."""
+    import asyncio
+    import subprocess
+
+    from agentd.lab import lab as lab_module
+
+    monkeypatch.setattr(lab_module, "list_names", lambda prefix: [])
+    monkeypatch.setattr(lab_module.bpffs, "sweep_dead", lambda root: None)
+    monkeypatch.setattr(lab_module.bpffs, "umount", lambda path: None)
+    monkeypatch.setattr(lab_module.bpffs, "mount", lambda path: None)
+    lab = lab_module.Lab(lab_module.LabSpec(name="zz", nodes=1), root=tmp_path)
+
+    def build(*_, **__):
+        raise subprocess.CalledProcessError(2, ["ip", "link", "add"])
+
+    monkeypatch.setattr(lab.network, "build", build)
+    with pytest.raises(LabError, match=r"^stage 'network namespaces' failed: Command .*ip.* returned non-zero"):
+        asyncio.run(lab.up(1))
+
+
+def test_compose_commands_say_what_could_not_run_in_one_line(tmp_path, monkeypatch, capsys):
+    """A pass-through command without docker-compose exited 127 without a word (spawnvp's
+    child); a timeout of another command of up's (nsenter ... ip addr) was a traceback."""
+    import subprocess
+
+    monkeypatch.setattr(compose, "STATE_ROOT", tmp_path / "state")
+    monkeypatch.setattr(compose, "COMPOSE", str(tmp_path / "docker-compose"))
+    compose.ComposeState(name="zz", project="agentdzz", host="unix:///x.sock", private=False, netns=None,
+                         backend="host-gw", images=[], env={}).save()  # fmt: skip
+    assert compose.main(["--name", "zz", "ps"]) == 1
+    assert capsys.readouterr().err == (f"scripts/dev compose: cannot run {tmp_path}/docker-compose: not an executable "
+                                       "file (apt-get install docker-compose)\n")  # fmt: skip
+
+    def up(args):
+        raise subprocess.TimeoutExpired(["nsenter", "ip"], 30)
+
+    monkeypatch.setattr(compose, "cmd_up", up)
+    assert compose.main(["--name", "zz", "up"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "scripts/dev compose: Command '['nsenter', 'ip']' timed out after 30 seconds" and len(err) == 2
+
+
+def test_leftovers_of_an_engine_are_not_another_engines_whose_path_it_begins(no_host, tmp_path, monkeypatch):
+    """leftovers() matched the data root as a plain substring of every command line:
+    compose-lab2's dockerd (--data-root .../compose-lab2) was reported as compose-lab's."""
+    proc = tmp_path / "proc"
+    cmdlines = {"100": b"dockerd\0--data-root\0/var/lib/ad-docker/compose-lab2\0--exec-root\0/run/ad-docker/x\0",
+                "101": b"containerd-shim\0-namespace\0moby\0--data-root=/var/lib/ad-docker/compose-lab\0",
+                "102": b"containerd\0--root\0/var/lib/ad-docker/compose-lab/containerd/daemon\0",
+                "103": b"dockerd\0--data-root\0/var/lib/ad-docker/compose-lab",
+                "self": b"python\0/var/lib/ad-docker/compose-lab\0"}  # not a pid
+    for pid, cmdline in cmdlines.items():
+        (proc / pid).mkdir(parents=True)
+        (proc / pid / "cmdline").write_bytes(cmdline)
+    monkeypatch.setattr(compose, "PROC", proc)
+    engine = dockerd.DockerEngine("compose-lab", netns=None, run_root=tmp_path / "no-run",
+                                  data_root=dockerd.Path("/var/lib/ad-docker/compose-lab"))  # fmt: skip
+    assert sorted(line.split(":")[0] for line in compose.leftovers(engine)) == ["process 101", "process 102", "process 103"]
+    # _kill_leftovers' test of a command line, the same boundary
+    data = dockerd.Path("/var/lib/ad-docker/compose-lab")
+    assert not dockerd.mentions(cmdlines["100"], [data])
+    assert all(dockerd.mentions(cmdlines[p], [data]) for p in ("101", "102", "103"))
+    assert dockerd.mentions(b"x\0/var/lib/ad-docker/compose-lab/\0", [dockerd.Path("/var/lib/ad-docker/compose-lab/")])
+
+
+class _Engine:
+    """A DockerEngine's docker(): each call recorded, the return code of each subcommand given."""
+
+    def __init__(self, codes):
+        self.codes, self.calls = codes, []
+
+    def docker(self, *args, check=True, timeout=300, input=None):
+        import subprocess
+
+        self.calls.append(args)
+        return subprocess.CompletedProcess(args, self.codes.get(args[0], 0), "", "")
+
+
+def test_a_cached_base_image_does_not_make_an_unreachable_registry_reachable(monkeypatch):
+    """registry_reachable returned True as soon as the engine had python:3.11-slim-bookworm:
+    offline, the build then took the registry path (apt-get, pip from PyPI, etcd from quay.io)."""
+    from agentd.lab import images
+
+    monkeypatch.delenv("AGENTD_LOCAL_BASE", raising=False)
+    offline = _Engine({"image": 0, "pull": 1})  # has the image, cannot pull
+    assert images.registry_reachable(offline) is False
+    assert ("pull", "--quiet", images.REGISTRY_BASE) in offline.calls
+    assert images.registry_reachable(_Engine({"image": 0, "pull": 0})) is True
+
+
+def test_wheels_are_fetched_for_the_images_python_and_platform_not_the_hosts(tmp_path, monkeypatch):
+    """pip download ran for the host's interpreter (a 3.12 venv, a newer glibc): the image's
+    --no-index install then found "No matching distribution"."""
+    import subprocess
+
+    from agentd.lab import images
+
+    argvs = []
+    monkeypatch.setattr(dockerd.subprocess, "run", lambda argv, **_: argvs.append(argv) or
+                        subprocess.CompletedProcess(argv, 0, "", ""))  # fmt: skip
+    monkeypatch.setattr(images.platform, "machine", lambda: "aarch64")
+    images.fetch_wheels(tmp_path)
+    argv = argvs[0]
+    flag = lambda name: [argv[i + 1] for i, w in enumerate(argv) if w == name]
+    assert flag("--python-version") == ["3.11"] and flag("--implementation") == ["cp"] and flag("--abi") == ["cp311"]
+    assert "manylinux_2_36_aarch64" in flag("--platform") and "manylinux2014_aarch64" in flag("--platform")
+    assert "manylinux_2_37_aarch64" not in flag("--platform")  # newer than bookworm's glibc

@@ -328,3 +328,41 @@ def test_individual_variables_as_mk_docker_opts_i_writes_them(tmp_path, capsys):
     for fmt in ("args", "json"):
         assert main(["docker-opts", "--subnet-file", str(path), "-i", "--format", fmt]) == 2
         assert "--individual writes variables" in capsys.readouterr().err
+
+
+def test_a_cluster_network_in_dockers_default_pools_is_warned_of_and_json_gives_pools_outside_it(tmp_path, capsys):
+    """192.168.0.0/16 (Calico's default pod CIDR) lies in Docker's default pools: a network
+    `docker network create` or docker-compose makes on a Docker host (a 192.168.x.0/20) held
+    other nodes' pod addresses, and nothing said so."""
+    from agentd.cni.docker_opts import pools_outside
+
+    calico = SubnetFile(network=IPv4Network("192.168.0.0/16"), subnet=IPv4Network("192.168.3.0/24"), mtu=1450)
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(calico))
+    assert main(["docker-opts", "--subnet-file", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert out == 'DOCKER_OPTS="--bip=192.168.3.1/24 --ip-masq=false --mtu=1450"\n'  # env, args: a warning only
+    assert err.count("\n") == 1 and "warning: the cluster network 192.168.0.0/16 overlaps Docker's default" in err
+    assert "default-address-pools" in err
+    assert main(["docker-opts", "--subnet-file", str(path), "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    pools = json.loads(out)["default-address-pools"]
+    assert pools == [{"base": f"172.{n}.0.0/16", "size": 16} for n in range(17, 32)]
+    assert "--format json adds them as default-address-pools" in err
+    # A network inside a pool: the pieces around it that hold the pool's networks.
+    assert pools_outside(IPv4Network("192.168.64.0/18"))[0][-2:] == [{"base": "192.168.0.0/18", "size": 20},
+                                                                      {"base": "192.168.128.0/17", "size": 20}]
+    assert pools_outside(IPv4Network("172.20.1.0/24"))[0] == [
+        *({"base": f"172.{n}.0.0/16", "size": 16} for n in range(17, 32) if n != 20),
+        {"base": "192.168.0.0/16", "size": 20}]  # fmt: skip
+    # Outside the pools (the lab's 10.244.0.0/16): no warning, no pools.
+    path.write_text(render_subnet_file(SF))
+    assert main(["docker-opts", "--subnet-file", str(path), "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert "default-address-pools" not in out and err == ""
+    # Every pool the cluster's: the warning, no empty list (Docker would take it for its defaults).
+    huge = SubnetFile(network=IPv4Network("128.0.0.0/1"), subnet=IPv4Network("172.17.0.0/24"), mtu=1450)
+    path.write_text(render_subnet_file(huge))
+    assert main(["docker-opts", "--subnet-file", str(path), "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert "default-address-pools" not in out and "give dockerd default-address-pools outside it (docs" in err
