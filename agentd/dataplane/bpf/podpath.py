@@ -624,13 +624,27 @@ class PodFastPath:
             self._forget(address)
         if gone:
             tc.sweep(self.pins)  # the links of the veths that went with their pods
+        failed: dict[int, str] = {}  # veth -> why its program could not go on
         for address, ifindex in resolved.items():
-            if ifindex not in self.attached and not self._attach(ifindex):
+            if self.pods.get(address) == ifindex:
                 continue
-            if self.pods.get(address) != ifindex:
-                lb.map_update(self.maps[_ips_map(address)], _pod_key(address), POD_VALUE.pack(ifindex))
-                self.pods[address] = ifindex
+            if address in self.pods:  # moved to another veth: off the old one's before anything can fail
+                self._forget(address)
+            if ifindex in failed:
+                continue
+            try:
+                if ifindex not in self.attached and not self._attach(ifindex):
+                    continue
+            except BpfUnavailable as err:  # the other pods' updates go on; this one is retried
+                failed[ifindex] = str(err)
+                continue
+            lb.map_update(self.maps[_ips_map(address)], _pod_key(address), POD_VALUE.pack(ifindex))
+            self.pods[address] = ifindex
         self.attached &= set(self.pods.values())
+        if failed:  # one error naming them all (the policy agent retries at its next rescan)
+            device = {resolved[a]: d for a, d in wanted.items() if a in resolved}
+            raise BpfUnavailable(f"pod fast path not on {len(failed)} veths (their pods take the normal path): "
+                                 + "; ".join(f"{device[i]}: {why}" for i, why in sorted(failed.items())))
 
     def _attach(self, ifindex: int) -> bool:
         assert self.prog_fd is not None and self.hook is not None
