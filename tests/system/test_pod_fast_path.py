@@ -201,6 +201,112 @@ async def test_a_denied_pod_stays_denied(lab: Lab):
         assert await connect_outcome(pod(lab, "other"), pod(lab, "client").ip, PORT) == "ConnectionRefusedError"
 
 
+# An idle connection x/client -> x/server on PORT, from source port FORGED_SPORT: the server
+# accepts and waits, the client connects and waits.
+HOLD_SERVER = """
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("", int(sys.argv[1])))
+s.listen()
+conn, _ = s.accept()
+time.sleep(float(sys.argv[2]))
+"""
+HOLD_CLIENT = """
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("", int(sys.argv[3])))
+s.connect((sys.argv[1], int(sys.argv[2])))
+time.sleep(float(sys.argv[4]))
+"""
+# One TCP segment (ACK, PSH, a marked payload) of src:sport -> dst:dport, sent as a frame to
+# MAC ``to`` out of ``device`` (an AF_PACKET socket: no route or rp_filter of the sender's).
+FORGE = """
+import socket, struct, sys
+device, to, src, dst, sport, dport, marker = sys.argv[1:8]
+def csum(b):
+    b += bytes(len(b) % 2)
+    s = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    s = (s >> 16) + (s & 0xFFFF)
+    return ~(s + (s >> 16)) & 0xFFFF
+payload = marker.encode()
+tcp = struct.pack("!HHIIBBHHH", int(sport), int(dport), 1, 1, 5 << 4, 0x18, 65535, 0, 0) + payload
+pseudo = socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!BBH", 0, 6, len(tcp))
+tcp = tcp[:16] + struct.pack("!H", csum(pseudo + tcp)) + tcp[18:]
+ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp), 0x4242, 0, 64, 6, 0, socket.inet_aton(src), socket.inet_aton(dst))
+ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+frame = bytes.fromhex(to.replace(":", "")) + bytes.fromhex("02aaaaaaaa010800") + ip + tcp
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind((device, 0))
+for _ in range(int(sys.argv[8])):
+    s.send(frame)
+"""
+# How many frames carrying ``marker`` reach this namespace (any device) within ``seconds``.
+SNIFF = """
+import socket, sys, time
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+s.settimeout(0.1)
+marker, end = sys.argv[1].encode(), time.monotonic() + float(sys.argv[2])
+print("listening", flush=True)
+seen = 0
+while time.monotonic() < end:
+    try:
+        frame, addr = s.recvfrom(65535)
+    except TimeoutError:
+        continue
+    seen += addr[2] != socket.PACKET_OUTGOING and marker in frame
+print(seen)
+"""
+FORGED_SPORT = 40123
+
+
+async def forged_frames_delivered(lab: Lab, marker: str, count: int = 5) -> int:
+    """Frames x/server gets of ``count`` sent from the underlay (its bridge, to node1's eth0)
+    with x/client's address and port as source, within its connection to x/server."""
+    node1, server, client = lab.nodes[0], pod(lab, "server"), pod(lab, "client")
+    mac = (await asyncio.to_thread(node1.ns.exec, "cat", "/sys/class/net/eth0/address")).strip()
+    sniff = server.ns.popen([sys.executable, "-c", SNIFF, marker, "2"], stdout=asyncio.subprocess.PIPE)
+    try:
+        assert (await asyncio.to_thread(sniff.stdout.readline)).strip() == b"listening"
+        await asyncio.to_thread(lab.underlay.exec, sys.executable, "-c", FORGE, f"br{node1.segment}", mac,
+                                client.ip, server.ip, str(FORGED_SPORT), str(PORT), marker, str(count))
+        out, _ = await asyncio.to_thread(sniff.communicate, timeout=10)
+    finally:
+        if sniff.poll() is None:
+            sniff.kill()
+            sniff.wait()
+    return int(out)
+
+
+async def test_a_frame_from_the_underlay_with_a_local_pods_source_is_left_to_the_stack(lab: Lab):
+    """A host on the underlay forges x/client's address into x/client's established connection
+    to x/server (same node).  The stack drops it under strict reverse-path filtering (x/client
+    is reached by its veth, not the underlay); the wire program must leave it to the stack, not
+    carry it into x/server past rp_filter (review s56 r2 #3)."""
+    node1, server, client = lab.nodes[0], pod(lab, "server"), pod(lab, "client")
+    held = server.ns.popen([sys.executable, "-c", HOLD_SERVER, str(PORT), "30"])
+    holding = None
+    try:
+        await auntil(lambda: listening(server.ns, PORT), 10, in_thread=True, what="the listener in x/server")
+        holding = client.ns.popen([sys.executable, "-c", HOLD_CLIENT, server.ip, str(PORT), str(FORGED_SPORT), "30"])
+        await auntil(lambda: [e for e in conntrack(node1, PORT) if " ESTABLISHED " in e and f"sport={FORGED_SPORT} " in e],
+                     10, in_thread=True, what="x/client's connection established")
+        # With reverse-path filtering off the stack takes them in (conntrack: established): the
+        # probe sees what arrives.
+        assert await forged_frames_delivered(lab, "forged-loose") == 5
+        await asyncio.to_thread(node1.ns.sysctl, "net.ipv4.conf.all.rp_filter", 1)
+        try:
+            assert await forged_frames_delivered(lab, "forged-strict") == 0
+        finally:
+            await asyncio.to_thread(node1.ns.sysctl, "net.ipv4.conf.all.rp_filter", 0)
+    finally:
+        for proc in (holding, held):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+
+
 async def test_a_connection_keeps_flowing_through_an_agent_restart(lab: Lab):
     node1 = lab.nodes[0]
     running = asyncio.ensure_future(iperf(lab, "client", "-t", "6"))

@@ -11,7 +11,9 @@
  *   agentd_pod_wire  on the underlay device: from a pod of another node to a pod of this node,
  *                    TTL - 1 and into that pod (bpf_redirect_peer).  After the data path's
  *                    program there, it sees the packets that program decapsulated as well
- *                    while netfilter must see pods' packets (datapath.c deliver_gated).
+ *                    while netfilter must see pods' packets (datapath.c deliver_gated).  A
+ *                    source that is a pod of this node is left to the stack (forged: its
+ *                    reverse-path filtering judges it).
  *
  * With POD_CFG_COUNT (flow records on) they count what they carry, per connection
  * (agentd_podflows for IPv4, agentd_podflow6 for IPv6): conntrack does not see it, and a
@@ -991,6 +993,8 @@ static __always_inline int pod_wire6(struct __sk_buff *skb)
 	read_flow6(&f, ip, tcp);
 	if (!in_cluster6(&f.src) || f.hop_limit <= 1)
 		return PASS;
+	if (bpf_map_lookup_elem(&agentd_podips6, &f.src))
+		return PASS; /* as in agentd_pod_wire */
 	dst = bpf_map_lookup_elem(&agentd_podips6, &f.dst);
 	if (!dst)
 		return PASS; /* not a pod of this node */
@@ -1090,6 +1094,10 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	if (!cfg || !ip || !tcp)
 		return skb->protocol == bpf_htons(ETH_P_IPV6) ? pod_wire6(skb) : PASS;
 	if (!in_cluster(cfg, ip->saddr) || ip->ttl <= 1)
+		return PASS;
+	/* A pod of this node's source from the underlay: forged (the pod's packets leave by its
+	 * veth) -- the stack judges it, reverse-path filtering included. */
+	if (bpf_map_lookup_elem(&agentd_podips, &ip->saddr))
 		return PASS;
 	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (!dst)

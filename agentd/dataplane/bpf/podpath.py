@@ -624,13 +624,27 @@ class PodFastPath:
             self._forget(address)
         if gone:
             tc.sweep(self.pins)  # the links of the veths that went with their pods
+        failed: dict[int, str] = {}  # veth -> why its program could not go on
         for address, ifindex in resolved.items():
-            if ifindex not in self.attached and not self._attach(ifindex):
+            if self.pods.get(address) == ifindex:
                 continue
-            if self.pods.get(address) != ifindex:
-                lb.map_update(self.maps[_ips_map(address)], _pod_key(address), POD_VALUE.pack(ifindex))
-                self.pods[address] = ifindex
+            if address in self.pods:  # moved to another veth: off the old one's before anything can fail
+                self._forget(address)
+            if ifindex in failed:
+                continue
+            try:
+                if ifindex not in self.attached and not self._attach(ifindex):
+                    continue
+            except BpfUnavailable as err:  # the other pods' updates go on; this one is retried
+                failed[ifindex] = str(err)
+                continue
+            lb.map_update(self.maps[_ips_map(address)], _pod_key(address), POD_VALUE.pack(ifindex))
+            self.pods[address] = ifindex
         self.attached &= set(self.pods.values())
+        if failed:  # one error naming them all (the policy agent retries at its next rescan)
+            device = {resolved[a]: d for a, d in wanted.items() if a in resolved}
+            raise BpfUnavailable(f"pod fast path not on {len(failed)} veths (their pods take the normal path): "
+                                 + "; ".join(f"{device[i]}: {why}" for i, why in sorted(failed.items())))
 
     def _attach(self, ifindex: int) -> bool:
         assert self.prog_fd is not None and self.hook is not None
@@ -752,16 +766,19 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike, *, liberal: bool = False
     pins = tc.Pins.read(d)
     removed: list[str] = []
     devices: set[int] = set()
-    for name, size in ((IPS, 4), (IPS6, 16)):
+    for name in (IPS, IPS6):
         if not (d / name).exists():
             continue
         with contextlib.suppress(lb.BpfError):
             fd = lb.obj_get(str(d / name))
-            try:
-                for key in lb.map_keys(fd, size):
-                    value = lb.map_lookup(fd, key, POD_VALUE.size)
+            try:  # of the sizes the map has (the kernel writes that many): another agent's may differ
+                info = lb.map_info(fd)
+                if info["value_size"] < POD_VALUE.size:
+                    continue
+                for key in lb.map_keys(fd, info["key_size"]):
+                    value = lb.map_lookup(fd, key, info["value_size"])
                     if value is not None:
-                        devices.add(POD_VALUE.unpack(value)[0])
+                        devices.add(POD_VALUE.unpack_from(value)[0])
             finally:
                 os.close(fd)
     devices |= {i for name, i in pins.links().values() if name == PROGRAM}
@@ -775,11 +792,12 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike, *, liberal: bool = False
     if cfg.exists():
         try:
             fd = lb.obj_get(str(cfg))
-            try:
-                raw = lb.map_lookup(fd, U32.pack(0), CONFIG_VALUE.size)
+            try:  # as big as the map's value (a newer agent's is larger): the kernel writes all of it
+                raw = lb.map_lookup(fd, U32.pack(0), lb.map_info(fd)["value_size"])
             finally:
                 os.close(fd)
-            values = CONFIG_VALUE.unpack(raw) if raw else None
+            # every layout begins alike (CONFIG_NOTE); an older, shorter one has none of the rest
+            values = CONFIG_VALUE.unpack(raw[: CONFIG_VALUE.size].ljust(CONFIG_VALUE.size, b"\0")) if raw else None
         except (lb.BpfError, OSError, struct.error) as err:
             if liberal:  # the operator's value may be in there: kept, and the step fails
                 keep = True

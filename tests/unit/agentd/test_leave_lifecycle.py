@@ -42,14 +42,20 @@ class PinnedFastPath:
     """A pin directory of the pod fast path as a leave or a switch-off finds it, its maps plain
     files; libbpf answers from them (the config map holds ``before``, the value found)."""
 
-    def __init__(self, tmp_path, monkeypatch, *, found: int = 0, now: int = 1) -> None:
+    def __init__(self, tmp_path, monkeypatch, *, found: int = 0, now: int = 1, config: bytes | None = None) -> None:
         self.dir = tmp_path / "netns-1"
         self.dir.mkdir()
         for name in (podpath.IPS, podpath.STATS, podpath.CONFIG, podpath.CONFIG6):
             (self.dir / name).write_text("")
         self.liberal = tmp_path / "nf_conntrack_tcp_be_liberal"
         self.liberal.write_text(f"{now}\n")
-        config = podpath.CONFIG_VALUE.pack(podpath.CFG_ON, 0, found, bytes(4), bytes(4), 0, podpath.CONNS_LAYOUT)
+        if config is None:
+            config = podpath.CONFIG_VALUE.pack(podpath.CFG_ON, 0, found, bytes(4), bytes(4), 0, podpath.CONNS_LAYOUT)
+        self.asked: list[int] = []  # the value sizes map_lookup was asked for
+
+        def lookup(_fd, _key, size):
+            self.asked.append(size)
+            return config[:size].ljust(size, b"\0")  # the kernel writes the map's value_size bytes
 
         def obj_get(path):
             if not os.path.isfile(path) or os.path.basename(path) != podpath.CONFIG:
@@ -59,7 +65,9 @@ class PinnedFastPath:
         monkeypatch.setattr(podpath, "pin_dir", lambda _bpf_dir: self.dir)
         monkeypatch.setattr(podpath, "BE_LIBERAL", self.liberal)
         monkeypatch.setattr(podpath.lb, "obj_get", obj_get)
-        monkeypatch.setattr(podpath.lb, "map_lookup", lambda _fd, _key, _size: config)
+        monkeypatch.setattr(podpath.lb, "map_info", lambda _fd: {"type": podpath.lb.MAP_TYPE_ARRAY, "key_size": 4,
+                                                                  "value_size": len(config), "max_entries": 1})
+        monkeypatch.setattr(podpath.lb, "map_lookup", lookup)
 
     def pins(self) -> list[str]:
         return sorted(p.name for p in self.dir.iterdir()) if self.dir.exists() else []
@@ -90,6 +98,72 @@ def test_a_leave_that_cannot_put_be_liberal_back_fails_and_keeps_the_value_found
     assert "net.netfilter.nf_conntrack_tcp_be_liberal = 0 put back" in podpath.remove_pinned_fast_path(
         tmp_path, liberal=True)
     assert pinned.liberal.read_text() == "0\n" and pinned.pins() == []
+
+
+def test_a_newer_agents_larger_config_pin_is_read_at_its_own_size_and_its_value_found_put_back(tmp_path, monkeypatch):
+    """A rolled-back agent meets the ``agentd_podcfg`` of a newer one, whose struct pod_config
+    has grown (40 bytes): the kernel writes the whole value, so the buffer is as big as the map
+    says (not this version's 28 bytes: a heap overflow); the prefix every layout shares is read."""
+    newer = podpath.CONFIG_VALUE.pack(podpath.CFG_ON, 0, 0, bytes(4), bytes(4), 0, 2) + b"\xee" * 12
+    pinned = PinnedFastPath(tmp_path, monkeypatch, config=newer)
+    assert "net.netfilter.nf_conntrack_tcp_be_liberal = 0 put back" in podpath.remove_pinned_fast_path(
+        tmp_path, liberal=True)
+    assert pinned.asked == [40]
+    assert pinned.liberal.read_text() == "0\n" and pinned.pins() == []
+
+
+def test_an_older_agents_12_byte_config_pin_is_read_at_its_size_and_its_value_found_put_back(tmp_path, monkeypatch):
+    pinned = PinnedFastPath(tmp_path, monkeypatch, config=podpath.CONFIG_NOTE.pack(podpath.CFG_ON, 0, 0))
+    podpath.remove_pinned_fast_path(tmp_path, liberal=True)
+    assert pinned.asked == [12]
+    assert pinned.liberal.read_text() == "0\n" and pinned.pins() == []
+
+
+def test_the_pod_maps_of_another_agents_layout_are_read_at_their_own_sizes(tmp_path, monkeypatch):
+    """Which veths to take the program off is read from ``agentd_podips``/``agentd_podips6``
+    at the sizes those maps have (a newer agent's value of 8 bytes: the kernel writes 8)."""
+    pinned = PinnedFastPath(tmp_path, monkeypatch)
+    (pinned.dir / podpath.IPS6).write_text("")
+    sizes = {podpath.IPS: (4, 8, {b"\x0a\0\0\x07": podpath.POD_VALUE.pack(21) + b"\xee" * 4}),
+             podpath.IPS6: (16, 8, {bytes(15) + b"\x07": podpath.POD_VALUE.pack(22) + b"\xee" * 4})}
+    config_info, config_lookup = podpath.lb.map_info, podpath.lb.map_lookup
+    asked = []
+
+    def obj_get(path):
+        if not os.path.isfile(path):
+            raise podpath.lb.BpfError(errno.ENOENT, f"bpf_obj_get {path}")
+        return os.open(path, os.O_RDONLY)
+
+    def name(fd):
+        return os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+
+    def map_info(fd):
+        if name(fd) not in sizes:
+            return config_info(fd)
+        key_size, value_size, _ = sizes[name(fd)]
+        return {"type": podpath.lb.MAP_TYPE_HASH, "key_size": key_size, "value_size": value_size, "max_entries": 1}
+
+    def map_keys(fd, key_size):
+        asked.append((name(fd), "key", key_size))
+        return [k[:key_size].ljust(key_size, b"\0") for k in sizes[name(fd)][2]]
+
+    def map_lookup(fd, key, size):
+        if name(fd) not in sizes:
+            return config_lookup(fd, key, size)
+        asked.append((name(fd), "value", size))
+        value = sizes[name(fd)][2].get(key)
+        return None if value is None else value[:size].ljust(size, b"\0")
+
+    detached = []
+    monkeypatch.setattr(podpath.lb, "obj_get", obj_get)
+    monkeypatch.setattr(podpath.lb, "map_info", map_info)
+    monkeypatch.setattr(podpath.lb, "map_keys", map_keys)
+    monkeypatch.setattr(podpath.lb, "map_lookup", map_lookup)
+    monkeypatch.setattr(podpath, "_detach", lambda ifindex, program, _pins: detached.append((ifindex, program)) or 1)
+    podpath.remove_pinned_fast_path(tmp_path, liberal=True)
+    assert sorted(asked) == [(podpath.IPS, "key", 4), (podpath.IPS, "value", 8),
+                             (podpath.IPS6, "key", 16), (podpath.IPS6, "value", 8)]
+    assert (21, podpath.PROGRAM) in detached and (22, podpath.PROGRAM) in detached
 
 
 def test_a_leave_that_cannot_read_the_value_found_fails_and_keeps_it(tmp_path, monkeypatch):
