@@ -6,7 +6,8 @@ connections around it, sans-IO with a float clock.
 - An over-long ROUTE-REFRESH is answered with 7/1 (RFC 7313 §5), its data cut to fit.
 - The hold timer runs in OpenConfirm, the negotiated one (RFC 4271 §8.2.2); ROUTE-REFRESH
   restarts it like any message; an UPDATE sent restarts our KeepaliveTimer (§10).
-- The restart backoff starts over once a session came up; an inbound connection that wins
+- The restart backoff starts over once a session stayed up for backoff_max, not when a
+  session ends right after it came up (RFC 4271 §8.1.1 DampPeerOscillations); an inbound connection that wins
   in Connect closes the connection we were making (§8.2.2, Connect state).
 
 A speaker (10.0.0.1, AS 65000) with a passive eBGP neighbour A (10.0.0.9, AS 65001) driven
@@ -33,6 +34,7 @@ from proto.messages import (
     Keepalive,
     MessageReader,
     MessageType,
+    Notification,
     Open,
     RouteRefresh,
 )
@@ -259,6 +261,40 @@ def test_the_backoff_starts_over_once_a_session_came_up():
     p.connection_lost(conn, now)
     assert p.session.state is State.IDLE
     # One failure after a session that came up: the first delay again, not the fourth.
+    assert p.get_timer() - now <= local().backoff_initial
+
+
+@pytest.mark.parametrize(
+    "end",
+    [
+        pytest.param(lambda p, conn, now: p.data_received(conn, Notification(ErrorCode.UPDATE_MESSAGE, UpdateSubcode.MALFORMED_ATTRIBUTE_LIST).encode(), now),
+                     id="their NOTIFICATION 3/1 after our first UPDATE"),
+        pytest.param(lambda p, conn, now: p.data_received(conn, their_open(), now), id="our FSM error (an OPEN once Established)"),
+        pytest.param(lambda p, conn, now: p.connection_lost(conn, now), id="they reset the connection"),
+    ],
+)  # fmt: skip
+def test_sessions_that_end_right_after_coming_up_do_not_start_the_backoff_over(end):
+    # RFC 4271 §8.1.1 DampPeerOscillations: a peer whose sessions end within a second of coming
+    # up is not reconnected about once a second for ever (a PeerUp and a PeerDown each time).
+    p = bare_peer()
+    now = 0.0
+    gaps = []
+    for _ in range(6):
+        conn = establish(p, now)
+        now += 0.5
+        end(p, conn, now)
+        assert p.session.state is State.IDLE
+        t = p.get_timer()
+        gaps.append(t - now)
+        now = t
+        p.handle_timer(now)
+    assert p.established_count == 6
+    assert gaps[-1] > 4 * local().backoff_initial, gaps
+    assert gaps[-1] <= local().backoff_max, gaps
+    # One session that stays up as long as the longest wait: the first delay again.
+    conn = establish(p, now)
+    now += local().backoff_max
+    end(p, conn, now)
     assert p.get_timer() - now <= local().backoff_initial
 
 
