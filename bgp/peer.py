@@ -120,7 +120,7 @@ class Peer:
         self._rng = rng or random.Random()
         # The speaker's Restart State (the R bit of every session's OPEN; see RestartState).
         self.restart = restart if restart is not None else RestartState(local.restarting)
-        self.session = Session(local, settings, conn_ids=conn_ids, now=now, restart=self.restart)
+        self.session = Session(local, settings, conn_ids=conn_ids, now=now, restart=self.restart, rng=self._rng)
         self.collisions: list[Session] = []
         self.enabled = False
         self._restart_at: float | None = None
@@ -227,7 +227,7 @@ class Peer:
                 f"an {'outbound' if victim.outbound else 'inbound'} connection on which it had sent "
                 f"nothing for {now - victim.since:.0f}s"
             )
-            fresh = Session(self.local, self.settings, conn_ids=self._conn_ids, now=now, restart=self.restart)
+            fresh = Session(self.local, self.settings, conn_ids=self._conn_ids, now=now, restart=self.restart, rng=self._rng)
             if victim is main:
                 self.session = main = fresh
             else:
@@ -247,7 +247,7 @@ class Peer:
             main.connection_made(conn, now, outbound=False)
         else:
             if not self.collisions:
-                self.collisions.append(Session(self.local, self.settings, conn_ids=self._conn_ids, now=now, restart=self.restart))
+                self.collisions.append(Session(self.local, self.settings, conn_ids=self._conn_ids, now=now, restart=self.restart, rng=self._rng))
             s = self.collisions[0]  # new, or the fresh one in a displaced connection's place
             assert s.state is State.IDLE and s.conn is None, s
             s.start(now, passive=True)

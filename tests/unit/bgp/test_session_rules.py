@@ -293,7 +293,11 @@ def test_sessions_that_end_right_after_coming_up_do_not_start_the_backoff_over(e
     assert gaps[-1] <= local().backoff_max, gaps
     # One session that stays up as long as the longest wait: the first delay again.
     conn = establish(p, now)
-    now += local().backoff_max
+    up_until = now + local().backoff_max + 1.0
+    while (t := p.get_timer()) is not None and t <= up_until:  # our KEEPALIVEs (hold time 90 s)
+        p.handle_timer(t)
+    assert p.session.state is State.ESTABLISHED
+    now = up_until
     end(p, conn, now)
     assert p.get_timer() - now <= local().backoff_initial
 
@@ -330,10 +334,42 @@ def test_a_route_refresh_restarts_the_hold_timer():
 
 def test_sending_an_update_restarts_our_keepalive_timer():
     p = bare_peer()
-    establish(p, 0.0)  # keepalive every 30 s
+    establish(p, 0.0)  # keepalive every 30 s, less up to a quarter (RFC 4271 §10 jitter)
+    first = p.get_timer()
+    assert 22.5 <= first <= 30.0
     update = MARKER + b"\x00\x17\x02" + bytes(4)  # an empty UPDATE (End-of-RIB)
     p.send_messages([update], 20.0)
     assert sent_types(p.take_actions()) == [MessageType.UPDATE]
-    assert p.get_timer() == 50.0
-    p.handle_timer(50.0)
+    # Restarted with the jitter it had: an UPDATE sent only ever moves it later.
+    assert p.get_timer() == 20.0 + first
+    p.handle_timer(20.0 + first)
     assert sent_types(p.take_actions()) == [MessageType.KEEPALIVE]
+
+
+def test_keepalive_and_connect_retry_timers_are_jittered_and_the_hold_timer_is_not():
+    # RFC 4271 §10: a uniform 0.75-1.0 of the time, drawn each time the timer starts, so that
+    # sessions that came up together (a reflector or an agent restarted) do not stay in
+    # lock-step; the hold timer is the peer's due and is never shortened.
+    peers = [
+        Peer(local(), PeerSettings(REMOTE, 65000), conn_ids=itertools.count(1), now=0.0, rng=random.Random(seed))
+        for seed in range(8)
+    ]  # fmt: skip
+    retries, keepalives = [], []
+    for p in peers:
+        p.start(0.0)
+        retries.append(p.get_timer())  # ConnectRetryTimer of the first attempt
+        establish(p, 0.0)
+        keepalives.append(p.get_timer())
+    assert len(set(retries)) == len(peers) and all(3.75 <= t <= 5.0 for t in retries), retries
+    assert len(set(keepalives)) == len(peers) and all(22.5 <= t <= 30.0 for t in keepalives), keepalives
+    # Drawn again for each KEEPALIVE; the hold timer (90 s, nothing heard) exactly on time.
+    p = peers[0]
+    sent_at = []
+    while p.session.state is State.ESTABLISHED:
+        t = p.get_timer()
+        p.handle_timer(t)
+        if MessageType.KEEPALIVE in sent_types(p.take_actions()):
+            sent_at.append(t)
+    assert t == 90.0 and p.session.last_error == "hold timer expired"
+    gaps = [b - a for a, b in zip([0.0, *sent_at], sent_at, strict=False)]
+    assert len(set(gaps)) == len(gaps) and all(22.5 <= g <= 30.0 for g in gaps), gaps
