@@ -3,7 +3,10 @@
 A :class:`Peer` owns a main :class:`~bgp.session.Session` and, while two TCP
 connections race, a second one (RFC 4271 §6.8 connection collision).  It restarts
 a failed session after an exponentially growing, jittered delay (the IdleHoldTimer
-of RFC 4271 §8.1.1) and tells the speaker what happened as :class:`PeerEvent` s.
+of RFC 4271 §8.1.1) and tells the speaker what happened as :class:`PeerEvent` s.  The
+delay starts over only after a session that stayed Established for ``backoff_max``
+seconds (DampPeerOscillations): one that the peer, or we, end right after it came up
+counts as a failure like one that never came up.
 
 Two connections at a time is all a peer gets, and §6.8 only decides between connections
 that have both carried an OPEN.  A connection on which the peer has said nothing yet
@@ -117,7 +120,7 @@ class Peer:
         self._rng = rng or random.Random()
         # The speaker's Restart State (the R bit of every session's OPEN; see RestartState).
         self.restart = restart if restart is not None else RestartState(local.restarting)
-        self.session = Session(local, settings, conn_ids=conn_ids, now=now, restart=self.restart)
+        self.session = Session(local, settings, conn_ids=conn_ids, now=now, restart=self.restart, rng=self._rng)
         self.collisions: list[Session] = []
         self.enabled = False
         self._restart_at: float | None = None
@@ -125,6 +128,8 @@ class Peer:
         # infinity: until it is reconfigured.
         self.held_until: float | None = None
         self._failures = 0
+        # When the session the speaker was told is up (``_up``) reached Established.
+        self._up_at = 0.0
         # The last session ended on the peer's Cease/Connection Collision Resolution: the next
         # restart waits the current delay without growing it (see _on_session_event).
         self._collision_ended = False
@@ -222,7 +227,7 @@ class Peer:
                 f"an {'outbound' if victim.outbound else 'inbound'} connection on which it had sent "
                 f"nothing for {now - victim.since:.0f}s"
             )
-            fresh = Session(self.local, self.settings, conn_ids=self._conn_ids, now=now, restart=self.restart)
+            fresh = Session(self.local, self.settings, conn_ids=self._conn_ids, now=now, restart=self.restart, rng=self._rng)
             if victim is main:
                 self.session = main = fresh
             else:
@@ -242,7 +247,7 @@ class Peer:
             main.connection_made(conn, now, outbound=False)
         else:
             if not self.collisions:
-                self.collisions.append(Session(self.local, self.settings, conn_ids=self._conn_ids, now=now, restart=self.restart))
+                self.collisions.append(Session(self.local, self.settings, conn_ids=self._conn_ids, now=now, restart=self.restart, rng=self._rng))
             s = self.collisions[0]  # new, or the fresh one in a displaced connection's place
             assert s.state is State.IDLE and s.conn is None, s
             s.start(now, passive=True)
@@ -383,7 +388,8 @@ class Peer:
                     )
                 self._actions.extend(old.take_actions())
             self._up = s
-            self._failures = 0
+            # Not a reason to forget past failures yet: see the SessionDown branch.
+            self._up_at = now
             self.established_count += 1
             self.since = now
             self.last_error = ""
@@ -421,6 +427,16 @@ class Peer:
                 # (A session that reached Established only to lose a collision was never up.)
                 self._up = None
                 self.since = now
+                if now - self._up_at >= self.local.backoff_max:
+                    # RFC 4271 §8.1.1 DampPeerOscillations: only a session that stayed up at
+                    # least as long as the longest wait between attempts starts the backoff
+                    # over.  One that ended sooner (a NOTIFICATION answering our first UPDATE,
+                    # an FSM error, a peer that keeps resetting us) is a failure like any, so
+                    # that the peer's routes are not installed and withdrawn across the
+                    # cluster once a second for ever: in the long run no peer costs more
+                    # than one PeerUp and PeerDown per backoff_max.  (BIRD forgets its error
+                    # wait after error_forget_time, 300 s, without errors.)
+                    self._failures = 0
                 gr = s.negotiated.peer_graceful_restart if s.negotiated else None
                 graceful = ev.graceful and gr is not None and self.local.graceful_restart
                 self._events.append(PeerDown(ev.reason, graceful, gr))

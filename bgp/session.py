@@ -17,6 +17,7 @@ session ends up after each event is decided by :mod:`bgp.fsm`'s table.
 from __future__ import annotations
 
 import collections
+import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -136,10 +137,16 @@ class Session:
         conn_ids: Iterator[int],
         now: float,
         restart: RestartState | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.local = local
         self.peer = peer
         self._conn_ids = conn_ids
+        # RFC 4271 §10 jitter on the KeepaliveTimer and the ConnectRetryTimer: each started
+        # for a uniform 0.75-1.0 of its time, so that sessions that came up (or a speaker's
+        # retries toward peers that went away) together do not stay in lock-step.  None: no
+        # jitter (the hold timer never has any).
+        self._rng = rng
         # The speaker's, read at each OPEN (the R bit); a session of its own: local.restarting.
         self.restart = restart if restart is not None else RestartState(local.restarting)
         self.state = State.IDLE
@@ -164,6 +171,10 @@ class Session:
         self.collision_lost = False
         self._hold_time = float(OPEN_HOLD_TIME)
         self._keepalive_time = 0.0
+        # The jitter factor of the running KeepaliveTimer: drawn when it starts after a
+        # KEEPALIVE (or the OPEN), kept when an UPDATE sent restarts it, so that those restarts,
+        # thousands a second on a busy reflector, only ever move it later (TimerHeap).
+        self._keepalive_jitter = 1.0
         self._cache: dict = {}
         self.open_sent: Open | None = None
         self.open_received: Open | None = None
@@ -298,7 +309,7 @@ class Session:
             # that took an inbound connection (started passive, Peer.accept) must go on
             # connecting out once that connection is gone, or nothing would ever restart it.
             # A collision session (passive-started too) is stopped and forgotten by Peer._process.
-            self._connect_retry_at = now + self.local.connect_retry_time
+            self._connect_retry_at = now + self._jitter(self.local.connect_retry_time)
         self._events.append(SessionDown(self.last_error, was_established, graceful=True))
 
     # ------------------------------------------------------------ inputs: bytes
@@ -392,7 +403,7 @@ class Session:
             return
         if self._keepalive_at is not None and now >= self._keepalive_at:
             self._send(Keepalive().encode(self.ctx))
-            self._keepalive_at = now + self._keepalive_time
+            self._start_keepalive_timer(now)
             self._go(Event.KEEPALIVE_TIMER_EXPIRES, now)
 
     # ------------------------------------------------------------ outbound routes
@@ -410,7 +421,7 @@ class Session:
             self.updates_out += n
             # RFC 4271 §10: the KeepaliveTimer restarts whenever an UPDATE is sent.
             if self._keepalive_time:
-                self._keepalive_at = now + self._keepalive_time
+                self._keepalive_at = now + self._keepalive_time * self._keepalive_jitter
 
     def collision_dump(self, now: float) -> None:
         """Lose connection collision resolution (RFC 4271 §6.8): Cease/7 and Idle."""
@@ -439,7 +450,7 @@ class Session:
     def _begin_connect(self, now: float) -> None:
         conn = next(self._conn_ids)
         self._pending_connect = conn
-        self._connect_retry_at = now + self.local.connect_retry_time
+        self._connect_retry_at = now + self._jitter(self.local.connect_retry_time)
         self._actions.append(
             Connect(
                 conn,
@@ -450,6 +461,16 @@ class Session:
                 self.peer.ttl_security,
             )
         )
+
+    def _jitter(self, seconds: float) -> float:
+        return seconds * self._rng.uniform(0.75, 1.0) if self._rng is not None else seconds
+
+    def _start_keepalive_timer(self, now: float) -> None:
+        if not self._keepalive_time:  # hold time 0: no KEEPALIVEs
+            self._keepalive_at = None
+            return
+        self._keepalive_jitter = self._rng.uniform(0.75, 1.0) if self._rng is not None else 1.0
+        self._keepalive_at = now + self._keepalive_time * self._keepalive_jitter
 
     def _send_open(self, now: float) -> None:
         self.open_sent = our_open(self.local, self.peer, restarting=self.restart.restarting)
@@ -471,7 +492,7 @@ class Session:
         self._go(Event.BGP_OPEN, now)
         self._send(Keepalive().encode(self.ctx))
         self._hold_at = now + hold if hold else None
-        self._keepalive_at = now + neg.keepalive_time if neg.keepalive_time else None
+        self._start_keepalive_timer(now)
         self._events.append(OpenReceived(open_))
 
     def _on_keepalive(self, now: float) -> None:

@@ -607,6 +607,14 @@ class SpeakerService:
         assert proto.transport is not None
         peername = proto.transport.get_extra_info("peername")
         sockname = proto.transport.get_extra_info("sockname")
+        if not peername:
+            # Reset before the loop set it up (a connect scan, a health check, a peer that gave
+            # up): uvloop then has no peer address (getpeername: ENOTCONN).  Nobody to accept:
+            # refused, not a traceback in the loop's handler for each such connection.
+            self.speaker.counters["connections refused"] += 1
+            log.debug("refused an inbound BGP connection that was gone before it was set up")
+            proto.transport.abort()
+            return
         remote = _unmap(peername[0])
         now = self.clock()
         settings = self.speaker.peer_settings(remote)
@@ -749,8 +757,17 @@ class SpeakerService:
             self._pump()
             return
         self._connecting.pop(action.conn, None)
+        sockname = transport.get_extra_info("sockname")
+        if not sockname:
+            # Reset between the connect and the transport's setup (uvloop then has no address
+            # for it): a connection that failed.
+            transport.abort()
+            log.debug("connect to %s:%s failed: the connection was reset at once", action.address, action.port)
+            self.speaker.connect_failed(action.conn, self.clock())
+            self._pump()
+            return
         self._protocols[action.conn] = proto
-        local = _unmap(transport.get_extra_info("sockname")[0])
+        local = _unmap(sockname[0])
         self.speaker.connection_made(action.conn, self.clock(), local)
         self._bfd_local_known(_unmap(action.address), local)
         self._pump()

@@ -492,3 +492,40 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+
+
+def test_connections_reset_before_the_loop_set_them_up_are_refused_without_a_traceback():
+    """Under uvloop (as the agent runs), an inbound connection reset before its transport was
+    set up has no peer address: each one was a TypeError traceback in the loop's exception
+    handler (log flooding by anyone who reaches port 179).  Refused and counted now.  In
+    process, on loopback: the client's RST (SO_LINGER 0) is sent before the loop accepts."""
+    import asyncio
+
+    import uvloop
+
+    from bgp.testing import make_speaker
+    from bgp.transport import SpeakerService
+
+    n = 20
+
+    async def run() -> tuple[list[dict], int]:
+        errors: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        svc = SpeakerService(make_speaker("127.0.0.1", 65000, [("127.0.0.2", 65000)]), listen=("127.0.0.1", 0))
+        await svc.start()
+        try:
+            port = svc._listen_sock.getsockname()[1]
+            for _ in range(n):
+                with socket.socket() as c:
+                    c.connect(("127.0.0.1", port))
+                    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            deadline = time.monotonic() + 5.0
+            while svc.speaker.counters["connections refused"] + len(errors) < n and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return errors, svc.speaker.counters["connections refused"]
+        finally:
+            await svc.stop(graceful=False)
+
+    errors, refused = uvloop.run(run())
+    assert not errors, errors[0]
+    assert refused == n

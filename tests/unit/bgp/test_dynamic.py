@@ -185,3 +185,16 @@ def test_a_dynamic_peer_that_cannot_be_reset_is_forgotten_not_made_a_configured_
     assert "10.1.0.5" not in str(sp.deferral_pending())
     again = RawPeer("10.1.0.5", 65000, conn=-6)
     assert h.connect(again) and "10.1.0.5" in sp.dynamic
+
+
+def test_the_most_specific_listen_range_wins_whatever_their_order():
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.1")), now=0.0, rng=random.Random(1))
+    sp.start(0.0)
+    wide = ListenRange(ip_network("10.0.0.0/16"), PeerSettings(IPv4Address("10.0.0.0"), 65001))
+    narrow = ListenRange(ip_network("10.0.1.0/24"), PeerSettings(IPv4Address("10.0.1.0"), 65002))
+    sp.set_listen_ranges([wide, narrow], 0.0)  # the wider first
+    h = RawHarness(sp, "10.0.0.1")
+    inner, outer = RawPeer("10.0.1.5", 65002, conn=-1), RawPeer("10.0.2.5", 65001, conn=-2)
+    assert h.connect(inner) and h.connect(outer)
+    assert sp.peers["10.0.1.5"].settings.asn == 65002 and sp.peers["10.0.1.5"].state is State.ESTABLISHED
+    assert sp.peers["10.0.2.5"].settings.asn == 65001 and sp.peers["10.0.2.5"].state is State.ESTABLISHED

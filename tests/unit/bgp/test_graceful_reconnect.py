@@ -309,3 +309,91 @@ def test_a_late_open_of_a_simultaneous_connect_is_a_graceful_reconnect_and_withd
     assert [type(ev) for _, ev in events if isinstance(ev, (PeerUp, PeerDown))] == [PeerUp, PeerUp, PeerDown, PeerDown,
                                                                                     PeerUp, PeerUp]
     assert all(ev.graceful for _, ev in events if isinstance(ev, PeerDown))
+
+
+# ---------------------------------------------------------------- RFC 4724 §4.2: the peer back after a TCP drop
+
+
+def held6(sp: Speaker, prefix: str) -> bool:
+    from proto.nlri import IPV6_UNICAST
+
+    return sp.rib.best(IPV6_UNICAST, prefix_from_str(prefix)[1]) is not None
+
+
+def dropped(sp: Speaker, h: RawHarness, peer: RawPeer) -> None:
+    """The peer's connection ends without a NOTIFICATION (it restarted)."""
+    sp.connection_lost(peer.conn, h.now)
+    peer.closed = True
+    h.pump()
+
+
+class IPv4OnlyNow(GracefulPeer):
+    """Back from its restart negotiating IPv4 unicast only (no Multiprotocol capability for
+    IPv6), while its Graceful Restart capability still lists IPv6 with its forwarding state."""
+
+    def open_message(self) -> bytes:
+        gr = GracefulRestart(True, 120, tuple(GracefulRestartFamily(a, s, True) for a, s in self.families))
+        caps = [MultiProtocol(*IPV4_UNICAST), RouteRefresh(), gr]
+        return Open.build(self.asn, self.hold_time, self.router_id, caps).encode()
+
+
+def test_stale_routes_of_a_family_the_peer_no_longer_negotiates_go_when_it_is_back():
+    """RFC 4724 §4.2: no End-of-RIB can come for a family not negotiated on the new session,
+    so its stale routes go at once, not after stale_time."""
+    from .test_ipv6_family import _v6_update
+
+    sp, h, before = connected()
+    h.send(before, _v6_update(["fd00:9::/64"]) + update("10.244.9.0/24"))
+    dropped(sp, h, before)
+    assert sp.rib.stale_count(A) == 2
+    h.advance(10.0)
+    after = IPv4OnlyNow(conn=-2, restarted=True)
+    assert h.connect(after)
+    assert sp.peers[A].session.state is State.ESTABLISHED
+    assert not held6(sp, "fd00:9::/64"), "stale IPv6 routes kept for a session that does not carry IPv6"
+    assert held(sp, "10.244.9.0/24") and sp.rib.stale_count(A) == 1  # IPv4: until its End-of-RIB
+    h.send(after, end_of_rib(4))
+    assert not held(sp, "10.244.9.0/24") and A not in sp.graceful
+
+
+def test_once_the_peer_is_back_its_restart_time_no_longer_flushes_the_stale_routes():
+    """The restart time (120 s, from its capability) bounds only its coming back; once back, the
+    stale routes wait for End-of-RIB or our stale_time (360 s), counted from its return."""
+    sp, h, before = connected()
+    h.send(before, update("10.244.9.0/24"))
+    dropped(sp, h, before)  # at t = 0
+    h.advance(10.0)
+    after = GracefulPeer(conn=-2, restarted=True)
+    assert h.connect(after)  # back at t = 10, and no End-of-RIB
+    while h.now < 130.0:  # past went_away + restart time; its KEEPALIVEs keep the session up
+        h.advance(10.0)
+        h.send(after, Keepalive().encode())
+    assert held(sp, "10.244.9.0/24") and sp.rib.stale_count(A) == 1, "flushed at the restart time once back"
+    while h.now < 360.0:
+        h.advance(10.0)
+        h.send(after, Keepalive().encode())
+    assert held(sp, "10.244.9.0/24")
+    h.advance(11.0)  # t = 371: stale_time after its return
+    assert not held(sp, "10.244.9.0/24") and A not in sp.graceful
+    assert sp.peers[A].session.state is State.ESTABLISHED
+
+
+def test_without_our_own_graceful_restart_a_graceful_peer_that_drops_has_its_routes_withdrawn():
+    """Helper behaviour is for a speaker that offers graceful restart: with it turned off, a
+    peer's Graceful Restart capability keeps nothing (RFC 4724 §4.2 needs it both ways)."""
+    sp, h, before = connected(local_gr=False)
+    h.send(before, update("10.244.9.0/24"))
+    events = []
+    peer = sp.peers[A]
+    next_event = peer.next_event
+
+    def spy():
+        ev = next_event()
+        events.append(ev)
+        return ev
+
+    peer.next_event = spy  # type: ignore[method-assign]
+    dropped(sp, h, before)
+    (down,) = [e for e in events if isinstance(e, PeerDown)]
+    assert down.peer_graceful_restart is not None and not down.graceful
+    assert not held(sp, "10.244.9.0/24") and A not in sp.graceful and sp.rib.stale_count(A) == 0

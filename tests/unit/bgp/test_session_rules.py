@@ -6,7 +6,8 @@ connections around it, sans-IO with a float clock.
 - An over-long ROUTE-REFRESH is answered with 7/1 (RFC 7313 §5), its data cut to fit.
 - The hold timer runs in OpenConfirm, the negotiated one (RFC 4271 §8.2.2); ROUTE-REFRESH
   restarts it like any message; an UPDATE sent restarts our KeepaliveTimer (§10).
-- The restart backoff starts over once a session came up; an inbound connection that wins
+- The restart backoff starts over once a session stayed up for backoff_max, not when a
+  session ends right after it came up (RFC 4271 §8.1.1 DampPeerOscillations); an inbound connection that wins
   in Connect closes the connection we were making (§8.2.2, Connect state).
 
 A speaker (10.0.0.1, AS 65000) with a passive eBGP neighbour A (10.0.0.9, AS 65001) driven
@@ -33,6 +34,7 @@ from proto.messages import (
     Keepalive,
     MessageReader,
     MessageType,
+    Notification,
     Open,
     RouteRefresh,
 )
@@ -262,6 +264,44 @@ def test_the_backoff_starts_over_once_a_session_came_up():
     assert p.get_timer() - now <= local().backoff_initial
 
 
+@pytest.mark.parametrize(
+    "end",
+    [
+        pytest.param(lambda p, conn, now: p.data_received(conn, Notification(ErrorCode.UPDATE_MESSAGE, UpdateSubcode.MALFORMED_ATTRIBUTE_LIST).encode(), now),
+                     id="their NOTIFICATION 3/1 after our first UPDATE"),
+        pytest.param(lambda p, conn, now: p.data_received(conn, their_open(), now), id="our FSM error (an OPEN once Established)"),
+        pytest.param(lambda p, conn, now: p.connection_lost(conn, now), id="they reset the connection"),
+    ],
+)  # fmt: skip
+def test_sessions_that_end_right_after_coming_up_do_not_start_the_backoff_over(end):
+    # RFC 4271 §8.1.1 DampPeerOscillations: a peer whose sessions end within a second of coming
+    # up is not reconnected about once a second for ever (a PeerUp and a PeerDown each time).
+    p = bare_peer()
+    now = 0.0
+    gaps = []
+    for _ in range(6):
+        conn = establish(p, now)
+        now += 0.5
+        end(p, conn, now)
+        assert p.session.state is State.IDLE
+        t = p.get_timer()
+        gaps.append(t - now)
+        now = t
+        p.handle_timer(now)
+    assert p.established_count == 6
+    assert gaps[-1] > 4 * local().backoff_initial, gaps
+    assert gaps[-1] <= local().backoff_max, gaps
+    # One session that stays up as long as the longest wait: the first delay again.
+    conn = establish(p, now)
+    up_until = now + local().backoff_max + 1.0
+    while (t := p.get_timer()) is not None and t <= up_until:  # our KEEPALIVEs (hold time 90 s)
+        p.handle_timer(t)
+    assert p.session.state is State.ESTABLISHED
+    now = up_until
+    end(p, conn, now)
+    assert p.get_timer() - now <= local().backoff_initial
+
+
 def test_an_inbound_connection_in_connect_closes_the_one_we_were_making():
     p = bare_peer()
     (c,) = connects(p.take_actions())
@@ -294,10 +334,42 @@ def test_a_route_refresh_restarts_the_hold_timer():
 
 def test_sending_an_update_restarts_our_keepalive_timer():
     p = bare_peer()
-    establish(p, 0.0)  # keepalive every 30 s
+    establish(p, 0.0)  # keepalive every 30 s, less up to a quarter (RFC 4271 §10 jitter)
+    first = p.get_timer()
+    assert 22.5 <= first <= 30.0
     update = MARKER + b"\x00\x17\x02" + bytes(4)  # an empty UPDATE (End-of-RIB)
     p.send_messages([update], 20.0)
     assert sent_types(p.take_actions()) == [MessageType.UPDATE]
-    assert p.get_timer() == 50.0
-    p.handle_timer(50.0)
+    # Restarted with the jitter it had: an UPDATE sent only ever moves it later.
+    assert p.get_timer() == 20.0 + first
+    p.handle_timer(20.0 + first)
     assert sent_types(p.take_actions()) == [MessageType.KEEPALIVE]
+
+
+def test_keepalive_and_connect_retry_timers_are_jittered_and_the_hold_timer_is_not():
+    # RFC 4271 §10: a uniform 0.75-1.0 of the time, drawn each time the timer starts, so that
+    # sessions that came up together (a reflector or an agent restarted) do not stay in
+    # lock-step; the hold timer is the peer's due and is never shortened.
+    peers = [
+        Peer(local(), PeerSettings(REMOTE, 65000), conn_ids=itertools.count(1), now=0.0, rng=random.Random(seed))
+        for seed in range(8)
+    ]  # fmt: skip
+    retries, keepalives = [], []
+    for p in peers:
+        p.start(0.0)
+        retries.append(p.get_timer())  # ConnectRetryTimer of the first attempt
+        establish(p, 0.0)
+        keepalives.append(p.get_timer())
+    assert len(set(retries)) == len(peers) and all(3.75 <= t <= 5.0 for t in retries), retries
+    assert len(set(keepalives)) == len(peers) and all(22.5 <= t <= 30.0 for t in keepalives), keepalives
+    # Drawn again for each KEEPALIVE; the hold timer (90 s, nothing heard) exactly on time.
+    p = peers[0]
+    sent_at = []
+    while p.session.state is State.ESTABLISHED:
+        t = p.get_timer()
+        p.handle_timer(t)
+        if MessageType.KEEPALIVE in sent_types(p.take_actions()):
+            sent_at.append(t)
+    assert t == 90.0 and p.session.last_error == "hold timer expired"
+    gaps = [b - a for a, b in zip([0.0, *sent_at], sent_at, strict=False)]
+    assert len(set(gaps)) == len(gaps) and all(22.5 <= g <= 30.0 for g in gaps), gaps
