@@ -333,6 +333,56 @@ class AnyStartingWith(str):
 # ------------------------------------------------------------------ the cluster view
 
 
+class FakeCluster:
+    """A ClusterView that asks no node: node2 answers what it is asked, and says what it was."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def nodes(self):
+        return {"node1": "192.0.2.1", "node2": "192.0.2.2"}
+
+    async def gather(self, path, own):
+        self.asked.append(f"node2 {path}")
+        return {"node1": own(), "node2": {"node": {"name": "node2"}}}
+
+    async def get(self, name, path):
+        self.asked.append(f"{name} {path}")
+        return 200, "application/json", b'{"node": {"name": "node2"}}'
+
+    async def lines(self, name, path, follow=False):
+        self.asked.append(f"{name} {path.split('?')[0]}")
+        for line in ():
+            yield line
+
+
+@pytest.mark.parametrize("path", ["/cluster", "/nodes/node2/status", "/flows?node=node2&last=5",
+                                  "/flows?cluster=1&last=5"])
+async def test_other_nodes_answers_need_the_token_or_the_browser_key(path):
+    """The loopback API relays to other nodes with the cluster's read token: a local user
+    without a credential (or with a wrong one) is refused before any node is asked; the API
+    token or its browser key (agentd flows, the /ui/ page) is answered."""
+    view = FakeCluster()
+    server = await _started(api.ApiServer(Provider(FlowViews(SimpleNamespace(ring=FlowRing(16))), view),
+                                          "127.0.0.1", 0, token=TOKEN))  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as session:
+            for headers in ({}, auth.bearer_header("guess"), auth.bearer_header(auth.ui_key("other"))):
+                async with session.get(server.url + path, headers=headers) as resp:
+                    assert resp.status == 401, (path, headers)
+            assert view.asked == []
+            for credential in (TOKEN, auth.ui_key(TOKEN)):
+                async with session.get(server.url + path, headers=auth.bearer_header(credential)) as resp:
+                    assert resp.status == 200, (path, await resp.text())
+                    await resp.read()
+            assert len(view.asked) == 2 and all(a.startswith("node2 /") for a in view.asked), view.asked
+            # This node's own answers need nothing.
+            async with session.get(server.url + "/nodes/node1/status") as resp:
+                assert resp.status == 200 and await resp.json() == {"node": {"name": "node1"}}
+    finally:
+        await server.stop()
+
+
 async def test_a_node_answering_no_json_object_is_that_nodes_error_not_a_500():
     for answer in (5, None, [1], "some text", True):
         view = ClusterView("node1", lambda: {"node1": "192.0.2.1", "node2": "192.0.2.2"}, 9098)
