@@ -1300,9 +1300,15 @@ def render_status(status: dict[str, Any]) -> str:
     )
     subnets = [s for s in dict.fromkeys((node.get("subnet"), node.get("subnet_v6"))) if s]
     out.append(f"Subnet{'s' * (len(subnets) > 1)} {'  '.join(map(_cell, subnets)) or '-'}  backend {_cell(node.get('backend') or '-')}")
+    # A dedicated reflector (agentd speaker) programs no routes and uses no etcd by design: its
+    # Loc-RIB's size, and "datastore -" (no endpoints), not an alarm that is not real.
+    if "loc_rib_prefixes" in bgp:
+        done = f"Loc-RIB {_cell(bgp['loc_rib_prefixes'])} prefixes"
+    else:
+        done = f"Routes programmed {_cell(routes.get('programmed', 0))}  last sync {_since(routes.get('last_sync'))}"
+    datastore = "-" if ds.get("endpoints") == [] else "connected" if ds.get("connected") else "DISCONNECTED"
     out.append(
-        f"Routes programmed {_cell(routes.get('programmed', 0))}  last sync {_since(routes.get('last_sync'))}"
-        f"  datastore {'connected' if ds.get('connected') else 'DISCONNECTED'}"
+        f"{done}  datastore {datastore}"
         f"{' (' + _cell(ds['endpoint']) + ')' if len(ds.get('endpoints') or []) > 1 and ds.get('endpoint') else ''}"
     )
     policy = status.get("policy")  # NetworkPolicy
