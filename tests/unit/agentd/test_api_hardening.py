@@ -248,6 +248,23 @@ async def test_every_error_is_json_aiohttps_own_too():
         await server.stop()
 
 
+async def test_ui_without_its_slash_keeps_the_key_in_its_redirect():
+    """/ui?key=K typed without the trailing slash went to /ui/, the key dropped: 401 in the view."""
+    from yarl import URL
+
+    server = await _started(api.ApiServer(Provider(flows=FlowViews(SimpleNamespace(ring=FlowRing(16)))),
+                                          "127.0.0.1", 0, token=TOKEN))
+    key = auth.ui_key(TOKEN)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for query in (f"key={key}", "key=a%2Bb%26c&x=1"):  # as sent, its escapes too
+                url = URL(f"{server.url}/ui?{query}", encoded=True)
+                async with session.get(url, allow_redirects=False) as resp:
+                    assert resp.status == 302 and resp.headers["Location"] == f"/ui/?{query}", query
+    finally:
+        await server.stop()
+
+
 # ------------------------------------------------------------------ /nodes/<this node>/...
 
 
