@@ -575,10 +575,12 @@ def _agent_listens(host: str, port: int, token_file: Path) -> str | None:
 
     address = resolve(host)
     try:
-        local = ipaddress.ip_address(address).is_loopback
+        ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
         return None
-    uids = listener_owners(address, port, wildcards=local) or set()
+    # The configured listen address is this host's (the agent binds it): a connection to it
+    # reaches a wildcard listener on the port too, whether it is loopback or the node's own.
+    uids = listener_owners(address, port, wildcards=True) or set()
     ours = sorted(uids & {0, file_owner(token_file)})
     if not ours:
         return None
@@ -612,7 +614,9 @@ def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: floa
     except TokenFileError as err:  # maybe no agent runs: asking tells
         token, unreadable = None, err
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/leave"
-    why = squatter(str(host), port, token_file) if token else None
+    # The configured listen address is this host's (loopback or the node's own): a wildcard
+    # listener of another user on the port takes the connection as well.
+    why = squatter(str(host), port, token_file, local=True) if token else None
     if why is not None:
         raise LeaveRefused(why)
     try:
@@ -756,7 +760,7 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
         read_token_file,
         ui_key,
     )
-    from agentd.daemon.listeners import squatter
+    from agentd.daemon.listeners import is_local_host, squatter
     from agentd.flows.model import FilterError, FlowFilter
     from agentd.flows.render import line, notice
 
@@ -774,6 +778,7 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
     if args.cluster:
         query.append(("cluster", "1"))
     url = args.api.rstrip("/") + "/flows?" + urllib.parse.urlencode(query)
+    unreadable: TokenFileError | str | None
     try:
         # The token's read-only key (agentd/daemon/auth.py): all a reader needs, and it cannot POST.
         headers, unreadable = bearer_header(ui_key(read_token_file(token_file))), None
@@ -782,6 +787,11 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
     try:
         parsed = urllib.parse.urlsplit(args.api)
         port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        # The key opens this host's agent alone: another host's has a token of its own, and
+        # would be sent this one's key in clear.  Sent to this host's addresses only.
+        if headers and not is_local_host(parsed.hostname or ""):
+            headers, unreadable = {}, (f"{parsed.hostname} is not this host (this host's key is sent to no other: "
+                                       "run agentd flows on that node)")
         why = squatter(parsed.hostname, port, token_file) if headers and parsed.hostname else None
     except ValueError as err:  # a port that cannot be checked is not sent the key (main checks --api first)
         why = f"{args.api}: cannot check who listens there ({err}): not sending it the API token"
@@ -1290,9 +1300,15 @@ def render_status(status: dict[str, Any]) -> str:
     )
     subnets = [s for s in dict.fromkeys((node.get("subnet"), node.get("subnet_v6"))) if s]
     out.append(f"Subnet{'s' * (len(subnets) > 1)} {'  '.join(map(_cell, subnets)) or '-'}  backend {_cell(node.get('backend') or '-')}")
+    # A dedicated reflector (agentd speaker) programs no routes and uses no etcd by design: its
+    # Loc-RIB's size, and "datastore -" (no endpoints), not an alarm that is not real.
+    if "loc_rib_prefixes" in bgp:
+        done = f"Loc-RIB {_cell(bgp['loc_rib_prefixes'])} prefixes"
+    else:
+        done = f"Routes programmed {_cell(routes.get('programmed', 0))}  last sync {_since(routes.get('last_sync'))}"
+    datastore = "-" if ds.get("endpoints") == [] else "connected" if ds.get("connected") else "DISCONNECTED"
     out.append(
-        f"Routes programmed {_cell(routes.get('programmed', 0))}  last sync {_since(routes.get('last_sync'))}"
-        f"  datastore {'connected' if ds.get('connected') else 'DISCONNECTED'}"
+        f"{done}  datastore {datastore}"
         f"{' (' + _cell(ds['endpoint']) + ')' if len(ds.get('endpoints') or []) > 1 and ds.get('endpoint') else ''}"
     )
     policy = status.get("policy")  # NetworkPolicy

@@ -114,9 +114,11 @@ class _Connections:
         self.others = 0  # of them, those not from a registered node's address
         self.refused = 0
         self.refused_address = 0  # refused as they came: their address had per_address open
-        # Connections whose first request head has not come yet (held until its time is up:
-        # aiohttp's handlers take no weak references).
-        self.waiting: set[Any] = set()
+        # Connections whose first request head has not come yet -> the timer that closes them
+        # when it is due.  The timer is cancelled once the head comes or the connection is lost:
+        # it holds the handler (aiohttp's take no weak references), and each aborted connection
+        # was held head_timeout longer (~1.75 KB each: memory growing with the rate of new ones).
+        self.waiting: dict[Any, asyncio.TimerHandle] = {}
 
     def __getattr__(self, name: str) -> Any:  # the rest is aiohttp's server's (shutdown, connections)
         return getattr(self._server, name)
@@ -176,14 +178,22 @@ class _Connections:
             if n > 0:
                 self.by_address[address] = n
 
+    def await_head(self, handler: Any) -> None:
+        """``handler``'s connection is closed unless its first request head comes within
+        ``head_timeout``.  (aiohttp 3.14, here, arms its keep-alive timer at the connection's
+        start as well, since aio-libs/aiohttp#13681; the aiohttp versions before it, which
+        pyproject allows, closed no connection whose first head never came.)"""
+        self.waiting[handler] = asyncio.get_running_loop().call_later(self.head_timeout, self._head_due, handler)
+
     def head_came(self, handler: Any) -> None:
-        self.waiting.discard(handler)
+        """Its first head came, or its connection is gone: the timer lets go of it."""
+        timer = self.waiting.pop(handler, None)
+        if timer is not None:
+            timer.cancel()
 
     def _head_due(self, handler: Any) -> None:
-        if handler in self.waiting:
-            self.waiting.discard(handler)
-            if handler.transport is not None:
-                handler.force_close()  # nothing, or half a head, in all this time
+        if self.waiting.pop(handler, None) is not None and handler.transport is not None:
+            handler.force_close()  # nothing, or half a head, in all this time
 
 
 class _Counted(asyncio.Protocol):
@@ -203,8 +213,7 @@ class _Counted(asyncio.Protocol):
             return
         self.counted = admitted
         self.connections.take(admitted[1])
-        self.connections.waiting.add(self.handler)
-        asyncio.get_running_loop().call_later(self.connections.head_timeout, self.connections._head_due, self.handler)
+        self.connections.await_head(self.handler)
         self.handler.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -212,7 +221,7 @@ class _Counted(asyncio.Protocol):
             return
         self.connections.release(*self.counted)
         self.counted = None
-        self.connections.waiting.discard(self.handler)
+        self.connections.head_came(self.handler)  # no head will: its timer cancelled, the handler let go
         self.handler.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:

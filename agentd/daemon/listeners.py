@@ -94,15 +94,22 @@ def untrusted_owner(host: str, port: int, agent_uid: int | None, proc: Path | No
     return others[0] if others else None
 
 
-def squatter(host: str, port: int, token_file: Path, proc: Path | None = None) -> str | None:
+def squatter(host: str, port: int, token_file: Path, proc: Path | None = None, *,
+             local: bool | None = None) -> str | None:  # fmt: skip
     """Why the CLI must not send the API token to ``host:port``: one line naming the listener's
     owner when it is neither root nor the agent's user (the token file's owner: the agent
-    writes it); None when it may (or when that cannot be told: as before)."""
+    writes it); None when it may (or when that cannot be told: as before).  ``local``:
+    ``host`` is one of this host's addresses (``agentd leave``'s, the configured listen
+    address, is), else :func:`is_local_address` tells.  A connection to a local address
+    reaches a wildcard listener (0.0.0.0, ::) on the port as well when nothing is bound to the
+    address itself: any local user's, [api] listen on the node's address or on loopback."""
     address = resolve(host)
     try:
-        local = ipaddress.ip_address(address).is_loopback
+        ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
         return None
+    if local is None:
+        local = is_local_address(address)
     uid = untrusted_owner(address, port, file_owner(token_file), proc, wildcards=local)
     if uid is None:
         return None
@@ -116,6 +123,45 @@ def file_owner(path: Path) -> int | None:
         return os.stat(path).st_uid
     except OSError:
         return None
+
+
+def is_local_address(address: str) -> bool:
+    """Whether ``address`` is one of this host's (this network namespace's): loopback, the
+    unspecified address (a connection to it stays here), or one a connected UDP socket takes
+    as its own source (the kernel picks the destination itself for a local one: its local
+    route, RFC 6724 rule 1; no packet is sent).  Not a bind test: ip_nonlocal_bind, which
+    nodes with floating VIPs set, lets a socket bind any address.  False when it cannot be
+    told (no route there, not an address)."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False
+    if ip.is_loopback or ip.is_unspecified:
+        return True
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(address.strip("[]"), 9, type=socket.SOCK_DGRAM,
+                                                       flags=socket.AI_NUMERICHOST)[0]  # fmt: skip
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            source = ipaddress.ip_address(str(s.getsockname()[0]).split("%", 1)[0])
+    except (OSError, IndexError, ValueError):
+        return False
+    return source == ip
+
+
+def is_local_host(host: str) -> bool:
+    """Whether every address ``host`` names is this host's (:func:`is_local_address`): a
+    connection to it, whichever address it tries, stays on this host."""
+    try:
+        ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+        return is_local_address(host)
+    except ValueError:
+        pass
+    try:
+        addresses = {str(a[4][0]) for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(addresses) and all(is_local_address(a) for a in addresses)
 
 
 def resolve(host: str) -> str:

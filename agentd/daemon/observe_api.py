@@ -470,7 +470,9 @@ class _Handlers:
     # ------------------------------------------------------------------ /ui/
 
     async def ui_root(self, request: web.Request) -> web.StreamResponse:
-        raise web.HTTPFound("/ui/")
+        # The query kept: /ui?key=K typed without the slash still carries the browser key.
+        raw = request.rel_url.raw_query_string
+        raise web.HTTPFound("/ui/" + (f"?{raw}" if raw else ""))
 
     async def ui_file(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info.get("name") or "index.html"

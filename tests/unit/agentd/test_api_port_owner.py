@@ -13,7 +13,7 @@ import pytest
 
 from agentd import cli
 from agentd.daemon import agent as agent_module
-from agentd.daemon import listeners
+from agentd.daemon import auth, listeners
 
 # 127.0.0.1:9099 LISTEN by uid 1000; 0.0.0.0:179 LISTEN by root; an established one by uid 1000 on 9098.
 TCP = """\
@@ -216,3 +216,122 @@ def test_nothing_answering_is_no_agent_unless_roots_or_the_agents_user_listens_t
     with pytest.raises(cli.LeaveRefused, match="process of uid 1000"):
         cli.leave_running_agent("127.0.0.1", port, token_file, timeout=5)
 
+
+
+# ------------------------------------------------------------------ [api] listen on the node's own address
+
+# 0.0.0.0:9099 LISTEN by uid 1000: a local user's wildcard listener on the API's port.
+WILD = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:238B 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 1 1 0000000000000000 100 0 0 10 0
+"""
+
+
+def test_a_wildcard_listener_takes_a_connection_to_the_nodes_own_address_too(tmp_path, monkeypatch):
+    """[api] listen on the node's address (10.0.0.1): another user's 0.0.0.0:9099 takes the
+    connection to it (nothing bound 10.0.0.1:9099 itself) as it does one to 127.0.0.1; only
+    loopback's were counted, and `agentd leave` sent that listener the token."""
+    net = tmp_path / "net"
+    net.mkdir()
+    (net / "tcp").write_text(WILD)
+    (net / "tcp6").write_text(WILD.splitlines()[0] + "\n")
+    token_file = tmp_path / "api.token"
+    token_file.write_text("t0ken\n")
+    monkeypatch.setattr(listeners, "file_owner", lambda path: 0)
+    refused = "10.0.0.1:9099 is served by a process of uid 1000"
+    said = listeners.squatter("10.0.0.1", 9099, token_file, net, local=True)
+    assert said.startswith(refused) and said.count("not sending it the API token") == 1, said
+    assert listeners.squatter("127.0.0.1", 9099, token_file, net).startswith("127.0.0.1:9099 is served")
+    monkeypatch.setattr(listeners, "is_local_address", lambda address: address == "10.0.0.1")
+    assert listeners.squatter("10.0.0.1", 9099, token_file, net).startswith(refused)  # told by the address
+    # Not this host's: the wildcard here is not what a connection there reaches.
+    assert listeners.squatter("198.51.100.7", 9099, token_file, net) is None
+
+
+def test_agentd_leave_on_the_nodes_address_sends_the_token_to_no_other_users_wildcard_listener(tmp_path, monkeypatch):
+    """It refuses before connecting (the fake listener would have said {"leaving": true}, and
+    the CLI "leaving etcd done" with exit 0 while the node stayed in etcd)."""
+    net = tmp_path / "net"
+    net.mkdir()
+    (net / "tcp").write_text(WILD)
+    monkeypatch.setattr(listeners, "PROC_NET", net)
+    monkeypatch.setattr(listeners, "file_owner", lambda path: 0)
+    token_file = tmp_path / "api.token"
+    token_file.write_text("t0ken\n")
+    connected = []
+    monkeypatch.setattr(cli, "api_open", lambda req, **kw: connected.append(req) or pytest.fail("token sent"))
+    with pytest.raises(cli.LeaveRefused, match=r"^10.0.0.1:9099 is served by a process of uid 1000.*not sending it the API token"):
+        cli.leave_running_agent("10.0.0.1", 9099, token_file, timeout=1)
+    assert connected == []
+
+
+def test_nothing_answering_on_the_nodes_address_with_roots_wildcard_listener_there_is_no_leave_without_it(
+        tmp_path, monkeypatch):  # fmt: skip
+    """Refused on the node's address while root's 0.0.0.0:PORT listens (an agent starting with
+    that listen address, a full backlog): not "no agent", as on loopback."""
+    import urllib.error
+
+    net = tmp_path / "net"
+    net.mkdir()
+    (net / "tcp").write_text(WILD.replace("  1000        0 1 ", "     0        0 1 "))
+    monkeypatch.setattr(listeners, "PROC_NET", net)
+
+    def refused(req, **kw):
+        raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+
+    monkeypatch.setattr(cli, "api_open", refused)
+    with pytest.raises(cli.LeaveRefused, match=r"but a process of uid 0 .*listens on 10.0.0.1:9099"):
+        cli.leave_running_agent("10.0.0.1", 9099, tmp_path / "api.token", timeout=1)
+
+
+def test_this_hosts_addresses_are_told_from_others():
+    import socket
+
+    for address in ("127.0.0.1", "127.0.0.5", "::1", "[::1]", "0.0.0.0", "::"):
+        assert listeners.is_local_address(address), address
+    for address in ("198.51.100.7", "2001:db8::7", "not-an-address", ""):
+        assert not listeners.is_local_address(address), address
+    assert listeners.is_local_host("localhost") and not listeners.is_local_host("no-such-host.invalid")
+    # This host's own address on the way out, if it has one: local (a bind test or the loopback
+    # range would not tell it; the UDP connect sends nothing).
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.7", 9))
+            mine = s.getsockname()[0]
+        except OSError:  # no route out here
+            mine = "127.0.0.1"
+    assert listeners.is_local_address(mine) and listeners.is_local_host(mine)
+
+
+def test_agentd_flows_sends_the_key_to_no_other_host(tmp_path, monkeypatch, capsys):
+    """--api http://OTHER-HOST:PORT: that host's agent has a token of its own; this host's
+    key went there in clear all the same.  Only to an address of this host."""
+    import argparse
+    import io
+    import urllib.error
+
+    token_file = tmp_path / "api.token"
+    token_file.write_text("t0ken\n")
+    monkeypatch.setattr(listeners, "file_owner", lambda path: 0)
+    sent = []
+
+    def api_open(req, timeout, deadline=None, idle=None):
+        sent.append(dict(req.header_items()))
+        raise urllib.error.HTTPError(req.full_url, 401, "Unauthorized", {}, io.BytesIO(b'{"error": "no"}'))
+
+    monkeypatch.setattr(cli, "api_open", api_open)
+    local = {"127.0.0.1", "192.0.2.7"}
+    monkeypatch.setattr(listeners, "is_local_address", lambda address: address in local)
+    monkeypatch.setattr(listeners, "PROC_NET", tmp_path / "none")  # who listens: cannot be told here
+    args = argparse.Namespace(api="http://198.51.100.7:9099", last=5, follow=False, cluster=True, output="text",
+                              **{f"filter_{n.replace('-', '_')}": [] for n in cli.FLOW_FILTERS})  # fmt: skip
+    assert cli.flows_command(args, token_file) == 1
+    assert sent == [{}]
+    err = capsys.readouterr().err
+    assert "401 other nodes' records need the API token, and 198.51.100.7 is not this host" in err, err
+    assert "run agentd flows on that node" in err
+    for api in ("http://127.0.0.1:9099", "http://192.0.2.7:9099"):  # loopback, the node's own address: sent
+        sent.clear()
+        args.api = api
+        assert cli.flows_command(args, token_file) == 1
+        assert sent == [{"Authorization": f"Bearer {auth.ui_key('t0ken')}"}], api

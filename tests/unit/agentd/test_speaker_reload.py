@@ -83,3 +83,28 @@ def test_a_reload_whose_peers_need_a_restart_only_key_keeps_the_running_peers(tm
         assert "running [node] route_reflector" in error, error
 
     asyncio.run(main())
+
+
+def test_agentd_status_of_a_speaker_shows_its_loc_rib_and_no_datastore_alarm(tmp_path):
+    """A dedicated reflector uses no etcd by design: `agentd status` said "datastore
+    DISCONNECTED" (and "Routes programmed 0") on a healthy one.  Its Loc-RIB's size instead,
+    and "datastore -"."""
+    from agentd.cli import render_status
+
+    running = config(tmp_path, AGENTD_BGP_ORIGINATE="10.99.0.0/24")
+    rt = SpeakerRuntime(running)
+
+    async def main():
+        rt.service._loop = asyncio.get_running_loop()
+        rt._reload(lambda: config(tmp_path, AGENTD_BGP_ORIGINATE="10.99.0.0/24,10.98.0.0/24"))
+        return rt.status()
+
+    status = asyncio.run(main())
+    assert status["bgp"]["loc_rib_prefixes"] == 2
+    lines = render_status(status).splitlines()
+    assert "Loc-RIB 2 prefixes  datastore -" in lines, lines
+    assert "DISCONNECTED" not in "\n".join(lines) and "Routes programmed" not in "\n".join(lines)
+    # An agent without its etcd still says so.
+    agent = {"node": {"name": "n1"}, "bgp": {"peers": []}, "routes": {"programmed": 3, "last_sync": None},
+             "datastore": {"connected": False, "endpoints": ["http://127.0.0.1:2379"], "endpoint": None}}
+    assert "Routes programmed 3  last sync -  datastore DISCONNECTED" in render_status(agent).splitlines()
