@@ -451,10 +451,17 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if cmd == "speaker":
             from agentd.daemon.speaker import SpeakerRuntime
 
+            read_once = [cfg.source is not None]
+
             def reload():
                 # [node] name and address as at start (RunningHost): a reload must not fail
                 # when the default route is gone at that moment, nor dump routes on the loop.
-                return load_config(path, overrides=overrides, require_file=named, host=RunningHost(cfg))
+                # A file read once (named or the default one) must still be there: gone for a
+                # moment, it is a failed reload, not the defaults (no peers).
+                read = load_config(path, overrides=overrides, require_file=named or read_once[0],
+                                   host=RunningHost(cfg))
+                read_once[0] = read_once[0] or read.source is not None
+                return read
 
             tune_gc()
             limit_malloc_arenas()

@@ -124,12 +124,14 @@ class Agent:
     def __init__(self, cfg: Config, *, config_path: str | None = None, overrides: dict | None = None,
                  config_named: bool = True, set_logging: Callable[[str, str], None] | None = None) -> None:
         """``config_named``: the file was named (``--config``, ``AGENTD_CONFIG``), so it must be
-        there at every reload; the default file may be missing (defaults and environment).
+        there at every reload; the default file may be missing (defaults and environment) until
+        it has been read (``cfg.source``): from then on it must be there too.
         ``set_logging(level, format)``: how a reload applies ``[log]`` (the CLI's set-up)."""
         self.cfg = cfg
         self.set_logging = set_logging
         self.config_path = config_path
         self.config_named = config_named
+        self.config_read = cfg.source is not None  # a file read once is required at a reload
         self.overrides = overrides or {}
         self.name = cfg.node.name or "node"
         # The node's primary underlay address: IPv4, or IPv6 in an IPv6-only cluster.
@@ -837,15 +839,20 @@ class Agent:
             self.ingress.reopen_access_log()
         if self.config_path is None:
             return
-        try:  # a file named at start (flag, AGENTD_CONFIG) that is gone now is a failed reload, not the defaults
+        # A file named at start (flag, AGENTD_CONFIG), or the default file once it has been
+        # read (at start or a reload), that is gone now (an editor's save, a config management
+        # run) is a failed reload, not the defaults: those would de-configure every external peer.
+        require_file = self.config_named or self.config_read
+        try:
             # [node] name, address and address_v6 change only with a restart: their defaults are
             # the running ones, not the host's now (a default route gone must not fail a reload).
-            read = load_config(self.config_path, overrides=self.overrides, require_file=self.config_named,
+            read = load_config(self.config_path, overrides=self.overrides, require_file=require_file,
                                host=RunningHost(self.cfg))
         except ConfigError as err:
             log.error("reload failed, keeping the running configuration: %s", err)
             self._reload_failed(str(err))
             return
+        self.config_read = self.config_read or read.source is not None
         cfg, pending, refused = reloaded(self.cfg, read)
         if self.set_logging is not None:
             self.set_logging(cfg.log.level, cfg.log.format)

@@ -7,6 +7,7 @@ node agent reuses, and the speaker's Prometheus metrics.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -214,6 +215,19 @@ class RunMarker:
             log.warning("cannot remove %s (%s): the next start will say it restarted", self.path, err.strerror or err)
 
 
+def _holder(host: object, port: int, err: OSError, key: str) -> str:
+    """What an address in use is taken by, for the error line: a process of another user
+    than root or ours, named; else the likely one (the speaker's defaults are the agent's)."""
+    if err.errno != errno.EADDRINUSE:
+        return ""
+    from agentd.daemon.listeners import untrusted_owner, user_name
+
+    uid = untrusted_owner(str(host), port, os.geteuid())
+    if uid is not None:
+        return f"; a process of {user_name(uid)} listens there, neither root nor this speaker's user"
+    return f" (an agent or another speaker on this node? give this speaker its own {key})"
+
+
 class SpeakerRuntime:
     """The status provider and lifecycle of ``agentd speaker``."""
 
@@ -280,18 +294,64 @@ class SpeakerRuntime:
 
     async def run(self, *, config_path: str | None = None, reload: Callable[[], Config] | None = None,
                   set_logging: Callable[[str, str], None] | None = None) -> int:
+        """Serve until SIGTERM or SIGINT: 0; 1 if the API or the BGP listener cannot have its
+        address (one error line, nothing left running, no speaker.running written)."""
         self.set_logging = set_logging  # how a reload applies [log] (the CLI's set-up)
         loop = asyncio.get_running_loop()
-        await self.service.start()
-        if self.cfg.bgp.graceful_restart:
-            self.marker.write()
-        else:
-            self.marker.remove()
+        # Before the first await: a SIGTERM during start-up stops us once started, not Python's default.
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        started = False
+        try:
+            if not await self._start():
+                return 1
+            started = True
+            if reload is not None:
+                loop.add_signal_handler(signal.SIGHUP, lambda: self._reload(reload))
+            await self._stop.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            if loop.remove_signal_handler(signal.SIGHUP):
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as before the handler (agentd.entry), not its default
+            if started:
+                graceful = self.cfg.bgp.graceful_restart
+                log.info("stopping (%s)", "graceful restart: peers keep our routes" if graceful else "withdrawing")
+                await self.service.stop(graceful=graceful)
+                if not graceful:
+                    self.marker.remove()  # the peers dropped our routes: the next start is a fresh one
+                await self.api.stop()
+            else:
+                await self.api.stop()  # (a start cut short by an exception: nothing is left serving)
+        return 0
+
+    async def _start(self) -> bool:
+        """The API first, as the agent's (a second daemon on the node stops before it touches
+        anything), then the BGP listener and the sessions; speaker.running once all is up.
+        False, after one error line naming the key, if either address cannot be had."""
+        api = self.cfg.api.listen
+        try:
+            await self.api.start()
+        except OSError as err:  # the port is taken (an agent on this node: the same default), the address not ours
+            log.error("cannot serve the API on %s ([api] listen): %s%s", api, err.strerror or err,
+                      _holder(api.host, api.port, err, "[api] listen"))
+            return False
+        try:
+            await self.service.start()
+        except OSError as err:
+            bgp = self.cfg.bgp.listen
+            log.error("cannot listen for BGP on %s ([bgp] listen): %s%s", bgp, err.strerror or err,
+                      _holder(bgp.host, bgp.port, err, "[bgp] listen") if bgp is not None else "")
+            await self.api.stop()
+            return False
         self.service.set_peers(peer_settings(p, self.cfg) for p in self.cfg.bgp.peers)
         self.service.set_listen_ranges(listen_ranges(self.cfg))
         self.service.set_originated(originations(self.cfg))
         self.service.peers_configured()  # its peers are those of its configuration
-        await self.api.start()
+        if self.cfg.bgp.graceful_restart:
+            self.marker.write()
+        else:
+            self.marker.remove()
         self._started = True
         log.info(
             "speaker AS %s router id %s: %d peers, %d prefixes originated",
@@ -300,23 +360,7 @@ class SpeakerRuntime:
             len(self.cfg.bgp.peers),
             len(self.cfg.bgp.originate),
         )
-        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
-        loop.add_signal_handler(signal.SIGINT, self._stop.set)
-        if reload is not None:
-            loop.add_signal_handler(signal.SIGHUP, lambda: self._reload(reload))
-        try:
-            await self._stop.wait()
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as before the handler (agentd.entry), not its default
-            graceful = self.cfg.bgp.graceful_restart
-            log.info("stopping (%s)", "graceful restart: peers keep our routes" if graceful else "withdrawing")
-            await self.service.stop(graceful=graceful)
-            if not graceful:
-                self.marker.remove()  # the peers dropped our routes: the next start is a fresh one
-            await self.api.stop()
-        return 0
+        return True
 
     def stop(self) -> None:
         self._stop.set()

@@ -433,3 +433,50 @@ def test_a_failed_reload_is_in_the_status_line_until_one_succeeds(tmp_path):
         assert agent.reload_error is None and "reload failed" not in agent.status_line()[1]
 
     asyncio.run(main())
+
+
+def test_a_reload_with_the_default_file_read_at_start_gone_keeps_the_running_configuration(tmp_path, caplog):
+    """Started without --config or $AGENTD_CONFIG, from the default file, which is gone for a
+    moment at the SIGHUP (an editor's save, a config management run): the reload fails and
+    the running peers and log level stay (the defaults would de-configure every external
+    peer), and STATUS= says so.  Only a default file missing at start too may stay missing."""
+    conf = tmp_path / "agentd.toml"
+    conf.write_text('[node]\nname = "n1"\naddress = "10.1.1.1"\n[log]\nlevel = "debug"\n'
+                    '[[bgp.peers]]\naddress = "10.9.9.8"\nasn = 64513\n')
+    running = load_config(conf, env={})
+    applied = []
+
+    async def main():
+        agent = Agent(running, config_path=str(conf), config_named=False,
+                      set_logging=lambda level, fmt: applied.append(level))
+        agent.notifier = _Recorder()
+        conf.unlink()
+        with caplog.at_level(logging.INFO, logger="agentd"):
+            agent._reload()
+        assert agent.cfg.bgp.peers == running.bgp.peers and len(agent.cfg.bgp.peers) == 1
+        assert agent.cfg.log.level == "debug" and applied == []
+        assert agent.reload_error is not None and "no such file" in agent.reload_error, agent.reload_error
+        assert agent.notifier.sent[-1][0] == "STATUS" and "last reload failed: " in agent.notifier.sent[-1][1]
+        assert "configuration reloaded" not in caplog.text
+
+    asyncio.run(main())
+
+
+def test_a_default_file_missing_at_start_may_be_missing_at_a_reload_until_it_is_read(tmp_path):
+    """The default file missing at start: a reload without it is the defaults and the
+    environment, as at start; once a reload has read it, it is required as if read at start."""
+    conf = tmp_path / "agentd.toml"
+
+    async def main():
+        agent = Agent(CFG, config_path=str(conf), config_named=False, set_logging=lambda *_: None)
+        agent.notifier = _Recorder()
+        agent._reload()
+        assert agent.reload_error is None and agent.cfg.bgp.peers == ()
+        conf.write_text('[node]\nname = "n1"\naddress = "10.1.1.1"\n[[bgp.peers]]\naddress = "10.9.9.8"\nasn = 64513\n')
+        agent._reload()
+        assert agent.reload_error is None and len(agent.cfg.bgp.peers) == 1
+        conf.unlink()
+        agent._reload()
+        assert len(agent.cfg.bgp.peers) == 1 and "no such file" in (agent.reload_error or "")
+
+    asyncio.run(main())

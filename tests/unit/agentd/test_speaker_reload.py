@@ -108,3 +108,55 @@ def test_agentd_status_of_a_speaker_shows_its_loc_rib_and_no_datastore_alarm(tmp
     agent = {"node": {"name": "n1"}, "bgp": {"peers": []}, "routes": {"programmed": 3, "last_sync": None},
              "datastore": {"connected": False, "endpoints": ["http://127.0.0.1:2379"], "endpoint": None}}
     assert "Routes programmed 3  last sync -  datastore DISCONNECTED" in render_status(agent).splitlines()
+
+
+def test_a_reload_with_the_default_file_read_at_start_gone_keeps_the_running_configuration(tmp_path, monkeypatch,
+                                                                                              caplog):
+    """`agentd speaker` without --config or $AGENTD_CONFIG reads the default file; gone for a
+    moment at the SIGHUP (an editor's save, a config management run), the reload the CLI
+    gives the speaker fails, and its peers (its whole job) and [log] stay: the defaults would
+    de-configure every one."""
+    import os
+
+    import agentd.daemon.speaker
+    from agentd import cli
+
+    conf = tmp_path / "agentd.toml"
+    conf.write_text('[node]\nname = "rr"\naddress = "192.0.2.1"\n[log]\nlevel = "debug"\n'
+                    f'[agent]\nstate_dir = "{tmp_path}"\n[bgp]\nlisten = ""\n'
+                    '[[bgp.peers]]\naddress = "192.0.2.2"\nasn = 64513\n')
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    monkeypatch.setattr(cli, "DEFAULT_CONFIG_PATH", str(conf))
+    for name in ("setup_logging", "tune_gc", "limit_malloc_arenas"):
+        monkeypatch.setattr(cli, name, lambda *a, **k: None)
+    started = []
+
+    class Speaker:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        async def run(self, *, reload, set_logging):
+            started.append((self.cfg, reload))
+            return 0
+
+    monkeypatch.setattr(agentd.daemon.speaker, "SpeakerRuntime", Speaker)
+    assert cli.main(["speaker"]) == 0
+    ((running, reload),) = started
+    assert running.source == str(conf) and len(running.bgp.peers) == 1
+    rt = SpeakerRuntime(running)
+    applied = []
+    rt.set_logging = lambda level, fmt: applied.append(level)
+
+    async def main():
+        rt.service._loop = asyncio.get_running_loop()
+        rt.service.set_peers(peer_settings(p, running) for p in running.bgp.peers)
+        before = dict(rt.speaker.peers)
+        conf.unlink()
+        with caplog.at_level(logging.INFO, logger="agentd.speaker"):
+            rt._reload(reload)
+        assert rt.speaker.peers == before and rt.cfg.bgp.peers == running.bgp.peers
+        assert rt.cfg.log.level == "debug" and applied == []
+        (error,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert "reload failed, keeping the running configuration" in error and "no such file" in error, error
+
+    asyncio.run(main())

@@ -121,3 +121,64 @@ async def test_a_cancelled_runner_still_ends():
     await turns_until(lambda: sup._runners["c"].done())
     assert sup._runners["c"].cancelled() and c.restarts == 0
     await sup.stop()
+
+
+# -- the restart delay: what keeps a crash-looping task from a tight loop, and one that crashed
+# often from waiting for days (agentd.daemon.supervisor's docstring).  The sleeps are recorded,
+# not slept; the clock is passed in.
+
+class _Asyncio:
+    """The supervisor's asyncio, whose sleep records the delay and, once ``until`` delays are
+    recorded, waits until stopped (the runner restarts nothing more)."""
+
+    def __init__(self, until: int) -> None:
+        self.delays: list[float] = []
+        self.until = until
+
+    def __getattr__(self, name):
+        return getattr(asyncio, name)
+
+    async def sleep(self, delay: float) -> None:
+        self.delays.append(delay)
+        if len(self.delays) >= self.until:
+            await asyncio.Event().wait()
+        await asyncio.sleep(0)
+
+
+async def _delays(monkeypatch, runs_for: list[float], jitter: float = 1.0) -> list[float]:
+    """The delays before each restart of a task that runs ``runs_for[i]`` seconds (by the
+    supervisor's clock) the i-th time, then crashes."""
+    from agentd.daemon import supervisor
+
+    fake = _Asyncio(until=len(runs_for))
+    monkeypatch.setattr(supervisor, "asyncio", fake)
+    monkeypatch.setattr(supervisor.random, "random", lambda: jitter)
+    now = [1000.0]
+    runs = []
+
+    async def crashes():
+        now[0] += runs_for[len(runs)]
+        runs.append(1)
+        raise RuntimeError("boom")
+
+    sup = Supervisor(backoff_initial=1, backoff_max=8, stable_after=60, clock=lambda: now[0])
+    sup.start("c", crashes)
+    await turns_until(lambda: len(fake.delays) == len(runs_for))
+    await sup.stop()
+    return fake.delays
+
+
+async def test_a_task_crashing_at_once_waits_twice_as_long_each_time_up_to_backoff_max(monkeypatch):
+    assert await _delays(monkeypatch, [0, 0, 0, 0, 0]) == [1, 2, 4, 8, 8]
+
+
+async def test_the_restart_delay_has_up_to_a_quarter_off_at_random(monkeypatch):
+    assert await _delays(monkeypatch, [0, 0, 0, 0, 0], jitter=0.0) == [0.75, 1.5, 3, 6, 6]
+
+
+async def test_the_restart_delay_starts_again_after_a_run_of_stable_after_seconds(monkeypatch):
+    assert await _delays(monkeypatch, [0, 0, 0, 60, 0]) == [1, 2, 4, 1, 2]
+
+
+async def test_a_run_just_short_of_stable_after_keeps_the_delay_growing(monkeypatch):
+    assert await _delays(monkeypatch, [0, 0, 59, 0, 0]) == [1, 2, 4, 8, 8]
