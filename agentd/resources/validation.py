@@ -321,17 +321,21 @@ def cidr(value: Any, path: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network
     if "/" not in text or "%" in text:
         raise invalid(path, text, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)")
     address, _, length = text.partition("/")
-    if not ascii_digits(length):
-        # a prefix length only: ip_network would take a netmask (10.0.0.0/255.0.0.0) or a
-        # hostmask (10.0.0.0/0.0.0.255, read as /24), which the API server refuses
+    # A prefix length only: ip_network would take a netmask (10.0.0.0/255.0.0.0) or a hostmask
+    # (10.0.0.0/0.0.0.255, read as /24), which the API server refuses.  Leading zeros, as many
+    # as there are, as Go's dtoi reads them ("/008" is /8; int() refuses over 4300 digits).
+    bits = whole_number(length, 3, zeros=True)
+    if bits is None:
         raise invalid(path, text, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)")
+    text = f"{address}/{bits}"
     try:
         if ":" not in address and address.count(".") == 3:
-            # IPv4 octets with leading zeros, which ParseCIDRSloppy reads as decimal (010 is 10)
-            # and Python refuses: the API server takes "010.0.0.0/8" (strict validation off).
-            octets = [whole_number(o, 10) for o in address.split(".")]  # (more digits: invalid)
+            # IPv4 octets with leading zeros, which ParseCIDRSloppy reads as decimal (010 is 10,
+            # 00000000010 too: no limit on the zeros) and Python refuses: the API server takes
+            # "010.0.0.0/8" (strict validation off).  More than three digits after them: invalid.
+            octets = [whole_number(o, 3, zeros=True) for o in address.split(".")]
             if None not in octets:
-                text = ".".join(map(str, octets)) + "/" + length
+                text = ".".join(map(str, octets)) + f"/{bits}"
         return ipaddress.ip_network(text, strict=False)
     except ValueError:
         raise invalid(path, value, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)") from None
