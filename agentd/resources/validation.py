@@ -22,7 +22,7 @@ import json
 import re
 from typing import Any
 
-from agentd.digits import ascii_digits, whole_number
+from agentd.digits import whole_number
 
 DNS1123_LABEL_MAX = 63
 DNS1123_SUBDOMAIN_MAX = 253
