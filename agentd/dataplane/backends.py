@@ -40,8 +40,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
-from ipaddress import IPv4Network, IPv6Network, ip_network
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 from pathlib import Path
 from typing import Any
 
@@ -410,6 +410,45 @@ class _Vxlan:
             await asyncio.to_thread(_delete_link, self.device)
 
 
+def host_addresses_v6(nodes: Iterable[NodeRecord], own: str) -> dict[str, str]:
+    """The peer nodes' IPv6 node addresses, each -> the node's IPv4 underlay address (the
+    worker's sender): a peer's host sends IPv6 from it where no address of its own subnet is
+    picked (its TUN's, its pods' bridge's) -- a reply from its node address to a pod that
+    connected to it (with ``ip_masq`` off), or a host with no such address yet.  An address
+    two records claim (one of them this node's) is no one's, as next_hop_owners has it."""
+    claims: dict[str, list[NodeRecord]] = {}
+    for n in nodes:
+        if n.address_v6 is not None:
+            claims.setdefault(str(n.address_v6), []).append(n)
+    return {
+        addr: str(ns[0].address)
+        for addr, ns in claims.items()
+        if len(ns) == 1 and ns[0].name != own and ns[0].address is not None
+    }
+
+
+def _host_sources(hosts: Mapping[str, str], sources: Mapping[str, str],
+                  own: Iterable[IPv4Network | IPv6Network]) -> dict[str, str]:
+    """``<address>/128 -> peer`` for each of ``hosts`` (host_addresses_v6), but for one inside
+    this node's pod subnets or inside a prefix ``sources`` gives another peer: a record's
+    address_v6 must not let its node pose as our pods or as another node's."""
+    by_len: dict[int, dict[int, str]] = {}
+    for dst, nh in sources.items():
+        if ":" in dst:
+            net = ip_network(dst)
+            by_len.setdefault(net.prefixlen, {})[int(net.network_address)] = nh
+    mine = [n for n in own if n.version == 6]
+    out = {}
+    for addr, peer in hosts.items():
+        a = ip_address(addr)
+        if any(a in n for n in mine):
+            continue
+        if any(entries.get(int(a) >> (128 - plen) << (128 - plen), peer) != peer for plen, entries in by_len.items()):
+            continue
+        out[f"{addr}/128"] = peer
+    return out
+
+
 class _Worker:
     """The user-space data plane (udp and ipip where BPF cannot run)."""
 
@@ -462,7 +501,12 @@ class _Worker:
             )
             self.client = await DataplaneClient.connect(self.control_path)
             log.info("started the %s data-plane worker (pid %d)", self.name, self.process.pid)
-        await asyncio.to_thread(self._address, str(subnet.network_address))
+        # The TUN's address in each pod subnet it carries (as vxlan's vtep_ip, vtep_ip_v6): the
+        # kernel takes it as the source of this host's packets routed through the TUN (its own,
+        # NodePort SNAT, ICMP errors), which the peers' reverse-path check then accepts as ours.
+        # IPv6 only on udp's (ipip carries IPv4 alone).
+        carried = [s for v, s in sorted(self.t.subnets.items()) if v == 4 or self.name == "udp"] or [subnet]
+        await asyncio.to_thread(self._address, *(str(s.network_address) for s in carried))
         self.pushed = None
 
     async def _attach(self, wanted: dict[str, Any]) -> None:
@@ -536,11 +580,11 @@ class _Worker:
             self.port_socket.close()
             self.port_socket = None
 
-    def _address(self, address: str) -> None:
+    def _address(self, *addresses: str) -> None:
         with Rtnl() as rt:
             link = rt.link(self.device)
             if link is not None:
-                _set_address(rt, link.index, address)
+                _set_address(rt, link.index, *addresses)
 
     def data(self) -> dict[str, Any]:
         return {key: getattr(self.t.cfg.network, key) for key in BACKENDS[self.name].node_data}
@@ -575,6 +619,10 @@ class _Worker:
             table = {**self.base, **table}
             sources = {**self.base, **self.base_sources, **sources}
         sources = {**table, **sources}  # (every next hop is a peer's subnet too)
+        # A peer's host sends IPv4 from its TUN's address (its subnet) or its underlay address
+        # (taken as the sender's own); IPv6 from its TUN's (up gives it one of its IPv6 subnet),
+        # its pods' bridge's or its node address_v6, which it is taken from here.
+        sources.update(_host_sources(self.t.hosts_v6, sources, self.t.subnets.values()))
         # Not our own underlay address (it is a member for BPF): a node never encapsulates to
         # itself, and the worker would take any local process's datagram from it.
         members = frozenset(self.t.members) - {str(self.t.underlay.interface.ip)}
@@ -819,6 +867,10 @@ class Tunnels:
         self.unreachable: dict[str, str] = {}
         self._gateways_at = 0.0
         self.members: set[str] = set()
+        # Each peer node's IPv6 node address -> its (IPv4) peer address: what its host's IPv6
+        # packets may come from besides its pod subnets (the workers' reverse-path check), as its
+        # IPv4 ones may from its underlay address.  An address two records claim is no one's.
+        self.hosts_v6: dict[str, str] = {}
         self._members_known = False
         self._plans: Mapping[str, PeerPlan] = {}
         self._next_hops: Mapping[str, list[str]] = {}
@@ -1069,6 +1121,7 @@ class Tunnels:
         self.plans_v6, self.next_hops_v6 = dict(plans_v6 or {}), dict(next_hops_v6 or {})
         if members_known:
             self.members = {str(n.peer_address) for n in nodes.values()} | {str(self.underlay.interface.ip)}
+            self.hosts_v6 = host_addresses_v6(nodes.values(), self.node_name)
             self._members_known = True
             # Only the peers reached through a tunnel need the backend their record names: one
             # reached directly (cross-subnet, on our segment) needs none, so a backend named only

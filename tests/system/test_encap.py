@@ -575,6 +575,17 @@ def _inner_ping(src: str, dst: str) -> bytes:
     return _ipv4_header(src, dst, 1, icmp)
 
 
+def _inner_ping6(src: str, dst: str) -> bytes:
+    icmp = struct.pack("!BBHHH", 128, 0, 0, 0x1234, 1) + b"forged"
+    pseudo = socket.inet_pton(socket.AF_INET6, src) + socket.inet_pton(socket.AF_INET6, dst) + struct.pack("!I3xB", len(icmp), 58)
+    s = sum(struct.unpack(f"!{(len(pseudo) + len(icmp)) // 2}H", pseudo + icmp))
+    s = (s & 0xFFFF) + (s >> 16)
+    s = (s & 0xFFFF) + (s >> 16)
+    icmp = icmp[:2] + struct.pack("!H", ~s & 0xFFFF) + icmp[4:]
+    return struct.pack("!IHBB", 6 << 28, len(icmp), 58, 64) + socket.inet_pton(socket.AF_INET6, src) \
+        + socket.inet_pton(socket.AF_INET6, dst) + icmp
+
+
 def _forged(backend: str, inner: bytes, address: str, vtep_mac: str = "ff:ff:ff:ff:ff:ff") -> str:
     """Python that sends 5 of ``inner`` to ``address`` encapsulated as ``backend`` (VXLAN: in a
     frame to ``vtep_mac``; the kernel forwards only a frame addressed to its VTEP, never a
@@ -690,6 +701,21 @@ async def test_user_space_workers_carry_what_peers_send_and_drop_a_members_spoof
     # b. node2's host to node1's pod (each family it has).
     for address in [pod1.ip] + ([pod1.address(6)] if family == "dual" else []):
         assert await lab.ping(node2, address, count=2), f"node2's host could not reach {address}"
+    if family == "dual":
+        # IPv6 from node2's host: by default from its TUN's address (one in its IPv6 pod
+        # subnet, as the kernel prefers the outgoing interface's); from its node address
+        # (address_v6: a host with no such address, a reply with ip_masq off) it passes too.
+        tun = json.loads(node2.ns.ip("-6", "-j", "addr", "show", "dev", "agentd.udp").stdout)[0]["addr_info"]
+        tun_v6 = [a["local"] for a in tun if a.get("scope") == "global"]
+        picked = json.loads(node2.ns.ip("-6", "-j", "route", "get", pod1.address(6)).stdout)[0].get("prefsrc")
+        assert len(tun_v6) == 1 and picked == tun_v6[0], (tun, picked)
+        subnet2_v6 = next(ip_network(n) for n in lab.all_subnets()["node2"] if ":" in n)
+        assert tun_v6 == [str(subnet2_v6.network_address)], (tun_v6, subnet2_v6)
+        assert node2.address_v6 is not None
+        for source in (tun_v6[0], node2.address_v6):
+            rc, out, _ = await node2.ns.aexec("ping", "-6", "-n", "-q", "-c", "2", "-w", "4", "-I", source,
+                                              pod1.address(6), check=False, timeout=15)
+            assert rc == 0, f"node2's host could not reach {pod1.address(6)} from {source}: {out.decode()}"
     # c. Time exceeded from node2's kernel: the TTL runs out where node2 forwards to its pod
     # (node1's kernel takes one, udp's worker another: flannel's router hop).
     ttl = "3" if backend == "udp" else "2"
@@ -730,8 +756,17 @@ async def test_user_space_workers_carry_what_peers_send_and_drop_a_members_spoof
     assert await forged(node1.address, dropped=True) == []
     # The same from node2's own pod reaches node1's pod: the source is the reason, not the forging.
     assert len(await forged(pod2.ip, dropped=False)) == 5
+    forged_sources = 10
+    if family == "dual":
+        # node2 posing as node3's host over IPv6 (node3's address_v6, accepted from node3 alone).
+        before = counted("spoofed")
+        await node2.ns.aexec("python3", "-c", _from_member(backend, _inner_ping6(node3.address_v6, pod1.address(6)),
+                                                             node2.address, node1.address))
+        await auntil(lambda: counted("spoofed") >= before + 5, in_thread=True, interval=0.2,
+                     what=lambda: f"node1's worker to count 5 spoofed from {node3.address_v6} (has {counted('spoofed') - before})")
+        forged_sources += 5
     await apause(2.5, "the workers' counters are read every 2 s")
-    assert _spoofed(node1, backend) == 10 and [_spoofed(n, backend) for n in (node2, node3)] == [0, 0]
+    assert _spoofed(node1, backend) == forged_sources and [_spoofed(n, backend) for n in (node2, node3)] == [0, 0]
 
 
 async def test_a_new_pods_bridge_is_guarded_before_its_first_pod_is_acknowledged(lab_factory):

@@ -129,7 +129,7 @@ async def test_the_agent_gives_its_workers_the_members_but_its_own_address():
         cfg=types.SimpleNamespace(agent=types.SimpleNamespace(state_dir="/nonexistent")),
         underlay=types.SimpleNamespace(interface=types.SimpleNamespace(ip=own)),
         members={own, "192.168.50.2", "192.168.50.3"},
-        plans_v6={}, next_hops_v6={},
+        plans_v6={}, next_hops_v6={}, hosts_v6={}, subnets={},
         paths=lambda: None,
     )
     worker = backends._Worker(t, "udp")
@@ -157,6 +157,7 @@ async def test_the_agent_gives_its_workers_every_peer_nodes_subnets_as_their_rev
         underlay=types.SimpleNamespace(interface=types.SimpleNamespace(ip=own)),
         members={own, user, gw, vx},
         plans_v6={gw: PeerPlan(gw, "host-gw", "", "n3", version=6)}, next_hops_v6={gw: ["fd00:10:244:3::/64"]},
+        hosts_v6={}, subnets={},
         paths=lambda: LocalPaths(datapaths={"udp": "userspace", "vxlan": "vxlan-device"}),
     )
     worker = backends._Worker(t, "udp")
@@ -170,6 +171,136 @@ async def test_the_agent_gives_its_workers_every_peer_nodes_subnets_as_their_rev
     await worker.sync(plans, next_hops, prune=False)
     assert worker.client.next_hops == {"10.244.2.0/24": user, "10.244.9.0/24": user}
     assert worker.client.sources["10.244.8.0/24"] == gw and worker.client.sources["10.244.9.0/24"] == user
+
+
+def _record(name, address, n, address_v6=None):
+    from ipaddress import ip_address, ip_network
+
+    from agentd.datastore.records import NodeRecord
+
+    return NodeRecord(name=name, address=ip_address(address), asn=64512, subnet=ip_network(f"10.244.{n}.0/24"),
+                      route_reflector=False, cluster_id=None, subnet_v6=ip_network(f"fd00:10:244:{n}::/64"),
+                      address_v6=None if address_v6 is None else ip_address(address_v6))
+
+
+async def test_a_peer_hosts_ipv6_node_address_is_a_source_of_that_peer_alone():
+    """A dual-stack peer's host sends IPv6 from its node address where it picks no address of
+    its subnet (a reply to a pod that connected to it with ip_masq off; a host whose TUN or
+    bridge has no IPv6 address yet): as its IPv4 underlay address, that address is accepted
+    from that peer -- and only from it.  An address_v6 two records claim, or one inside another
+    node's pod subnet or ours, is no one's (a record must not let its node pose as pods)."""
+    from ipaddress import ip_network
+
+    from agentd.kernel.forwarding import LocalPaths, PeerPlan
+
+    own, b, c = "192.168.50.1", "192.168.50.2", "192.168.50.3"
+    nodes = [_record("n1", own, 1, "2001:db8::1"), _record("n2", b, 2, "2001:db8::2"),
+             _record("n3", c, 3, "2001:db8::3"),
+             _record("n4", "192.168.50.4", 4, "2001:db8::1"),          # claims ours: no one's
+             _record("n5", "192.168.50.5", 5, "fd00:10:244:2::5"),     # inside n2's pod subnet
+             _record("n6", "192.168.50.6", 6, "fd00:10:244:1::6"),     # inside ours
+             _record("n7", "192.168.50.7", 7)]                         # no IPv6 node address
+    hosts = backends.host_addresses_v6(nodes, "n1")
+    assert hosts == {"2001:db8::2": b, "2001:db8::3": c, "fd00:10:244:2::5": "192.168.50.5",
+                     "fd00:10:244:1::6": "192.168.50.6"}
+    plans = {p: PeerPlan(p, "udp", "", f"n{p[-1]}") for p in (b, c)}
+    plans_v6 = {p: PeerPlan(p, "udp", "", f"n{p[-1]}", version=6) for p in (b, c)}
+    t = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(agent=types.SimpleNamespace(state_dir="/nonexistent")),
+        underlay=types.SimpleNamespace(interface=types.SimpleNamespace(ip=own)),
+        members={own, b, c, "192.168.50.5", "192.168.50.6"},
+        plans_v6=plans_v6, next_hops_v6={b: ["fd00:10:244:2::/64"], c: ["fd00:10:244:3::/64"]},
+        hosts_v6=hosts, subnets={4: ip_network("10.244.1.0/24"), 6: ip_network("fd00:10:244:1::/64")},
+        paths=lambda: LocalPaths(datapaths={"udp": "userspace"}),
+    )
+    worker = backends._Worker(t, "udp")
+    worker.client = _FakeClient()
+    await worker.sync(plans, {b: ["10.244.2.0/24"], c: ["10.244.3.0/24"]}, prune=True)
+    sources = worker.client.sources
+    assert sources["2001:db8::2/128"] == b and sources["2001:db8::3/128"] == c
+    assert not {"2001:db8::1/128", "fd00:10:244:2::5/128", "fd00:10:244:1::6/128"} & set(sources)
+    check = NextHopTable(sources)
+    B, C = socket.inet_aton(b), socket.inet_aton(c)
+    v6 = lambda a: socket.inet_pton(socket.AF_INET6, a)
+    assert check.source_ok(v6("2001:db8::2"), B)          # B's host, from its node address
+    assert check.source_ok(v6("fd00:10:244:2::"), B)      # B's host, from its TUN's address
+    assert not check.source_ok(v6("2001:db8::3"), B)      # C's node address forged by B
+    assert not check.source_ok(v6("2001:db8::2"), C)      # B's forged by C
+    assert not check.source_ok(v6("2001:db8::1"), B)      # ours
+    assert not check.source_ok(v6("fd00:10:244:2::5"), socket.inet_aton("192.168.50.5"))  # n5 as n2's pod
+
+
+async def test_the_udp_tun_gets_an_address_in_each_pod_subnet_the_ipip_tun_the_ipv4_one(tmp_path):
+    """A peer's host sources its packets through the TUN from the TUN's address (RFC 6724:
+    the outgoing interface's), which the receiver accepts as within that peer's subnet: the
+    udp TUN, which carries both families, needs one of each (without an IPv6 one the host
+    picks its node address, or any other); ipip carries IPv4 alone."""
+    from ipaddress import ip_network
+
+    subnets = {4: ip_network("10.244.2.0/24"), 6: ip_network("fd00:10:244:2::/64")}
+    given = {}
+    for kind in ("udp", "ipip"):
+        t = types.SimpleNamespace(
+            cfg=types.SimpleNamespace(agent=types.SimpleNamespace(state_dir=str(tmp_path)),
+                                      network=types.SimpleNamespace(udp_port=8285)),
+            underlay=types.SimpleNamespace(interface=types.SimpleNamespace(ip="192.168.50.2"), mtu=1500),
+            subnets=subnets,
+        )
+        worker = backends._Worker(t, kind)
+
+        async def attach(_wanted, worker=worker):
+            worker.client = _FakeClient()
+
+        worker._attach = attach
+        worker._address = lambda *a, kind=kind: given.__setitem__(kind, a)
+        await worker.up(subnets[4])
+    assert given == {"udp": ("10.244.2.0", "fd00:10:244:2::"), "ipip": ("10.244.2.0",)}
+
+
+class _HeldWorker(_FakeClient):
+    """A previous run's worker, as DataplaneClient.get() reads it."""
+
+    def __init__(self, held):
+        super().__init__()
+        self.held = held
+
+    async def get(self):
+        return self.held
+
+
+async def test_a_reattached_workers_reverse_path_table_stays_until_routes_are_relearned(monkeypatch):
+    """After a restart the agent re-attaches to the running worker and keeps its next hops and
+    its sources until BGP has re-learned every route: a peer reached by host-gw (in sources,
+    not in the next hops) whose route is not back yet still has its pods' packets taken."""
+    from agentd.kernel.forwarding import LocalPaths, PeerPlan
+
+    own, user, gw = "192.168.50.1", "192.168.50.2", "192.168.50.3"
+    wanted = {"local_ip": own, "port": 8285, "mtu": 1472}
+    held = {"config": dict(wanted), "next_hops": {"10.244.2.0/24": user}, "members": [user, gw],
+            "sources": {"10.244.2.0/24": user, "10.244.8.0/24": gw}}
+    client = _HeldWorker(held)
+
+    async def connect(path, timeout=5.0):
+        return client
+
+    monkeypatch.setattr(backends.DataplaneClient, "connect", connect)
+    t = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(agent=types.SimpleNamespace(state_dir="/nonexistent")),
+        underlay=types.SimpleNamespace(interface=types.SimpleNamespace(ip=own)),
+        members={own, user, gw},
+        plans_v6={}, next_hops_v6={}, hosts_v6={}, subnets={},
+        paths=lambda: LocalPaths(datapaths={"udp": "userspace"}),
+    )
+    worker = backends._Worker(t, "udp")
+    await worker._attach(wanted)
+    assert worker.client is client
+    # BGP has re-learned the udp peer's route so far, not the host-gw peer's.
+    await worker.sync({user: PeerPlan(user, "udp", "", "n2")}, {user: ["10.244.2.0/24"]}, prune=False)
+    assert client.sources["10.244.8.0/24"] == gw and client.sources["10.244.2.0/24"] == user
+    assert client.next_hops == {"10.244.2.0/24": user}
+    # Once every route is back, what no plan gives any more goes.
+    await worker.sync({user: PeerPlan(user, "udp", "", "n2")}, {user: ["10.244.2.0/24"]}, prune=True)
+    assert client.sources == {"10.244.2.0/24": user}
 
 
 # -- a previous run's worker --------------------------------------------------------------------

@@ -933,6 +933,11 @@ def test_udp_flows_are_flushed_when_their_endpoint_leaves_the_serving_set_only()
     # every endpoint go, the node port's stay.
     assert stale_udp([sp], [replace(sp, cluster_ip=None)]) == [
         Stale("10.244.1.2", 53, "10.96.0.10", 53, None), Stale("10.244.2.2", 53, "10.96.0.10", 53, None)]
+    # Likewise a node port that changed or went: its flows to every endpoint go (no longer
+    # translated through it), the cluster IP's stay.
+    for node_port in (30054, None):
+        assert stale_udp([sp], [replace(sp, node_port=node_port)]) == [
+            Stale("10.244.1.2", 53, None, 53, 30053), Stale("10.244.2.2", 53, None, 53, 30053)]
 
 
 @pytest.mark.parametrize("policy", ["externalTrafficPolicy", "internalTrafficPolicy"])
