@@ -1150,6 +1150,29 @@ def test_bug9_another_protocols_replace_at_another_tos_leaves_our_route_known():
         m.sync(False)  # a) own routes nobody wants
 
 
+def test_another_protocols_replace_of_a_source_specific_route_leaves_our_route_known():
+    # As bug 9, for IPv6's other key: BIRD replaces its source-specific route (from
+    # 2001:db8:ff::/48, rtm_src_len 48) to our destination at our metric.  Linux files it in
+    # the destination's source subtree (CONFIG_IPV6_SUBTREES), another key than our route's
+    # (source ::/0): ours is untouched, and the programmer must still know it, or a route
+    # nobody wants any more stays.  (The stand-in has no source prefixes: the monitor is
+    # told, as the kernel tells it.)
+    ours = Route("2001:db8::/64", gateway="2001:db8:ff::2", dev="eth0")
+    with scenario() as m:
+        m.set_desired([ours])
+        m.sync(False)
+        template = nl.route_template(AF6, table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BIRD,
+                                     gateway=pton(AF6, "2001:db8:ff::3"), oif=IFINDEX["eth0"], priority=1024,
+                                     src=pton(AF6, "2001:db8:ff::"))
+        m.kernel.notify(nl.encode_route(nl.RTM_NEWROUTE, 0, nl.NLM_F_REPLACE, pton(AF6, "2001:db8::"), 64, template,
+                                        src_len=48))
+        m.deliver_events()
+        assert m.p.programmed() == [ours]
+        m.set_desired([])
+        m.sync(False)  # a) own routes nobody wants
+        assert m.own_entries() == []
+
+
 # --- after lost monitor events ------------------------------------------------------------------
 
 

@@ -144,3 +144,58 @@ def test_a_route_added_beside_ours_meeting_an_eexist_nothing_explains_stays_a_fa
         assert [e.gateway is not None for e in m.kernel.leaf(key)] == [True]
     finally:
         s.__exit__(None, None, None)
+
+
+# --- a metric change whose add finds our route at the new key, put beside it after all ----------
+
+
+@pytest.mark.parametrize("then", ["goes-in", "refused", "blocked"])
+def test_a_metric_change_going_beside_our_unknown_route_at_the_new_key(monkeypatch, then):
+    # Our blackhole at metric 4000 is X6's route as the programmer knows it; at the new key
+    # (metric 1024) is a gateway route of ours it does not know (a full resync would file it).
+    # The desired device route's add meets EEXIST, the table read finds ours there, and a
+    # replace could not put it in that route's place (route_plan.needs_beside): it goes beside
+    # it, in a second pass.  That pass's outcome is the reconcile's: reported in its result,
+    # and the old blackhole deleted only once the device route is in.  Refused there (eth1
+    # gone from the kernel meanwhile: ENODEV), the blackhole stays and the refusal is reported.
+    # Blocked (BIRD's blackhole is at the key too: route_adopt.others_at_keys), it is a
+    # conflict, reported; the blackhole goes, as where an add meets another daemon's route
+    # (test_a_metric_change_meeting_another_daemons_route_deletes_ours), our gateway route
+    # carrying the traffic.
+    blackhole = Route(X6, kind="blackhole", metric=4000)
+    gateway = Route(X6, gateway="2001:db8:ff::2", dev="eth0")
+    device = Route(X6, dev="eth1")
+    with scenario(own=[blackhole]) as m:
+        unknown = entry_of_route(gateway, table=MAIN, protocol=OURS)
+        theirs = entry_of_route(Route(X6, kind="blackhole"), table=MAIN, protocol=nl.RTPROT_BIRD)
+        m.kernel.set_leaf(unknown.key, [unknown, theirs] if then == "blocked" else [unknown])
+        assert m.p.programmed() == [blackhole]
+
+        def watch(op, err):
+            if then == "refused" and (op, err) == ("add", errno.EEXIST):
+                monkeypatch.delitem(LINKS, 3)  # the programmer still knows eth1: the kernel refuses
+
+        m.set_desired([device])
+        n = len(m.kernel.requests)
+        m.kernel.watch = watch
+        result = m.run(m.p.reconcile())
+        m.kernel.watch = None
+        sent = [(op, err) for op, _target, err in m.kernel.requests[n:]]
+        if then == "goes-in":
+            assert sent == [("add", errno.EEXIST), ("beside", 0), ("delete", 0), ("delete", 0)]
+            assert (result.replaced, result.removed, result.failed, result.conflicts) == ((X6,), (X6,), (), ())
+            assert own_routes(m) == [entry_of_route(device, table=MAIN, protocol=OURS).describe()]
+            assert m.p.failures == {} and m.p.programmed() == [device]
+        elif then == "refused":
+            assert sent == [("add", errno.EEXIST), ("add", errno.ENODEV)]  # the stand-in's name for the refused beside
+            assert [dst for dst, _reason in result.failed] == [X6] and "ENODEV" in result.failed[0][1]
+            assert (result.added, result.replaced, result.removed, result.conflicts) == ((), (), (), ())
+            assert own_routes(m) == sorted([entry_of_route(blackhole, table=MAIN, protocol=OURS).describe(),
+                                            unknown.describe()]), "the blackhole went with its replacement refused"
+            assert list(m.p.failures) == [X6] and m.p.conflicts == {}
+        else:
+            assert sent == [("add", errno.EEXIST), ("delete", 0)]
+            assert [dst for dst, _reason in result.conflicts] == [X6] and "proto bird" in result.conflicts[0][1]
+            assert (result.added, result.replaced, result.removed, result.failed) == ((), (), (X6,), ())
+            assert own_routes(m) == [unknown.describe()] and m.kernel.leaf(unknown.key) == [unknown, theirs]
+            assert list(m.p.conflicts) == [X6] and m.p.failures == {}
