@@ -150,7 +150,8 @@ def classify_existing(
     wanted = {route_key(route): route for route in routes}
     holders: dict[Route, nl.RouteMessage] = {}
     for msg in messages:
-        if msg.table != table or msg.tos or msg.flags & RTM_F_CLONED or msg.family not in ZERO_ADDRESS:
+        if (msg.table != table or msg.tos or msg.src_len or msg.flags & RTM_F_CLONED
+                or msg.family not in ZERO_ADDRESS):  # (a source prefix: another key)
             continue
         route = wanted.get(message_key(msg))
         if route is None or msg.protocol != protocol and route in holders:

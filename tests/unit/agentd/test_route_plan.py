@@ -265,6 +265,23 @@ def test_classify_existing_finds_our_route_a_replace_takes_at_an_ipv6_key():
             assert (result.own, result.adopted, result.conflicts) == ([want], {V6: holder}, [])
 
 
+def test_classify_existing_leaves_a_source_specific_route_of_ours_out_of_the_key():
+    """A route of ours at a source prefix (rtm_src_len 48) is another kernel key than ours
+    (source ::/0): not the holder of our EEXIST.  Taken for it ("ours wins"), the add became
+    a replace, which took BIRD's route that holds the key."""
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.ifname[2] = "eth0"
+    want = Route(V6, gateway=HOP2, dev="eth0")
+    bird = route_message(Route(V6, gateway=HOP3), nl.RTPROT_BIRD)._replace(priority=1024)
+    ours_at_source = route_message(Route(V6, gateway=HOP4), RTPROT_AGENTD)._replace(
+        priority=1024, src_len=48, src=bytes(16))
+    for order in ([bird, ours_at_source], [ours_at_source, bird]):
+        result = classify_existing([want], order, table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD,
+                                   route_of=netlink.route_of)
+        assert (result.own, result.adopted) == ([], {})
+        assert [dst for dst, _reason in result.conflicts] == [V6] and "proto bird" in result.conflicts[0][1]
+
+
 def test_a_route_to_go_beside_ours_at_an_ipv6_key_another_daemon_holds_is_a_conflict():
     """Beside their gateway route ours would be its ECMP sibling; beside one without, ours
     would come after it, and a later replace of ours take theirs.  Another key (metric,
