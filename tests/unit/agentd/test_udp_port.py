@@ -221,6 +221,8 @@ def _agent(tmp_path, port: int, mtu: int = 1500):
                                   network=types.SimpleNamespace(udp_port=port)),
         underlay=types.SimpleNamespace(interface=types.SimpleNamespace(ip=LOCAL), mtu=mtu),
         subnet=None,
+        subnets={},  # (Tunnels': up() falls back to the subnet it is given)
+        hosts_v6={},
     )
 
 
