@@ -390,6 +390,10 @@ class Recording(Protocol):
 
     def recorded(self) -> list[bytes]: ...  # struct podconn_record each (CONN_RECORD)
 
+    # What recorded() gives, whether or not this process told them to record (the ring opened
+    # for that read): what an earlier agent's programs wrote, kept before they are told to stop.
+    def recorded_left(self) -> list[bytes]: ...
+
     def recorded_lost(self) -> int: ...  # records the ring could not take, ever
 
     def recorded_open(self) -> list[tuple[bytes, bytes]]: ...  # (key, struct podconn_value)
@@ -754,7 +758,10 @@ class FlowRecorder:
             return
         try:
             held = look()
-            records = programs.recorded() if hasattr(programs, "recorded") else []
+            # Not recorded(): it reads nothing where this process never told them to record
+            # (recording refused, connections off) -- the very cases these are kept for.
+            left = getattr(programs, "recorded_left", None)
+            records = left() if left is not None else []
         except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable
             log.warning("flows: the connections the pod programs recorded could not be read, "
                         "their ends will not be recorded: %s", err)

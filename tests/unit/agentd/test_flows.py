@@ -1256,6 +1256,10 @@ class Programs:
         out, self.rings = self.rings, []
         return out
 
+    def recorded_left(self):  # the ring read whether or not this process told them to record
+        out, self.rings = self.rings, []
+        return out
+
     def reset_hints(self):
         out, self.hints = self.hints, []
         return out
@@ -1922,6 +1926,9 @@ def test_what_the_programs_recorded_is_ended_when_the_recorder_cannot_have_them_
                 self.held.clear()
                 self.rings = []
 
+        def recorded(self):  # as PodFastPath: its ring is read only once it was told to record here
+            return super().recorded() if True in self.told else []
+
     class Refusing:
         def install(self):
             raise RuntimeError("nft: table agentd-flows: Operation not permitted")
@@ -1964,6 +1971,44 @@ def test_what_the_programs_recorded_is_ended_when_the_recorder_cannot_have_them_
     finally:
         os.close(pipe[0])
         os.close(pipe[1])
+
+
+def test_what_the_programs_ring_holds_is_kept_though_this_process_never_had_them_record(monkeypatch, tmp_path):
+    """podpath's PodFastPath as an agent's start leaves it (its ring not opened: only
+    set_recording(True) opens it) holds starts and ends an earlier agent's programs wrote, and
+    ends an open handed over (replaced_ends): the recorder that cannot have the programs
+    record keeps both (the ring opened for that read) before they are told to stop, which
+    drops them."""
+    from agentd.dataplane.bpf import podpath
+
+    s = 10**9
+    key, value = _conn(False, CONN_OPEN, 900 * s, 950 * s)
+    ring = [CONN_RECORD.pack(key, REC_START, value), CONN_RECORD.pack(key, REC_FIN, value)]
+    handed = CONN_RECORD.pack(key, REC_GONE, value)
+    opened = []
+
+    class Ring:
+        def __init__(self, fd):
+            opened.append(fd)
+            self.closed = False
+
+        def drain(self):
+            out = list(ring)
+            ring.clear()
+            return out
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(podpath.lb, "RingBuffer", Ring)
+    fp = podpath.PodFastPath(tmp_path / "bpf")
+    fp.maps = {podpath.RECS: 7}
+    fp.replaced_ends = [handed]
+    assert fp.recs is None
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, carried=fp)
+    r._keep_leftovers(fp)
+    assert r._leftover_records == [CONN_RECORD.pack(key, REC_START, value), CONN_RECORD.pack(key, REC_FIN, value), handed]
+    assert opened == [7] and fp.recs is None and fp.replaced_ends == []
 
 
 def _observability(monkeypatch, tmp_path, **env):
