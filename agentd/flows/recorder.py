@@ -126,6 +126,10 @@ RESETS_MAX = 65536  # connections a RST passed, waiting to be looked at (podconn
 IDLE_NS = 10 * 10**9  # idle this long: ended if conntrack no longer holds it
 HELD_RECHECK_NS = 60 * 10**9  # conntrack found holding an idle one: not asked again for this long
 REC_START, REC_FIN, REC_RST, REC_REUSED, REC_GONE = 1, 2, 3, 4, 5  # podpath.py (enum podconn_kind; GONE: the sweep's)
+# The sweep's too, never the programs': GONE of a connection they held when told not to record
+# (:class:`Leftovers`) that conntrack was found holding since -- it may have carried anything
+# meanwhile, nobody counting: its bytes, packets and duration are unknown.
+REC_GONE_UNCOUNTED = 6
 CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5  # enum podconn_state
 # struct podconn_value: packets sent by the key's lower end, by the other, bytes alike, CLOCK_TAI
 # ns of the SYN and of the last packet, state, the client's side (1: the higher end), FIN bits
@@ -419,10 +423,13 @@ class Leftovers:
     (key -> struct podconn_value): what the sweep looks over of them as it does the programs'
     map (:meth:`FlowRecorder.sweep`), taking each out as it ends."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "held_on")
 
     def __init__(self) -> None:
         self.held: dict[bytes, bytes] = {}
+        # Those conntrack was found holding at a look (after recording stopped): ended, their
+        # counts are unknown (REC_GONE_UNCOUNTED), not those of when it stopped.
+        self.held_on: set[bytes] = set()
 
     def recorded_open(self) -> list[tuple[bytes, bytes]]:
         return list(self.held.items())
@@ -431,6 +438,7 @@ class Leftovers:
         return self.held.get(key)
 
     def take_recorded(self, key: bytes) -> bytes | None:
+        self.held_on.discard(key)
         return self.held.pop(key, None)
 
     def put_recorded(self, key: bytes, value: bytes) -> bool:
@@ -482,9 +490,11 @@ def recorded_flow(node: str, raw: bytes, lo_id: Identity | None, hi_id: Identity
     if kind == REC_START:
         return Flow(time=(first - offset) / 1e9, node=node, event="new", protocol="TCP", src=src, dst=dst,
                     direction=direction, received=received)
-    when = received if kind == REC_GONE else (last - offset) / 1e9
+    when = received if kind in (REC_GONE, REC_GONE_UNCOUNTED) else (last - offset) / 1e9
     flow = Flow(time=when, node=node, event="end", protocol="TCP", src=src, dst=dst, direction=direction,
                 received=received)
+    if kind == REC_GONE_UNCOUNTED:  # what it carried after recording stopped: not known
+        return flow
     if client:
         flow.packets_sent, flow.bytes_sent, flow.packets_received, flow.bytes_received = p_hi, b_hi, p_lo, b_lo
     else:
@@ -1033,8 +1043,12 @@ class FlowRecorder:
                     kind = REC_FIN
                 elif state in (CONN_RESET_LO, CONN_RESET_HI) and idle > RESET_TIMEOUT_NS:
                     kind = REC_RST
-                elif idle > IDLE_NS and not self._still_held(key, v[4], now):
-                    kind = REC_GONE
+                elif idle > IDLE_NS:
+                    if self._still_held(key, v[4], now):
+                        if type(rec) is Leftovers:
+                            rec.held_on.add(key)
+                        continue
+                    kind = REC_GONE_UNCOUNTED if type(rec) is Leftovers and key in rec.held_on else REC_GONE
                 else:
                     continue
                 taken = self._take(rec, key, v, out)

@@ -1905,7 +1905,7 @@ def test_what_the_programs_recorded_is_ended_when_the_recorder_cannot_have_them_
     taken in when the recorder runs; nothing new is recorded, and the sweep stops once every
     one is ended."""
     from agentd.flows import recorder as rec_mod
-    from agentd.flows.recorder import IDLE_NS
+    from agentd.flows.recorder import IDLE_NS, REC_GONE_UNCOUNTED
 
     pipe = os.pipe()
 
@@ -1954,7 +1954,7 @@ def test_what_the_programs_recorded_is_ended_when_the_recorder_cannot_have_them_
         assert r.sweep(950 * s + IDLE_NS + 1) == []  # idle, but conntrack holds it: still open
         held[0] = False
         (end,) = r.sweep(950 * s + IDLE_NS + HELD_RECHECK_NS + 1)
-        assert CONN_RECORD.unpack(end)[:2] == (key, REC_GONE) and r.swept == 1
+        assert CONN_RECORD.unpack(end)[:2] == (key, REC_GONE_UNCOUNTED) and r.swept == 1  # held on: counts unknown
         assert r.sweep(950 * s + IDLE_NS + HELD_RECHECK_NS + 2) == []  # ended once
 
         async def run() -> None:
@@ -2009,6 +2009,36 @@ def test_what_the_programs_ring_holds_is_kept_though_this_process_never_had_them
     r._keep_leftovers(fp)
     assert r._leftover_records == [CONN_RECORD.pack(key, REC_START, value), CONN_RECORD.pack(key, REC_FIN, value), handed]
     assert opened == [7] and fp.recs is None and fp.replaced_ends == []
+
+
+def test_a_leftover_connection_conntrack_held_on_ends_with_its_size_and_length_unknown():
+    """A connection the programs held when told not to record is as it was then: nothing counts
+    it since.  One conntrack still held at a look (a DB pool, a watch stream: it may carry
+    traffic for an hour) ends, once gone, with its bytes, packets and duration unknown -- not
+    those of when recording stopped; one found gone at the first look keeps them."""
+    from agentd.flows.recorder import IDLE_NS, Leftovers
+
+    s = 10**9
+    r = recorder()
+    r.tai_offset = lambda: 0
+    key, value = _conn(False, CONN_OPEN, 900 * s, 950 * s)
+    other = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + (40001).to_bytes(2, "big") + (80).to_bytes(2, "big")
+    r.leftovers = Leftovers()
+    r.leftovers.held.update({key: value, other: value})
+    held = {key: True, other: False}
+    r._held = lambda k: held[k]  # type: ignore[method-assign]
+    (first,) = r.sweep(950 * s + IDLE_NS + 1)  # ``other``: gone at the first look
+    assert CONN_RECORD.unpack(first)[0] == other
+    assert r.sweep(4000 * s) == []  # ``key``: held an hour on
+    held[key] = False
+    (last,) = r.sweep(4000 * s + HELD_RECHECK_NS + 1)
+    assert CONN_RECORD.unpack(last)[0] == key and r.leftovers.held == {}
+    r._on_recorded([first, last], 4061.0)
+    gone, later = (f.json() for f in r.ring)
+    assert (gone["bytes_sent"], gone["packets_received"], gone["duration"]) == (1400, 5, 50.0)
+    assert (later["event"], later["time"], later["src"]["port"]) == ("end", 4061.0, 40000)
+    assert (later["bytes_sent"], later["bytes_received"], later["packets_sent"], later["packets_received"],
+            later["duration"]) == (None, None, None, None, None)
 
 
 def _observability(monkeypatch, tmp_path, **env):
