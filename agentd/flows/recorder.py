@@ -571,6 +571,7 @@ class FlowRecorder:
         v4 = [n for n in (*pods, *services) if n.version == 4]
         self.prefixes = [(int(n.network_address), int(n.netmask)) for n in v4]  # IPv4, for the kernel's filter and C
         self.networks = tuple(ip_network(n) for n in (*pods, *services))  # both families: the long way
+        self.service_networks = tuple(ip_network(n) for n in services)
         self.own = frozenset(ip_address(a) for a in own)  # both families: the long way
         self._own_packed = frozenset(a.packed for a in self.own if a.version == 4)  # IPv4: Python's loop
         self.connections = connections
@@ -1760,6 +1761,8 @@ class FlowRecorder:
         )  # fmt: skip
         if ev.status & ct.IPS_DST_NAT:
             flow.service_ip, flow.service_port = orig.dst, orig.dport
+            if service is None:
+                flow.service_unnamed = self._services_address(orig.dst, orig.proto, orig.dport)
         if ev.destroyed:
             # A direction conntrack did not count (the entry made before accounting was turned
             # on) is unknown, whatever the fast path carried of it.
@@ -1774,6 +1777,21 @@ class FlowRecorder:
             if ev.start_ns and stop:
                 flow.duration = max(0.0, (stop - ev.start_ns) / 1e9)
         return flow
+
+    def _services_address(self, ip: str, proto: int, port: int) -> bool:
+        """Whether a translated destination no Service is known of is one a Service could have
+        had: in the Services' ranges (a cluster IP), or one a snapshot of the Services kept
+        knew (a node port) -- not another translation's (portmap's hostPort to a node address)."""
+        try:
+            address = ip_address(ip)
+        except ValueError:
+            return False
+        if any(address in n for n in self.service_networks):
+            return True
+        snapshots = [names for _until, names in self._services_past]
+        if self._services_then is not None:
+            snapshots.append(self._services_then)
+        return any(names(ip, proto, port) is not None for names in snapshots)
 
     def _ours(self, *addresses: str) -> bool:
         """Whether any of these addresses is in the pods' or the Services' ranges and not the

@@ -367,6 +367,37 @@ def test_an_end_names_the_service_of_when_its_connection_started(fast):
     assert list(r.ring)[-1].service == "shop/other" and not r._services_past
 
 
+def _dnat(dst: str, dport: int, mtype: int = ct.MSG_NEW) -> bytes:
+    """A connection of client 10.244.1.2:40000 to ``dst``:``dport`` translated to web 10.244.2.3:80."""
+    body = (_tuple(ct.CTA_TUPLE_ORIG, "10.244.1.2", dst, 6, 40000, dport)
+            + _tuple(ct.CTA_TUPLE_REPLY, "10.244.2.3", "10.244.1.2", 6, 80, 40000)
+            + nl.attr(ct.CTA_STATUS, struct.pack("!I", ct.IPS_DST_NAT | ct.IPS_CONFIRMED)) + nl.attr(ct.CTA_ID, struct.pack("!I", 7)))
+    return nl.encode_nfgen(mtype, 0x400, 0, socket.AF_INET, body)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_translated_connection_is_shown_as_a_service_only_where_a_service_could_be(fast):
+    """The portmap plugin's hostPort (node 192.168.1.10:8080 -> a pod's 80) is translated with
+    no Service at all: its record has no ``service`` (as before Services' names were kept of
+    deleted ones).  A translated destination in the Services' ranges, or one a snapshot of the
+    Services knew (a node port of a Service deleted since), is a Service whose name is not
+    known: name null.  The address the client used is still what the ip filter finds."""
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, clock=lambda: 1000.0,
+                     pods=[IPv4Network("10.244.0.0/16")], services=[IPv4Network("10.96.0.0/12")])
+    r.fast = fast and r.fast
+    r.directory.vips = {("192.168.1.10", 6, 30080): "shop/nodeport"}
+    r._on_conntrack_datagrams([_dnat("192.168.1.10", 30080)], 1000.0)
+    r.directory.vips = {}  # the NodePort Service deleted
+    r._on_conntrack_datagrams([_dnat("192.168.1.10", 8080), _dnat("10.96.0.99", 80), _dnat("192.168.1.10", 30080)], 1001.0)
+    named, hostport, vip, nodeport = (f.json() for f in r.ring)
+    assert named["service"] == {"name": "shop/nodeport", "ip": "192.168.1.10", "port": 30080}
+    assert "service" not in hostport and hostport["dst"] == {"ip": "10.244.2.3", "port": 80, **hostport["dst"]}
+    assert "svc" not in line(hostport)
+    assert FlowFilter.parse([("ip", "192.168.1.10")]).matches(list(r.ring)[1])
+    assert vip["service"] == {"name": None, "ip": "10.96.0.99", "port": 80}
+    assert nodeport["service"] == {"name": None, "ip": "192.168.1.10", "port": 30080}
+
+
 def test_a_change_of_the_services_settles_the_waiting_events_a_step_at_a_time(monkeypatch):
     """A Services change with the ring full of events read under the snapshot before: each
     read, and each turn of the loop, settles SETTLE_STEP of them, oldest first -- not all of
