@@ -619,7 +619,8 @@ class FlowRecorder:
         self._settle_due = False  # a step is asked of the loop
         # The snapshots before the current one, oldest first, each with the last read under it
         # (CLOCK_REALTIME ns): a connection that started by then was named by it when it came,
-        # and its end is named alike (:meth:`_services_at`); when conntrack was last read (s).
+        # and its end is named alike (:meth:`_services_at`); when conntrack was last read empty
+        # (s: the clock before the read's last recv; a read the budget stopped is none).
         self._services_past: deque[tuple[int, Callable[[str, int, int], str | None]]] = deque()
         self._services_forgot = 0  # the last read under a snapshot forgotten since (ns): what started by then is named as read
         self._ct_read_at: float | None = None
@@ -1146,8 +1147,10 @@ class FlowRecorder:
             self._drain_fast(sock, loop)
             return
         batch: list[bytes] = []
+        emptied: float | None = None  # the clock before the last, empty recv: None, the budget ran out
         try:
             while len(batch) < CT_BUDGET:
+                at = self.clock()
                 try:
                     got = sock.recv_many()
                 except OSError as err:
@@ -1155,12 +1158,13 @@ class FlowRecorder:
                         continue
                     raise
                 if not got:
+                    emptied = at
                     break
                 batch += got
             self._count_ct_drops()
             # After the reads: the fast path's news then holds whatever came before these events.
             self._begin()
-            self._on_conntrack_datagrams(batch, self.clock())
+            self._on_conntrack_items(self._decode(batch), self.clock(), emptied, full=emptied is None)
         finally:
             if len(batch) >= CT_BUDGET:
                 loop.call_soon(self._drain_conntrack)
@@ -1177,11 +1181,14 @@ class FlowRecorder:
             assert ct.fast_events is not None
             items, n, _overruns = ct.fast_events.drain(sock.fileno(), CT_BUDGET, self._names, self._name,
                                                        self.prefixes, self.carried is not None)
+            # Its last system call found the socket empty, a moment ago (the clock before it is
+            # C's): unless the budget ran out first, leaving events unread.
+            emptied = self.clock() if n < CT_BUDGET else None
             if self._own_packed and not self.filtered:  # the kernel's filter leaves these out
                 items = self._without_own(items)
             self._count_ct_drops()
             self._begin_carried()
-            self._on_conntrack_items(items, self.clock())
+            self._on_conntrack_items(items, self.clock(), emptied, full=emptied is None)
         finally:
             if n >= CT_BUDGET:
                 loop.call_soon(self._drain_conntrack)
@@ -1348,10 +1355,15 @@ class FlowRecorder:
         """A read's datagrams, into the ring in the order they came."""
         self._on_conntrack_items(self._decode(batch), now)
 
-    def _on_conntrack_items(self, items: list[Event | bytes], now: float) -> None:
+    def _on_conntrack_items(self, items: list[Event | bytes], now: float, emptied: float | None = None,
+                            *, full: bool = False) -> None:
         """A read's events (:meth:`_decode`), into the ring in the order they came: the common
         kind as :class:`PendingConnection` s in one loop -- with what the fast path carried
-        of an ended one -- the rest the long way."""
+        of an ended one -- the rest the long way.  ``emptied``: the clock before the read's
+        last recv, which found the socket empty (else ``now``); ``full``: the read stopped at
+        CT_BUDGET, events left in the socket -- those of connections started before its clock
+        among them, read under whatever Services come next, so it is no boundary of the
+        Services it read under (:attr:`_ct_read_at`)."""
         entries: list[Entry] = []
         carried = self._carried
         services = self.directory.service_names()
@@ -1365,7 +1377,8 @@ class FlowRecorder:
             self._services_then = services
         elif self._settling:
             self._settle_step()
-        self._ct_read_at = now
+        if not full:  # every connection started by then had its new read by now
+            self._ct_read_at = now if emptied is None else emptied
         while past and now * 1e9 - past[0][0] > HISTORY_AGE_NS:
             self._services_forgot = past.popleft()[0]
         timeouts = self.ct_timeouts() if self.ct_timeouts is not None else None

@@ -398,6 +398,75 @@ def test_a_translated_connection_is_shown_as_a_service_only_where_a_service_coul
     assert nodeport["service"] == {"name": None, "ip": "192.168.1.10", "port": 30080}
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_read_that_left_events_unread_is_no_boundary_of_the_services_then(monkeypatch, fast):
+    """The Services before a change are kept with the time of the last read under them that
+    emptied the socket (the clock before its last, empty recv): a connection that started by
+    then had its ``new`` read under them.  A read that stopped at CT_BUDGET left such ``new`` s
+    in the socket, and the Services may change before the next read (call_soon): its clock is no
+    such boundary, or the end of a connection started before it names the Service its ``new``
+    -- read under the Services after the change -- did not.  In C (drain) and in Python."""
+    from agentd.flows import recorder as rec_mod
+
+    if fast:
+        assert ct.fast_events is not None, "agentd/kernel/_ctevents.c is not built (scripts/dev setup)"
+    budget = 64 if fast else 3  # C reads up to 64 datagrams a system call
+    monkeypatch.setattr(rec_mod, "CT_BUDGET", budget)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)  # C reads a file descriptor
+
+    class Sock:
+        def fileno(self):
+            return a.fileno()
+
+        def recv_many(self):
+            try:
+                return [a.recv(65536, socket.MSG_DONTWAIT)]
+            except BlockingIOError:
+                return []
+
+    class Loop:
+        def __init__(self) -> None:
+            self.soon: list[object] = []
+
+        def call_soon(self, callback):
+            self.soon.append(callback)
+
+        def add_reader(self, fd, callback):
+            pass
+
+    clock = [990.0]
+    d = Directory()
+    snapshot = [d.service_names()]
+    d.service_names = lambda: snapshot[0]  # the same until the Services change, as FlowDirectory's
+    r = FlowRecorder("node2", d, "/nonexistent", group=143, clock=lambda: clock[0])
+    r.fast = fast
+    r.ct_sock, r._loop = Sock(), Loop()  # type: ignore[assignment]
+
+    def drain(*datagrams: bytes) -> None:
+        for data in datagrams:
+            b.send(data)
+        r._drain_conntrack()
+
+    try:
+        drain(destroy_event(ct.IPS_DST_NAT, start_ns=900 * 10**9))  # emptied at 990
+        clock[0] = 1000.0  # the budget's worth, and a connection started at 999.95 s left queued
+        drain(*[destroy_event(ct.IPS_DST_NAT, start_ns=900 * 10**9)] * budget, _new_event(ct.IPS_DST_NAT | ct.IPS_CONFIRMED))
+        assert len(r._loop.soon) == 1  # the rest at the next turn of the loop ...
+        d.vips = {}  # ... before which the Services synced: shop/web deleted
+        snapshot[0] = Directory.service_names(d)
+        clock[0] = 1000.001
+        r._loop.soon.pop()()  # type: ignore[operator]
+        clock[0] = 1005.0
+        drain(destroy_event(ct.IPS_DST_NAT, start_ns=999_950_000_000))
+        new, end = list(r.ring)[-2:]
+        assert (new.event, end.event) == ("new", "end")
+        assert new.service is None and end.service is None  # as its new: named after the change
+        assert r._services_past[0][0] == 990 * 10**9
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_change_of_the_services_settles_the_waiting_events_a_step_at_a_time(monkeypatch):
     """A Services change with the ring full of events read under the snapshot before: each
     read, and each turn of the loop, settles SETTLE_STEP of them, oldest first -- not all of
