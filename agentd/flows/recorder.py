@@ -315,9 +315,9 @@ def carried_key(src: bytes, sport: int, dst: bytes, dport: int) -> tuple[bytes, 
 # loop): (the datagram -- one message --, its type, the names of its original source,
 # original destination and reply source, and for a DESTROY of TCP between pods while the fast
 # path counts: (its carried_key, whether the source is the lower end, conntrack's start and stop
-# stamps), else None).
+# stamps), else None; and a DESTROY's start stamp, CLOCK_REALTIME ns -- 0: a NEW, or not kept).
 Carry = tuple[bytes, bool, int, int]
-Event = tuple[bytes, int, Identity | None, Identity | None, Identity | None, Carry | None]
+Event = tuple[bytes, int, Identity | None, Identity | None, Identity | None, Carry | None, int]
 
 
 class PendingConnection(Deferred):
@@ -355,7 +355,7 @@ class PendingConnection(Deferred):
     def flow(self) -> Flow:
         if self._flow is None:
             assert self.event is not None
-            data, mtype, *names, _carry = self.event
+            data, mtype, *names, _carry, _start = self.event
             try:
                 ev = ct.decode_event(mtype, data, nl.NLMSG_HDRLEN, len(data))
             except nl.NetlinkDecodeError as err:  # its tuples were read when it came, not the rest
@@ -1341,14 +1341,20 @@ class FlowRecorder:
                 n_reply = name(reply_src)
             if n_src is None and n_dst is None and n_reply is None and not self._in_ranges(src, dst, reply_src):
                 continue  # the node's own traffic (etcd, BGP, its bridge's IGMP reports)
-            carry = None
+            carry, start = None, 0
             if mtype == ct.MSG_DELETE and proto == TCP and counting and n_src and n_dst:
                 try:
                     carry = (*carried_key(src, sport, dst, dport), *ct.lifetime(data, hdr, mlen))
                 except nl.NetlinkDecodeError:  # malformed: the long way, which counts it
                     out.append(data)
                     continue
-            out.append((data, mtype, n_src, n_dst, n_reply, carry))  # type: ignore[arg-type]
+                start = carry[2]
+            elif mtype == ct.MSG_DELETE:  # its start, for the Services then (_services_of)
+                try:
+                    start = ct.lifetime(data, hdr, mlen)[0]
+                except nl.NetlinkDecodeError:  # not known: its record is made the long way
+                    start = 0
+            out.append((data, mtype, n_src, n_dst, n_reply, carry, start))  # type: ignore[arg-type]
         return out
 
     def _on_conntrack_datagrams(self, batch: list[bytes], now: float) -> None:
@@ -1410,17 +1416,10 @@ class FlowRecorder:
     def _services_of(self, item: Event,
                      services: Callable[[str, int, int], str | None]) -> Callable[[str, int, int], str | None]:
         """The Services a DESTROY read at fixed offsets (:meth:`_decode`) is named by: as they
-        were when its entry was made (CTA_TIMESTAMP_START, :meth:`_services_at`), else
-        ``services`` (now; an entry made before timestamps were on too)."""
-        carry = item[5]
-        if carry is not None:
-            start = carry[2]
-        else:
-            try:
-                start = ct.lifetime(item[0], nl.NLMSG_HDRLEN, len(item[0]))[0]
-            except nl.NetlinkDecodeError:
-                return services
-        return self._services_at(start) or services
+        were when its entry was made (CTA_TIMESTAMP_START, which the decoder read:
+        :meth:`_services_at`), else ``services`` (now; an entry made before timestamps were on
+        too)."""
+        return self._services_at(item[6]) or services
 
     def _services_at(self, start: int) -> Callable[[str, int, int], str | None] | None:
         """The Services as they were when a connection started at ``start`` (CLOCK_REALTIME
@@ -1445,10 +1444,7 @@ class FlowRecorder:
         src, dst, reply_src, history = fields[0], fields[1], fields[5], self._history
         if src not in history and dst not in history and reply_src not in history:
             return item
-        try:
-            start = ct.lifetime(data, nl.NLMSG_HDRLEN, len(data))[0]
-        except nl.NetlinkDecodeError:
-            return item
+        start = item[6]  # CTA_TIMESTAMP_START, as the decoder read it
         if not start:
             return item
         start += self.tai_offset()
@@ -1460,14 +1456,14 @@ class FlowRecorder:
         """A DESTROY read at fixed offsets (:meth:`_decode`) with its ends named as they were
         when its entry was made, and what the fast path carried asked for if those are two
         pods (its ends may have gone unnamed since)."""
-        data, mtype, _s, _d, _r, carry = item
+        data, mtype, _s, _d, _r, carry, start = item
         if carry is None and self.carried is not None and names[0] and names[1]:
             fields = ct.ipv4_tuples(mtype, data, nl.NLMSG_HDRLEN, len(data))
             if fields is not None and fields[2] == TCP:
                 src, dst, _proto, sport, dport = fields[:5]
                 with contextlib.suppress(nl.NetlinkDecodeError):
                     carry = (*carried_key(src, sport, dst, dport), *ct.lifetime(data, nl.NLMSG_HDRLEN, len(data)))
-        return (data, mtype, *names, carry)
+        return (data, mtype, *names, carry, start)
 
     def _extend(self, entries: list[Entry]) -> None:
         self.events += len(entries)

@@ -467,6 +467,31 @@ def test_a_read_that_left_events_unread_is_no_boundary_of_the_services_then(monk
         b.close()
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_services_change_costs_an_end_no_second_reading_of_its_event(monkeypatch, fast):
+    """For 15 minutes after a Services change an end is named by the Services of its start
+    (CTA_TIMESTAMP_START): the decoder (C, or Python where it is not built) hands that start
+    over with every DESTROY -- a Service's connection (no pod at its VIP end: nothing carried)
+    or one leaving the cluster -- rather than the event being walked again on the loop."""
+    r = recorder()
+    r.fast = fast
+    if fast:
+        assert r.fast, "agentd/kernel/_ctevents.c is not built (scripts/dev setup)"
+    d = r.directory
+    r._on_conntrack_datagrams([], 999.0)
+    d.vips = {}
+    r._on_conntrack_datagrams([], 999.5)
+    assert r._services_past  # a past snapshot is kept
+    batch = [destroy_event(ct.IPS_DST_NAT, start_ns=998 * 10**9), destroy_event(0, start_ns=998 * 10**9)]
+    items = r._decode(batch)  # as the socket's read gives them (lifetime read here, once)
+    walked = []
+    lifetime = ct.lifetime
+    monkeypatch.setattr(ct, "lifetime", lambda *a: (walked.append(a), lifetime(*a))[1])
+    r._on_conntrack_items(items, 1000.0)
+    assert walked == []
+    assert [f.service for f in r.ring] == ["shop/web", None]  # the Services of its start
+
+
 def test_a_change_of_the_services_settles_the_waiting_events_a_step_at_a_time(monkeypatch):
     """A Services change with the ring full of events read under the snapshot before: each
     read, and each turn of the loop, settles SETTLE_STEP of them, oldest first -- not all of
