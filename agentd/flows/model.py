@@ -135,9 +135,12 @@ class Flow:
     default_deny: bool = False  # those policies have no rule in that direction at all
     service: str | None = None  # "ns/name" when the destination was a virtual IP or node port
     # The address and port the client used (VIP, node address): set wherever the connection was
-    # translated (a Service's, named or not: ``service`` None where no Service is known of it).
+    # translated -- a Service's, named or not, or another translation's (portmap's hostPort).
     service_ip: str | None = None
     service_port: int = 0
+    # Translated to an address a Service could have (the Services' ranges, one a snapshot of them
+    # knew) with no Service known of it (deleted since): shown as a Service, name null.
+    service_unnamed: bool = False
     bytes_sent: int | None = None  # end: original direction (from src), reply direction
     bytes_received: int | None = None
     packets_sent: int | None = None
@@ -163,7 +166,7 @@ class Flow:
             if self.reason == "policy":
                 out["policies"] = list(self.policies)
                 out["default_deny"] = self.default_deny
-        if self.service is not None or self.service_ip is not None:  # name null: translated, no Service known
+        if self.service is not None or self.service_unnamed:  # name null: a Service's address, no Service known
             out["service"] = {"name": self.service, "ip": self.service_ip, "port": self.service_port}
         if self.event == "end":
             out.update(bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,

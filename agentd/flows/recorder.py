@@ -126,6 +126,10 @@ RESETS_MAX = 65536  # connections a RST passed, waiting to be looked at (podconn
 IDLE_NS = 10 * 10**9  # idle this long: ended if conntrack no longer holds it
 HELD_RECHECK_NS = 60 * 10**9  # conntrack found holding an idle one: not asked again for this long
 REC_START, REC_FIN, REC_RST, REC_REUSED, REC_GONE = 1, 2, 3, 4, 5  # podpath.py (enum podconn_kind; GONE: the sweep's)
+# The sweep's too, never the programs': GONE of a connection they held when told not to record
+# (:class:`Leftovers`) that conntrack was found holding since -- it may have carried anything
+# meanwhile, nobody counting: its bytes, packets and duration are unknown.
+REC_GONE_UNCOUNTED = 6
 CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5  # enum podconn_state
 # struct podconn_value: packets sent by the key's lower end, by the other, bytes alike, CLOCK_TAI
 # ns of the SYN and of the last packet, state, the client's side (1: the higher end), FIN bits
@@ -311,9 +315,9 @@ def carried_key(src: bytes, sport: int, dst: bytes, dport: int) -> tuple[bytes, 
 # loop): (the datagram -- one message --, its type, the names of its original source,
 # original destination and reply source, and for a DESTROY of TCP between pods while the fast
 # path counts: (its carried_key, whether the source is the lower end, conntrack's start and stop
-# stamps), else None).
+# stamps), else None; and a DESTROY's start stamp, CLOCK_REALTIME ns -- 0: a NEW, or not kept).
 Carry = tuple[bytes, bool, int, int]
-Event = tuple[bytes, int, Identity | None, Identity | None, Identity | None, Carry | None]
+Event = tuple[bytes, int, Identity | None, Identity | None, Identity | None, Carry | None, int]
 
 
 class PendingConnection(Deferred):
@@ -351,7 +355,7 @@ class PendingConnection(Deferred):
     def flow(self) -> Flow:
         if self._flow is None:
             assert self.event is not None
-            data, mtype, *names, _carry = self.event
+            data, mtype, *names, _carry, _start = self.event
             try:
                 ev = ct.decode_event(mtype, data, nl.NLMSG_HDRLEN, len(data))
             except nl.NetlinkDecodeError as err:  # its tuples were read when it came, not the rest
@@ -390,6 +394,10 @@ class Recording(Protocol):
 
     def recorded(self) -> list[bytes]: ...  # struct podconn_record each (CONN_RECORD)
 
+    # What recorded() gives, whether or not this process told them to record (the ring opened
+    # for that read): what an earlier agent's programs wrote, kept before they are told to stop.
+    def recorded_left(self) -> list[bytes]: ...
+
     def recorded_lost(self) -> int: ...  # records the ring could not take, ever
 
     def recorded_open(self) -> list[tuple[bytes, bytes]]: ...  # (key, struct podconn_value)
@@ -415,10 +423,13 @@ class Leftovers:
     (key -> struct podconn_value): what the sweep looks over of them as it does the programs'
     map (:meth:`FlowRecorder.sweep`), taking each out as it ends."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "held_on")
 
     def __init__(self) -> None:
         self.held: dict[bytes, bytes] = {}
+        # Those conntrack was found holding at a look (after recording stopped): ended, their
+        # counts are unknown (REC_GONE_UNCOUNTED), not those of when it stopped.
+        self.held_on: set[bytes] = set()
 
     def recorded_open(self) -> list[tuple[bytes, bytes]]:
         return list(self.held.items())
@@ -427,6 +438,7 @@ class Leftovers:
         return self.held.get(key)
 
     def take_recorded(self, key: bytes) -> bytes | None:
+        self.held_on.discard(key)
         return self.held.pop(key, None)
 
     def put_recorded(self, key: bytes, value: bytes) -> bool:
@@ -478,9 +490,11 @@ def recorded_flow(node: str, raw: bytes, lo_id: Identity | None, hi_id: Identity
     if kind == REC_START:
         return Flow(time=(first - offset) / 1e9, node=node, event="new", protocol="TCP", src=src, dst=dst,
                     direction=direction, received=received)
-    when = received if kind == REC_GONE else (last - offset) / 1e9
+    when = received if kind in (REC_GONE, REC_GONE_UNCOUNTED) else (last - offset) / 1e9
     flow = Flow(time=when, node=node, event="end", protocol="TCP", src=src, dst=dst, direction=direction,
                 received=received)
+    if kind == REC_GONE_UNCOUNTED:  # what it carried after recording stopped: not known
+        return flow
     if client:
         flow.packets_sent, flow.bytes_sent, flow.packets_received, flow.bytes_received = p_hi, b_hi, p_lo, b_lo
     else:
@@ -557,6 +571,7 @@ class FlowRecorder:
         v4 = [n for n in (*pods, *services) if n.version == 4]
         self.prefixes = [(int(n.network_address), int(n.netmask)) for n in v4]  # IPv4, for the kernel's filter and C
         self.networks = tuple(ip_network(n) for n in (*pods, *services))  # both families: the long way
+        self.service_networks = tuple(ip_network(n) for n in services)
         self.own = frozenset(ip_address(a) for a in own)  # both families: the long way
         self._own_packed = frozenset(a.packed for a in self.own if a.version == 4)  # IPv4: Python's loop
         self.connections = connections
@@ -604,7 +619,8 @@ class FlowRecorder:
         self._settle_due = False  # a step is asked of the loop
         # The snapshots before the current one, oldest first, each with the last read under it
         # (CLOCK_REALTIME ns): a connection that started by then was named by it when it came,
-        # and its end is named alike (:meth:`_services_at`); when conntrack was last read (s).
+        # and its end is named alike (:meth:`_services_at`); when conntrack was last read empty
+        # (s: the clock before the read's last recv; a read the budget stopped is none).
         self._services_past: deque[tuple[int, Callable[[str, int, int], str | None]]] = deque()
         self._services_forgot = 0  # the last read under a snapshot forgotten since (ns): what started by then is named as read
         self._ct_read_at: float | None = None
@@ -754,7 +770,10 @@ class FlowRecorder:
             return
         try:
             held = look()
-            records = programs.recorded() if hasattr(programs, "recorded") else []
+            # Not recorded(): it reads nothing where this process never told them to record
+            # (recording refused, connections off) -- the very cases these are kept for.
+            left = getattr(programs, "recorded_left", None)
+            records = left() if left is not None else []
         except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable
             log.warning("flows: the connections the pod programs recorded could not be read, "
                         "their ends will not be recorded: %s", err)
@@ -1026,8 +1045,12 @@ class FlowRecorder:
                     kind = REC_FIN
                 elif state in (CONN_RESET_LO, CONN_RESET_HI) and idle > RESET_TIMEOUT_NS:
                     kind = REC_RST
-                elif idle > IDLE_NS and not self._still_held(key, v[4], now):
-                    kind = REC_GONE
+                elif idle > IDLE_NS:
+                    if self._still_held(key, v[4], now):
+                        if type(rec) is Leftovers:
+                            rec.held_on.add(key)
+                        continue
+                    kind = REC_GONE_UNCOUNTED if type(rec) is Leftovers and key in rec.held_on else REC_GONE
                 else:
                     continue
                 taken = self._take(rec, key, v, out)
@@ -1124,8 +1147,10 @@ class FlowRecorder:
             self._drain_fast(sock, loop)
             return
         batch: list[bytes] = []
+        emptied: float | None = None  # the clock before the last, empty recv: None, the budget ran out
         try:
             while len(batch) < CT_BUDGET:
+                at = self.clock()
                 try:
                     got = sock.recv_many()
                 except OSError as err:
@@ -1133,12 +1158,13 @@ class FlowRecorder:
                         continue
                     raise
                 if not got:
+                    emptied = at
                     break
                 batch += got
             self._count_ct_drops()
             # After the reads: the fast path's news then holds whatever came before these events.
             self._begin()
-            self._on_conntrack_datagrams(batch, self.clock())
+            self._on_conntrack_items(self._decode(batch), self.clock(), emptied, full=emptied is None)
         finally:
             if len(batch) >= CT_BUDGET:
                 loop.call_soon(self._drain_conntrack)
@@ -1155,11 +1181,14 @@ class FlowRecorder:
             assert ct.fast_events is not None
             items, n, _overruns = ct.fast_events.drain(sock.fileno(), CT_BUDGET, self._names, self._name,
                                                        self.prefixes, self.carried is not None)
+            # Its last system call found the socket empty, a moment ago (the clock before it is
+            # C's): unless the budget ran out first, leaving events unread.
+            emptied = self.clock() if n < CT_BUDGET else None
             if self._own_packed and not self.filtered:  # the kernel's filter leaves these out
                 items = self._without_own(items)
             self._count_ct_drops()
             self._begin_carried()
-            self._on_conntrack_items(items, self.clock())
+            self._on_conntrack_items(items, self.clock(), emptied, full=emptied is None)
         finally:
             if n >= CT_BUDGET:
                 loop.call_soon(self._drain_conntrack)
@@ -1312,24 +1341,35 @@ class FlowRecorder:
                 n_reply = name(reply_src)
             if n_src is None and n_dst is None and n_reply is None and not self._in_ranges(src, dst, reply_src):
                 continue  # the node's own traffic (etcd, BGP, its bridge's IGMP reports)
-            carry = None
+            carry, start = None, 0
             if mtype == ct.MSG_DELETE and proto == TCP and counting and n_src and n_dst:
                 try:
                     carry = (*carried_key(src, sport, dst, dport), *ct.lifetime(data, hdr, mlen))
                 except nl.NetlinkDecodeError:  # malformed: the long way, which counts it
                     out.append(data)
                     continue
-            out.append((data, mtype, n_src, n_dst, n_reply, carry))  # type: ignore[arg-type]
+                start = carry[2]
+            elif mtype == ct.MSG_DELETE:  # its start, for the Services then (_services_of)
+                try:
+                    start = ct.lifetime(data, hdr, mlen)[0]
+                except nl.NetlinkDecodeError:  # not known: its record is made the long way
+                    start = 0
+            out.append((data, mtype, n_src, n_dst, n_reply, carry, start))  # type: ignore[arg-type]
         return out
 
     def _on_conntrack_datagrams(self, batch: list[bytes], now: float) -> None:
         """A read's datagrams, into the ring in the order they came."""
         self._on_conntrack_items(self._decode(batch), now)
 
-    def _on_conntrack_items(self, items: list[Event | bytes], now: float) -> None:
+    def _on_conntrack_items(self, items: list[Event | bytes], now: float, emptied: float | None = None,
+                            *, full: bool = False) -> None:
         """A read's events (:meth:`_decode`), into the ring in the order they came: the common
         kind as :class:`PendingConnection` s in one loop -- with what the fast path carried
-        of an ended one -- the rest the long way."""
+        of an ended one -- the rest the long way.  ``emptied``: the clock before the read's
+        last recv, which found the socket empty (else ``now``); ``full``: the read stopped at
+        CT_BUDGET, events left in the socket -- those of connections started before its clock
+        among them, read under whatever Services come next, so it is no boundary of the
+        Services it read under (:attr:`_ct_read_at`)."""
         entries: list[Entry] = []
         carried = self._carried
         services = self.directory.service_names()
@@ -1343,7 +1383,8 @@ class FlowRecorder:
             self._services_then = services
         elif self._settling:
             self._settle_step()
-        self._ct_read_at = now
+        if not full:  # every connection started by then had its new read by now
+            self._ct_read_at = now if emptied is None else emptied
         while past and now * 1e9 - past[0][0] > HISTORY_AGE_NS:
             self._services_forgot = past.popleft()[0]
         timeouts = self.ct_timeouts() if self.ct_timeouts is not None else None
@@ -1375,17 +1416,10 @@ class FlowRecorder:
     def _services_of(self, item: Event,
                      services: Callable[[str, int, int], str | None]) -> Callable[[str, int, int], str | None]:
         """The Services a DESTROY read at fixed offsets (:meth:`_decode`) is named by: as they
-        were when its entry was made (CTA_TIMESTAMP_START, :meth:`_services_at`), else
-        ``services`` (now; an entry made before timestamps were on too)."""
-        carry = item[5]
-        if carry is not None:
-            start = carry[2]
-        else:
-            try:
-                start = ct.lifetime(item[0], nl.NLMSG_HDRLEN, len(item[0]))[0]
-            except nl.NetlinkDecodeError:
-                return services
-        return self._services_at(start) or services
+        were when its entry was made (CTA_TIMESTAMP_START, which the decoder read:
+        :meth:`_services_at`), else ``services`` (now; an entry made before timestamps were on
+        too)."""
+        return self._services_at(item[6]) or services
 
     def _services_at(self, start: int) -> Callable[[str, int, int], str | None] | None:
         """The Services as they were when a connection started at ``start`` (CLOCK_REALTIME
@@ -1410,10 +1444,7 @@ class FlowRecorder:
         src, dst, reply_src, history = fields[0], fields[1], fields[5], self._history
         if src not in history and dst not in history and reply_src not in history:
             return item
-        try:
-            start = ct.lifetime(data, nl.NLMSG_HDRLEN, len(data))[0]
-        except nl.NetlinkDecodeError:
-            return item
+        start = item[6]  # CTA_TIMESTAMP_START, as the decoder read it
         if not start:
             return item
         start += self.tai_offset()
@@ -1425,14 +1456,14 @@ class FlowRecorder:
         """A DESTROY read at fixed offsets (:meth:`_decode`) with its ends named as they were
         when its entry was made, and what the fast path carried asked for if those are two
         pods (its ends may have gone unnamed since)."""
-        data, mtype, _s, _d, _r, carry = item
+        data, mtype, _s, _d, _r, carry, start = item
         if carry is None and self.carried is not None and names[0] and names[1]:
             fields = ct.ipv4_tuples(mtype, data, nl.NLMSG_HDRLEN, len(data))
             if fields is not None and fields[2] == TCP:
                 src, dst, _proto, sport, dport = fields[:5]
                 with contextlib.suppress(nl.NetlinkDecodeError):
                     carry = (*carried_key(src, sport, dst, dport), *ct.lifetime(data, nl.NLMSG_HDRLEN, len(data)))
-        return (data, mtype, *names, carry)
+        return (data, mtype, *names, carry, start)
 
     def _extend(self, entries: list[Entry]) -> None:
         self.events += len(entries)
@@ -1739,6 +1770,8 @@ class FlowRecorder:
         )  # fmt: skip
         if ev.status & ct.IPS_DST_NAT:
             flow.service_ip, flow.service_port = orig.dst, orig.dport
+            if service is None:
+                flow.service_unnamed = self._services_address(orig.dst, orig.proto, orig.dport)
         if ev.destroyed:
             # A direction conntrack did not count (the entry made before accounting was turned
             # on) is unknown, whatever the fast path carried of it.
@@ -1753,6 +1786,21 @@ class FlowRecorder:
             if ev.start_ns and stop:
                 flow.duration = max(0.0, (stop - ev.start_ns) / 1e9)
         return flow
+
+    def _services_address(self, ip: str, proto: int, port: int) -> bool:
+        """Whether a translated destination no Service is known of is one a Service could have
+        had: in the Services' ranges (a cluster IP), or one a snapshot of the Services kept
+        knew (a node port) -- not another translation's (portmap's hostPort to a node address)."""
+        try:
+            address = ip_address(ip)
+        except ValueError:
+            return False
+        if any(address in n for n in self.service_networks):
+            return True
+        snapshots = [names for _until, names in self._services_past]
+        if self._services_then is not None:
+            snapshots.append(self._services_then)
+        return any(names(ip, proto, port) is not None for names in snapshots)
 
     def _ours(self, *addresses: str) -> bool:
         """Whether any of these addresses is in the pods' or the Services' ranges and not the

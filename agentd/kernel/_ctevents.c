@@ -19,10 +19,13 @@
  *   - a DESTROY of TCP between two pods (when the pod fast path counts what it carries) gets
  *     the fast path's key of the connection (podpath.h struct podflow_key: the lower (address,
  *     port) first), whether its source is the lower end, and conntrack's start and stop stamps,
- *     for the recorder to take what was carried of it.
+ *     for the recorder to take what was carried of it;
+ *   - every DESTROY gets conntrack's start stamp (what the Services were then names its end:
+ *     recorder.py's _services_at), read here rather than by walking the event again in Python.
  *
  * An event is returned as the tuple (datagram, type, source's name, destination's, reply
- * source's, carried) where carried is None or (key, source is lower, start ns, stop ns); a
+ * source's, carried, start) where carried is None or (key, source is lower, start ns, stop ns)
+ * and start a DESTROY's CTA_TIMESTAMP_START (ns; 0: a NEW, or not kept, or not readable); a
  * datagram laid out otherwise (IPv6, more than one message, a zone, a malformed one) as its bytes,
  * in its place, for Python to read the long way (which counts what is malformed).
  */
@@ -196,6 +199,7 @@ static PyObject *event(struct ctx *c, PyObject *datagram, const uint8_t *p, Py_s
 	uint16_t mtype, sport, dport;
 	uint8_t proto;
 	PyObject *n_src = NULL, *n_dst = NULL, *n_rsrc = NULL, *carried = NULL, *item = NULL;
+	uint64_t start = 0;
 
 	if (n < BODY || h32(p) != (uint32_t)n)
 		goto raw;
@@ -245,14 +249,25 @@ static PyObject *event(struct ctx *c, PyObject *datagram, const uint8_t *p, Py_s
 						(unsigned long long)born, (unsigned long long)died);
 			if (!carried)
 				goto out;
+			start = born;
 		}
 	}
+	if (mtype == MSG_DELETE_ && !carried) {
+		uint64_t died = 0;
+		if (fits(b, n - BODY, &lifetime))
+			start = be64(b + 192);
+		else if (walk_lifetime(p, n, &start, &died) < 0)
+			start = 0; /* as Python's loop: not known (its record is made the long way) */
+	}
 	{
-		PyObject *type = PyLong_FromLong(mtype);
-		if (!type)
+		PyObject *type = PyLong_FromLong(mtype), *born = type ? PyLong_FromUnsignedLongLong(start) : NULL;
+		if (!born) {
+			Py_XDECREF(type);
 			goto out;
-		item = PyTuple_Pack(6, datagram, type, n_src, n_dst, n_rsrc, carried ? carried : Py_None);
+		}
+		item = PyTuple_Pack(7, datagram, type, n_src, n_dst, n_rsrc, carried ? carried : Py_None, born);
 		Py_DECREF(type);
+		Py_DECREF(born);
 	}
 	goto out;
 raw:

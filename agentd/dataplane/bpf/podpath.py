@@ -484,6 +484,26 @@ class PodFastPath:
         replaced, self.replaced_ends = self.replaced_ends, []
         return drained + replaced
 
+    def recorded_left(self) -> list[bytes]:
+        """:meth:`recorded` whether or not this process told the programs to record: the ring
+        opened for this read where :meth:`set_recording` did not open it (an earlier agent
+        told them to record; this one cannot have them), then let go.  What an earlier
+        agent's programs wrote and nobody read, and the ends handed over at open
+        (:attr:`replaced_ends`), for a recorder to keep before :meth:`set_recording` (False)
+        drops them."""
+        if self.recs is not None:
+            return self.recorded()
+        drained: list[bytes] = []
+        fd = self.maps.get(RECS)
+        if fd is not None:
+            ring = lb.RingBuffer(fd)
+            try:
+                drained = ring.drain()
+            finally:
+                ring.close()
+        replaced, self.replaced_ends = self.replaced_ends, []
+        return drained + replaced
+
     def recorded_batch(self) -> tuple[bytes, int, int, set[bytes]]:
         """:meth:`recorded` in one object: the records side by side, how many, how many were
         not a struct podconn_record (left out), the addresses their keys hold, each once

@@ -367,6 +367,131 @@ def test_an_end_names_the_service_of_when_its_connection_started(fast):
     assert list(r.ring)[-1].service == "shop/other" and not r._services_past
 
 
+def _dnat(dst: str, dport: int, mtype: int = ct.MSG_NEW) -> bytes:
+    """A connection of client 10.244.1.2:40000 to ``dst``:``dport`` translated to web 10.244.2.3:80."""
+    body = (_tuple(ct.CTA_TUPLE_ORIG, "10.244.1.2", dst, 6, 40000, dport)
+            + _tuple(ct.CTA_TUPLE_REPLY, "10.244.2.3", "10.244.1.2", 6, 80, 40000)
+            + nl.attr(ct.CTA_STATUS, struct.pack("!I", ct.IPS_DST_NAT | ct.IPS_CONFIRMED)) + nl.attr(ct.CTA_ID, struct.pack("!I", 7)))
+    return nl.encode_nfgen(mtype, 0x400, 0, socket.AF_INET, body)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_translated_connection_is_shown_as_a_service_only_where_a_service_could_be(fast):
+    """The portmap plugin's hostPort (node 192.168.1.10:8080 -> a pod's 80) is translated with
+    no Service at all: its record has no ``service`` (as before Services' names were kept of
+    deleted ones).  A translated destination in the Services' ranges, or one a snapshot of the
+    Services knew (a node port of a Service deleted since), is a Service whose name is not
+    known: name null.  The address the client used is still what the ip filter finds."""
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, clock=lambda: 1000.0,
+                     pods=[IPv4Network("10.244.0.0/16")], services=[IPv4Network("10.96.0.0/12")])
+    r.fast = fast and r.fast
+    r.directory.vips = {("192.168.1.10", 6, 30080): "shop/nodeport"}
+    r._on_conntrack_datagrams([_dnat("192.168.1.10", 30080)], 1000.0)
+    r.directory.vips = {}  # the NodePort Service deleted
+    r._on_conntrack_datagrams([_dnat("192.168.1.10", 8080), _dnat("10.96.0.99", 80), _dnat("192.168.1.10", 30080)], 1001.0)
+    named, hostport, vip, nodeport = (f.json() for f in r.ring)
+    assert named["service"] == {"name": "shop/nodeport", "ip": "192.168.1.10", "port": 30080}
+    assert "service" not in hostport and hostport["dst"] == {"ip": "10.244.2.3", "port": 80, **hostport["dst"]}
+    assert "svc" not in line(hostport)
+    assert FlowFilter.parse([("ip", "192.168.1.10")]).matches(list(r.ring)[1])
+    assert vip["service"] == {"name": None, "ip": "10.96.0.99", "port": 80}
+    assert nodeport["service"] == {"name": None, "ip": "192.168.1.10", "port": 30080}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_read_that_left_events_unread_is_no_boundary_of_the_services_then(monkeypatch, fast):
+    """The Services before a change are kept with the time of the last read under them that
+    emptied the socket (the clock before its last, empty recv): a connection that started by
+    then had its ``new`` read under them.  A read that stopped at CT_BUDGET left such ``new`` s
+    in the socket, and the Services may change before the next read (call_soon): its clock is no
+    such boundary, or the end of a connection started before it names the Service its ``new``
+    -- read under the Services after the change -- did not.  In C (drain) and in Python."""
+    from agentd.flows import recorder as rec_mod
+
+    if fast:
+        assert ct.fast_events is not None, "agentd/kernel/_ctevents.c is not built (scripts/dev setup)"
+    budget = 64 if fast else 3  # C reads up to 64 datagrams a system call
+    monkeypatch.setattr(rec_mod, "CT_BUDGET", budget)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)  # C reads a file descriptor
+
+    class Sock:
+        def fileno(self):
+            return a.fileno()
+
+        def recv_many(self):
+            try:
+                return [a.recv(65536, socket.MSG_DONTWAIT)]
+            except BlockingIOError:
+                return []
+
+    class Loop:
+        def __init__(self) -> None:
+            self.soon: list[object] = []
+
+        def call_soon(self, callback):
+            self.soon.append(callback)
+
+        def add_reader(self, fd, callback):
+            pass
+
+    clock = [990.0]
+    d = Directory()
+    snapshot = [d.service_names()]
+    d.service_names = lambda: snapshot[0]  # the same until the Services change, as FlowDirectory's
+    r = FlowRecorder("node2", d, "/nonexistent", group=143, clock=lambda: clock[0])
+    r.fast = fast
+    r.ct_sock, r._loop = Sock(), Loop()  # type: ignore[assignment]
+
+    def drain(*datagrams: bytes) -> None:
+        for data in datagrams:
+            b.send(data)
+        r._drain_conntrack()
+
+    try:
+        drain(destroy_event(ct.IPS_DST_NAT, start_ns=900 * 10**9))  # emptied at 990
+        clock[0] = 1000.0  # the budget's worth, and a connection started at 999.95 s left queued
+        drain(*[destroy_event(ct.IPS_DST_NAT, start_ns=900 * 10**9)] * budget, _new_event(ct.IPS_DST_NAT | ct.IPS_CONFIRMED))
+        assert len(r._loop.soon) == 1  # the rest at the next turn of the loop ...
+        d.vips = {}  # ... before which the Services synced: shop/web deleted
+        snapshot[0] = Directory.service_names(d)
+        clock[0] = 1000.001
+        r._loop.soon.pop()()  # type: ignore[operator]
+        clock[0] = 1005.0
+        drain(destroy_event(ct.IPS_DST_NAT, start_ns=999_950_000_000))
+        new, end = list(r.ring)[-2:]
+        assert (new.event, end.event) == ("new", "end")
+        assert new.service is None and end.service is None  # as its new: named after the change
+        assert r._services_past[0][0] == 990 * 10**9
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_services_change_costs_an_end_no_second_reading_of_its_event(monkeypatch, fast):
+    """For 15 minutes after a Services change an end is named by the Services of its start
+    (CTA_TIMESTAMP_START): the decoder (C, or Python where it is not built) hands that start
+    over with every DESTROY -- a Service's connection (no pod at its VIP end: nothing carried)
+    or one leaving the cluster -- rather than the event being walked again on the loop."""
+    r = recorder()
+    r.fast = fast
+    if fast:
+        assert r.fast, "agentd/kernel/_ctevents.c is not built (scripts/dev setup)"
+    d = r.directory
+    r._on_conntrack_datagrams([], 999.0)
+    d.vips = {}
+    r._on_conntrack_datagrams([], 999.5)
+    assert r._services_past  # a past snapshot is kept
+    batch = [destroy_event(ct.IPS_DST_NAT, start_ns=998 * 10**9), destroy_event(0, start_ns=998 * 10**9)]
+    items = r._decode(batch)  # as the socket's read gives them (lifetime read here, once)
+    walked = []
+    lifetime = ct.lifetime
+    monkeypatch.setattr(ct, "lifetime", lambda *a: (walked.append(a), lifetime(*a))[1])
+    r._on_conntrack_items(items, 1000.0)
+    assert walked == []
+    assert [f.service for f in r.ring] == ["shop/web", None]  # the Services of its start
+
+
 def test_a_change_of_the_services_settles_the_waiting_events_a_step_at_a_time(monkeypatch):
     """A Services change with the ring full of events read under the snapshot before: each
     read, and each turn of the loop, settles SETTLE_STEP of them, oldest first -- not all of
@@ -1256,6 +1381,10 @@ class Programs:
         out, self.rings = self.rings, []
         return out
 
+    def recorded_left(self):  # the ring read whether or not this process told them to record
+        out, self.rings = self.rings, []
+        return out
+
     def reset_hints(self):
         out, self.hints = self.hints, []
         return out
@@ -1901,7 +2030,7 @@ def test_what_the_programs_recorded_is_ended_when_the_recorder_cannot_have_them_
     taken in when the recorder runs; nothing new is recorded, and the sweep stops once every
     one is ended."""
     from agentd.flows import recorder as rec_mod
-    from agentd.flows.recorder import IDLE_NS
+    from agentd.flows.recorder import IDLE_NS, REC_GONE_UNCOUNTED
 
     pipe = os.pipe()
 
@@ -1921,6 +2050,9 @@ def test_what_the_programs_recorded_is_ended_when_the_recorder_cannot_have_them_
             if not on:
                 self.held.clear()
                 self.rings = []
+
+        def recorded(self):  # as PodFastPath: its ring is read only once it was told to record here
+            return super().recorded() if True in self.told else []
 
     class Refusing:
         def install(self):
@@ -1947,7 +2079,7 @@ def test_what_the_programs_recorded_is_ended_when_the_recorder_cannot_have_them_
         assert r.sweep(950 * s + IDLE_NS + 1) == []  # idle, but conntrack holds it: still open
         held[0] = False
         (end,) = r.sweep(950 * s + IDLE_NS + HELD_RECHECK_NS + 1)
-        assert CONN_RECORD.unpack(end)[:2] == (key, REC_GONE) and r.swept == 1
+        assert CONN_RECORD.unpack(end)[:2] == (key, REC_GONE_UNCOUNTED) and r.swept == 1  # held on: counts unknown
         assert r.sweep(950 * s + IDLE_NS + HELD_RECHECK_NS + 2) == []  # ended once
 
         async def run() -> None:
@@ -1964,6 +2096,74 @@ def test_what_the_programs_recorded_is_ended_when_the_recorder_cannot_have_them_
     finally:
         os.close(pipe[0])
         os.close(pipe[1])
+
+
+def test_what_the_programs_ring_holds_is_kept_though_this_process_never_had_them_record(monkeypatch, tmp_path):
+    """podpath's PodFastPath as an agent's start leaves it (its ring not opened: only
+    set_recording(True) opens it) holds starts and ends an earlier agent's programs wrote, and
+    ends an open handed over (replaced_ends): the recorder that cannot have the programs
+    record keeps both (the ring opened for that read) before they are told to stop, which
+    drops them."""
+    from agentd.dataplane.bpf import podpath
+
+    s = 10**9
+    key, value = _conn(False, CONN_OPEN, 900 * s, 950 * s)
+    ring = [CONN_RECORD.pack(key, REC_START, value), CONN_RECORD.pack(key, REC_FIN, value)]
+    handed = CONN_RECORD.pack(key, REC_GONE, value)
+    opened = []
+
+    class Ring:
+        def __init__(self, fd):
+            opened.append(fd)
+            self.closed = False
+
+        def drain(self):
+            out = list(ring)
+            ring.clear()
+            return out
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(podpath.lb, "RingBuffer", Ring)
+    fp = podpath.PodFastPath(tmp_path / "bpf")
+    fp.maps = {podpath.RECS: 7}
+    fp.replaced_ends = [handed]
+    assert fp.recs is None
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, carried=fp)
+    r._keep_leftovers(fp)
+    assert r._leftover_records == [CONN_RECORD.pack(key, REC_START, value), CONN_RECORD.pack(key, REC_FIN, value), handed]
+    assert opened == [7] and fp.recs is None and fp.replaced_ends == []
+
+
+def test_a_leftover_connection_conntrack_held_on_ends_with_its_size_and_length_unknown():
+    """A connection the programs held when told not to record is as it was then: nothing counts
+    it since.  One conntrack still held at a look (a DB pool, a watch stream: it may carry
+    traffic for an hour) ends, once gone, with its bytes, packets and duration unknown -- not
+    those of when recording stopped; one found gone at the first look keeps them."""
+    from agentd.flows.recorder import IDLE_NS, Leftovers
+
+    s = 10**9
+    r = recorder()
+    r.tai_offset = lambda: 0
+    key, value = _conn(False, CONN_OPEN, 900 * s, 950 * s)
+    other = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + (40001).to_bytes(2, "big") + (80).to_bytes(2, "big")
+    r.leftovers = Leftovers()
+    r.leftovers.held.update({key: value, other: value})
+    held = {key: True, other: False}
+    r._held = lambda k: held[k]  # type: ignore[method-assign]
+    (first,) = r.sweep(950 * s + IDLE_NS + 1)  # ``other``: gone at the first look
+    assert CONN_RECORD.unpack(first)[0] == other
+    assert r.sweep(4000 * s) == []  # ``key``: held an hour on
+    held[key] = False
+    (last,) = r.sweep(4000 * s + HELD_RECHECK_NS + 1)
+    assert CONN_RECORD.unpack(last)[0] == key and r.leftovers.held == {}
+    r._on_recorded([first, last], 4061.0)
+    gone, later = (f.json() for f in r.ring)
+    assert (gone["bytes_sent"], gone["packets_received"], gone["duration"]) == (1400, 5, 50.0)
+    assert (later["event"], later["time"], later["src"]["port"]) == ("end", 4061.0, 40000)
+    assert (later["bytes_sent"], later["bytes_received"], later["packets_sent"], later["packets_received"],
+            later["duration"]) == (None, None, None, None, None)
 
 
 def _observability(monkeypatch, tmp_path, **env):
