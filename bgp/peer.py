@@ -45,6 +45,18 @@ from .session import (
 from .settings import LocalSettings, PeerSettings, RestartState
 
 COLLISION_CEASE = (ErrorCode.CEASE, CeaseSubcode.CONNECTION_COLLISION_RESOLUTION)
+# A received Cease that ends a session on purpose, the peer meaning to come back (its operator
+# reset or re-enabled it, changed its configuration; a §6.8 collision resolved): its own
+# reconnect is taken at once even when the session had just come up (see _ended_early).
+DELIBERATE_CEASES = frozenset(
+    (ErrorCode.CEASE, sub)
+    for sub in (
+        CeaseSubcode.ADMINISTRATIVE_SHUTDOWN,
+        CeaseSubcode.ADMINISTRATIVE_RESET,
+        CeaseSubcode.OTHER_CONFIGURATION_CHANGE,
+        CeaseSubcode.CONNECTION_COLLISION_RESOLUTION,
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -462,10 +474,11 @@ class Peer:
                 # Refusing its connections meanwhile, too, is for a peer that ends its sessions
                 # (or gets them ended) right after they come up.  One that restarts gracefully
                 # (RFC 4724: we keep its routes as stale) is let back at once, or its routes
-                # would wait for the delay; so is one that closed it with Cease/Connection
-                # Collision Resolution (it keeps, or opens, another connection).
-                collision = note is not None and not ev.sent and (note.code, note.subcode) == COLLISION_CEASE
-                self._ended_early = now - self._up_at < self.local.backoff_max and not graceful and not collision
+                # would wait for the delay; so is one that closed it with a deliberate Cease
+                # (DELIBERATE_CEASES: BIRD grows its error wait for no received Cease either).
+                # Its session still counts as a failure for our own reconnects.
+                deliberate = note is not None and not ev.sent and (note.code, note.subcode) in DELIBERATE_CEASES
+                self._ended_early = now - self._up_at < self.local.backoff_max and not graceful and not deliberate
                 self._events.append(PeerDown(ev.reason, graceful, gr))
 
     def _resolve_collision(self, s: Session, ev: OpenReceived, now: float) -> None:

@@ -381,9 +381,15 @@ GR_CAP = GracefulRestart(False, 120, (GracefulRestartFamily(*IPV4_UNICAST, True)
         pytest.param([GR_CAP], lambda p, conn, now: p.connection_lost(conn, now), True, id="a graceful restart"),
         pytest.param([], lambda p, conn, now: p.data_received(conn, Notification(ErrorCode.CEASE, CeaseSubcode.CONNECTION_COLLISION_RESOLUTION).encode(), now),
                      False, id="their Cease/Connection Collision Resolution"),
+        pytest.param([], lambda p, conn, now: p.data_received(conn, Notification(ErrorCode.CEASE, CeaseSubcode.ADMINISTRATIVE_SHUTDOWN).encode(), now),
+                     False, id="their Cease/Administrative Shutdown"),
+        pytest.param([], lambda p, conn, now: p.data_received(conn, Notification(ErrorCode.CEASE, CeaseSubcode.OTHER_CONFIGURATION_CHANGE).encode(), now),
+                     False, id="their Cease/Other Configuration Change"),
     ],
 )  # fmt: skip
-def test_a_peer_restarting_gracefully_or_resolving_a_collision_may_reconnect_at_once(caps, end, graceful):
+def test_a_peer_restarting_gracefully_or_ending_on_purpose_may_reconnect_at_once(caps, end, graceful):
+    # Its operator's reset or reconfiguration, a §6.8 collision, a graceful restart: no
+    # oscillation to damp, and refused it would wait its own ConnectRetry (BIRD: 120 s).
     p = bare_peer()
     assert p.accept(-1, 0.0)
     p.data_received(-1, their_open(caps=caps) + Keepalive().encode(), 0.0)
