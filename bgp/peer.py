@@ -6,7 +6,9 @@ a failed session after an exponentially growing, jittered delay (the IdleHoldTim
 of RFC 4271 §8.1.1) and tells the speaker what happened as :class:`PeerEvent` s.  The
 delay starts over only after a session that stayed Established for ``backoff_max``
 seconds (DampPeerOscillations): one that the peer, or we, end right after it came up
-counts as a failure like one that never came up.
+counts as a failure like one that never came up, and until the delay after it is over the
+peer's own connections are refused too (Idle refuses them during the IdleHoldTimer, RFC
+4271 §8.2.2), or a peer that reconnects at once would flap as fast as it reconnects.
 
 Two connections at a time is all a peer gets, and §6.8 only decides between connections
 that have both carried an OPEN.  A connection on which the peer has said nothing yet
@@ -43,6 +45,18 @@ from .session import (
 from .settings import LocalSettings, PeerSettings, RestartState
 
 COLLISION_CEASE = (ErrorCode.CEASE, CeaseSubcode.CONNECTION_COLLISION_RESOLUTION)
+# A received Cease that ends a session on purpose, the peer meaning to come back (its operator
+# reset or re-enabled it, changed its configuration; a §6.8 collision resolved): its own
+# reconnect is taken at once even when the session had just come up (see _ended_early).
+DELIBERATE_CEASES = frozenset(
+    (ErrorCode.CEASE, sub)
+    for sub in (
+        CeaseSubcode.ADMINISTRATIVE_SHUTDOWN,
+        CeaseSubcode.ADMINISTRATIVE_RESET,
+        CeaseSubcode.OTHER_CONFIGURATION_CHANGE,
+        CeaseSubcode.CONNECTION_COLLISION_RESOLUTION,
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -133,6 +147,11 @@ class Peer:
         # The last session ended on the peer's Cease/Connection Collision Resolution: the next
         # restart waits the current delay without growing it (see _on_session_event).
         self._collision_ended = False
+        # The last session ended less than backoff_max after it came up (and not gracefully):
+        # the restart delay it starts is a damped one (see _process).
+        self._ended_early = False
+        # Until then (the end of that delay) the peer's own connections are refused too.
+        self._damped_until: float | None = None
         self._actions: list[Action] = []
         self._events: collections.deque[PeerEvent] = collections.deque()
         self._local_addresses: dict[int, str] = {}
@@ -172,6 +191,7 @@ class Peer:
             return
         self.enabled = True
         self._failures = 0
+        self._damped_until = None
         self.session.start(now)
         self._process(now)
 
@@ -214,6 +234,14 @@ class Peer:
         if self.held_until is not None and now < self.held_until:
             until = "until it is reconfigured" if self.held_until == math.inf else f"for {self.held_until - now:.0f}s more"
             return Admission(False, f"the peer is held down after {self.last_error or 'a reset'}, {until}")
+        if self._damped_until is not None and now < self._damped_until:
+            # RFC 4271 §8.1.1 DampPeerOscillations: the IdleHoldTimer runs, and Idle refuses
+            # connections (§8.2.2) -- ours wait for it too.
+            return Admission(
+                False,
+                f"its last session ended {self.since - self._up_at:.1f}s after it came up "
+                f"({self.last_error or 'a reset'}): held down for {self._damped_until - now:.0f}s more",
+            )
         main = self.session
         displaced = ""
         if not self._free(main) and len(self.collisions) >= 1:
@@ -304,6 +332,7 @@ class Peer:
         if self._restart_at is not None and now >= self._restart_at:
             self._restart_at = None
             self.held_until = None
+            self._damped_until = None
             if self.enabled and self.session.state is State.IDLE:
                 self.session.start(now)
         for s in self.sessions():
@@ -353,9 +382,12 @@ class Peer:
             held = self.held_until
             if held is None or held <= now:
                 self._restart_at = now + self._backoff(grow=not self._collision_ended)
+                if self._ended_early:
+                    self._damped_until = self._restart_at
             elif held != math.inf:
                 self._restart_at = held
         self._collision_ended = False
+        self._ended_early = False
         for conn in [c for c in self._local_addresses if all(s.conn != c for s in self.sessions())]:
             del self._local_addresses[conn]
 
@@ -439,6 +471,14 @@ class Peer:
                     self._failures = 0
                 gr = s.negotiated.peer_graceful_restart if s.negotiated else None
                 graceful = ev.graceful and gr is not None and self.local.graceful_restart
+                # Refusing its connections meanwhile, too, is for a peer that ends its sessions
+                # (or gets them ended) right after they come up.  One that restarts gracefully
+                # (RFC 4724: we keep its routes as stale) is let back at once, or its routes
+                # would wait for the delay; so is one that closed it with a deliberate Cease
+                # (DELIBERATE_CEASES: BIRD grows its error wait for no received Cease either).
+                # Its session still counts as a failure for our own reconnects.
+                deliberate = note is not None and not ev.sent and (note.code, note.subcode) in DELIBERATE_CEASES
+                self._ended_early = now - self._up_at < self.local.backoff_max and not graceful and not deliberate
                 self._events.append(PeerDown(ev.reason, graceful, gr))
 
     def _resolve_collision(self, s: Session, ev: OpenReceived, now: float) -> None:

@@ -295,17 +295,17 @@ class SpeakerRuntime:
     async def run(self, *, config_path: str | None = None, reload: Callable[[], Config] | None = None,
                   set_logging: Callable[[str, str], None] | None = None) -> int:
         """Serve until SIGTERM or SIGINT: 0; 1 if the API or the BGP listener cannot have its
-        address (one error line, nothing left running, no speaker.running written)."""
+        address (one error line, nothing left running, no speaker.running written).  A stop
+        during start-up ends it after the step under way: no peer configured, speaker.running
+        as a previous run left it (nothing of ours was announced), 0."""
         self.set_logging = set_logging  # how a reload applies [log] (the CLI's set-up)
         loop = asyncio.get_running_loop()
         # Before the first await: a SIGTERM during start-up stops us once started, not Python's default.
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
-        started = False
         try:
             if not await self._start():
                 return 1
-            started = True
             if reload is not None:
                 loop.add_signal_handler(signal.SIGHUP, lambda: self._reload(reload))
             await self._stop.wait()
@@ -314,7 +314,7 @@ class SpeakerRuntime:
                 loop.remove_signal_handler(sig)
             if loop.remove_signal_handler(signal.SIGHUP):
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as before the handler (agentd.entry), not its default
-            if started:
+            if self._started:
                 graceful = self.cfg.bgp.graceful_restart
                 log.info("stopping (%s)", "graceful restart: peers keep our routes" if graceful else "withdrawing")
                 await self.service.stop(graceful=graceful)
@@ -322,7 +322,13 @@ class SpeakerRuntime:
                     self.marker.remove()  # the peers dropped our routes: the next start is a fresh one
                 await self.api.stop()
             else:
-                await self.api.stop()  # (a start cut short by an exception: nothing is left serving)
+                # A start cut short, by a stop or an exception: nothing is left serving, and the
+                # marker is left alone (no session of ours came up to keep our routes).
+                if self._stop.is_set():
+                    log.info("stopping before start-up completed: no peer configured")
+                if self.speaker.started:
+                    await self.service.stop(graceful=True)
+                await self.api.stop()
         return 0
 
     async def _start(self) -> bool:
@@ -336,6 +342,8 @@ class SpeakerRuntime:
             log.error("cannot serve the API on %s ([api] listen): %s%s", api, err.strerror or err,
                       _holder(api.host, api.port, err, "[api] listen"))
             return False
+        if self._stop.is_set():  # SIGTERM meanwhile (run stops the API)
+            return True
         try:
             await self.service.start()
         except OSError as err:
@@ -344,6 +352,8 @@ class SpeakerRuntime:
                       _holder(bgp.host, bgp.port, err, "[bgp] listen") if bgp is not None else "")
             await self.api.stop()
             return False
+        if self._stop.is_set():  # neither peers nor speaker.running (run stops the listener)
+            return True
         self.service.set_peers(peer_settings(p, self.cfg) for p in self.cfg.bgp.peers)
         self.service.set_listen_ranges(listen_ranges(self.cfg))
         self.service.set_originated(originations(self.cfg))

@@ -108,6 +108,9 @@ def test_routes_that_cannot_be_exported_never_reach_or_reset_the_bystander(route
 
     # Kept as stale (graceful restart, 4,095 s), the unencodable route must not reset BIRD when
     # BIRD comes back: its session restarts once, takes the full table, and stays up.
+    # (The reset session had just come up: the attacker's connections are refused until the
+    # restart delay is over -- RFC 4271 §8.1.1 DampPeerOscillations -- and it is Active again.)
+    eventually(lambda: spk.peer(ATTACKER)["state"] == "Active", what=lambda: f"the attacker taken again: {spk.peer(ATTACKER)}")
     evil2 = attacker(routers, r3, graceful_restart=True)
     evil2.send(big + update(ORIGIN + as_path([EVIL_AS]) + NH, prefix("10.66.6.0/24")))
     eventually(lambda: "10.66.6.0/24" in bird.routes(), what="10.66.6.0/24 at BIRD")

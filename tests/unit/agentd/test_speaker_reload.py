@@ -160,3 +160,47 @@ def test_a_reload_with_the_default_file_read_at_start_gone_keeps_the_running_con
         assert "reload failed, keeping the running configuration" in error and "no such file" in error, error
 
     asyncio.run(main())
+
+
+def test_a_default_file_missing_at_start_may_be_missing_at_a_reload_until_one_has_read_it(tmp_path, monkeypatch):
+    """`agentd speaker` started without the default file (the environment configures it): a
+    reload without the file is the environment again, as at start; once a reload has read it,
+    the file is required as if read at start -- gone for a moment, the reload fails rather than
+    fall back to the defaults (no peers), as the agent's does."""
+    import os
+
+    import pytest
+
+    import agentd.daemon.speaker
+    from agentd import cli
+    from agentd.config.model import ConfigError
+
+    conf = tmp_path / "agentd.toml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+    env.update({"AGENTD_NODE_NAME": "rr", "AGENTD_NODE_ADDRESS": "192.0.2.1",
+                "AGENTD_AGENT_STATE_DIR": str(tmp_path), "AGENTD_BGP_LISTEN": ""})
+    monkeypatch.setattr(os, "environ", env)
+    monkeypatch.setattr(cli, "DEFAULT_CONFIG_PATH", str(conf))
+    for name in ("setup_logging", "tune_gc", "limit_malloc_arenas"):
+        monkeypatch.setattr(cli, name, lambda *a, **k: None)
+    started = []
+
+    class Speaker:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        async def run(self, *, reload, set_logging):
+            started.append((self.cfg, reload))
+            return 0
+
+    monkeypatch.setattr(agentd.daemon.speaker, "SpeakerRuntime", Speaker)
+    assert cli.main(["speaker"]) == 0
+    ((running, reload),) = started
+    assert running.source is None and running.bgp.peers == ()
+    assert reload().bgp.peers == ()  # still no file: the environment, as at start
+    conf.write_text('[bgp]\n[[bgp.peers]]\naddress = "192.0.2.2"\nasn = 64513\n')
+    read = reload()
+    assert read.source == str(conf) and len(read.bgp.peers) == 1
+    conf.unlink()
+    with pytest.raises(ConfigError, match="no such file"):
+        reload()

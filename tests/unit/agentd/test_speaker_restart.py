@@ -123,3 +123,35 @@ def test_a_speaker_that_started_writes_its_file_and_a_stop_returns_0(tmp_path):
     assert asyncio.run(main()) == 0 and seen == [True]
     assert (tmp_path / RUNNING_FILE).exists()  # a graceful stop keeps it
     assert not rt.api.running
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["fresh", "after-a-previous-run"])
+@pytest.mark.parametrize("during", ["api", "service"])
+def test_a_sigterm_during_start_up_configures_no_peer_and_leaves_the_marker_alone(tmp_path, during, previous):
+    """SIGTERM while the API or the BGP listener starts: the start stops after that step, with
+    no peer configured (no Connect goes out) and speaker.running as it was -- not written (the
+    next start would claim a graceful restart though no peer holds our routes), nor removed
+    (the peers of a previous run may still hold them) -- and run() returns 0."""
+    import asyncio
+    import os
+    import signal
+
+    if previous:
+        RunMarker(tmp_path).write()
+    rt = SpeakerRuntime(config(tmp_path, **{"bgp.listen": "127.0.0.1:0",
+                                            "bgp.peers": '[{"address": "192.0.2.2", "asn": 64513}]'}))
+    assert len(rt.cfg.bgp.peers) == 1
+    rt.api.port = 0
+    step = rt.api if during == "api" else rt.service
+    start = step.start
+
+    async def sigterm_meanwhile():
+        os.kill(os.getpid(), signal.SIGTERM)
+        while not rt._stop.is_set():  # the loop runs the handler
+            await asyncio.sleep(0)
+        await start()
+
+    step.start = sigterm_meanwhile
+    assert asyncio.run(rt.run()) == 0
+    assert (tmp_path / RUNNING_FILE).exists() is previous
+    assert not rt.speaker.peers and not rt.speaker.started and not rt.api.running

@@ -24,11 +24,12 @@ from ipaddress import IPv4Address, IPv6Address
 import pytest
 
 from bgp import PeerSettings, Speaker, State
-from bgp.peer import Peer
+from bgp.peer import Peer, PeerDown, PeerUp
 from bgp.session import Close, Connect, Send
 from bgp.settings import LocalSettings
 from bgp.testing import RawHarness, RawPeer
-from proto.errors import ErrorCode, UpdateSubcode
+from proto.capabilities import GracefulRestart, GracefulRestartFamily
+from proto.errors import CeaseSubcode, ErrorCode, UpdateSubcode
 from proto.messages import (
     MARKER,
     Keepalive,
@@ -216,8 +217,8 @@ def bare_peer(**settings) -> Peer:
     return p
 
 
-def their_open(hold_time: int = 90) -> bytes:
-    return Open.build(65000, hold_time, IPv4Address(REMOTE), []).encode()
+def their_open(hold_time: int = 90, caps=()) -> bytes:
+    return Open.build(65000, hold_time, IPv4Address(REMOTE), list(caps)).encode()
 
 
 def connects(actions) -> list[Connect]:
@@ -300,6 +301,108 @@ def test_sessions_that_end_right_after_coming_up_do_not_start_the_backoff_over(e
     now = up_until
     end(p, conn, now)
     assert p.get_timer() - now <= local().backoff_initial
+
+
+NOTE_3_1 = Notification(ErrorCode.UPDATE_MESSAGE, UpdateSubcode.MALFORMED_ATTRIBUTE_LIST).encode()
+
+
+def stay_up(p: Peer, until: float) -> None:
+    """Run the peer's timers (our KEEPALIVEs; hold time 90 s) up to ``until``."""
+    while (t := p.get_timer()) is not None and t <= until:
+        p.handle_timer(t)
+        p.take_actions()
+    assert p.session.state is State.ESTABLISHED
+
+
+def test_only_a_session_up_for_backoff_max_starts_the_backoff_over():
+    # The threshold is backoff_max itself: a session that dies a second sooner (a NOTIFICATION
+    # after batch_delay, a BFD detect time, a short hold time) is still a failure each time.
+    p = bare_peer()
+    bmax = local().backoff_max
+    now = 0.0
+    gaps = []
+    for _ in range(6):
+        conn = establish(p, now)
+        stay_up(p, now + bmax - 1.0)
+        now += bmax - 1.0
+        p.data_received(conn, NOTE_3_1, now)
+        assert p.session.state is State.IDLE
+        t = p.get_timer()
+        gaps.append(t - now)
+        now = t
+        p.handle_timer(now)
+    assert gaps[-1] > 4 * local().backoff_initial, gaps
+    conn = establish(p, now)
+    stay_up(p, now + bmax)
+    now += bmax
+    p.data_received(conn, NOTE_3_1, now)
+    assert p.get_timer() - now <= local().backoff_initial
+
+
+def test_a_peer_whose_sessions_end_right_after_coming_up_is_refused_until_the_delay_is_over():
+    # RFC 4271 §8.1.1/§8.2.2: Idle refuses connections during the IdleHoldTimer.  A peer that
+    # reconnects at once after each early end is not brought up again before our restart
+    # delay is over: its sessions come no closer together than our own reconnects.
+    p = bare_peer()
+    inbound = itertools.count(-1, -1)
+    now = 0.0
+    gaps = []
+    for _ in range(6):
+        conn = next(inbound)
+        assert p.accept(conn, now)
+        p.data_received(conn, their_open() + Keepalive().encode(), now)
+        assert p.session.state is State.ESTABLISHED
+        now += 0.5
+        p.data_received(conn, NOTE_3_1, now)
+        assert p.session.state is State.IDLE
+        p.take_actions()
+        t = p.get_timer()
+        gaps.append(t - now)
+        # It reconnects at once, and again just before the delay is over: refused both times.
+        for when in (now + 0.1, t - 0.01):
+            refused = p.accept(next(inbound), when)
+            assert not refused and "held down" in refused.reason, refused
+        assert p.get_timer() == t and p.session.state is State.IDLE
+        now = t
+        p.handle_timer(now)  # our connect goes out; theirs, next, wins
+    ups = 0
+    while (ev := p.next_event()) is not None:
+        ups += isinstance(ev, PeerUp)
+    assert ups == 6
+    assert gaps[-1] > 4 * local().backoff_initial, gaps
+
+
+GR_CAP = GracefulRestart(False, 120, (GracefulRestartFamily(*IPV4_UNICAST, True),))
+
+
+@pytest.mark.parametrize(
+    "caps, end, graceful",
+    [
+        pytest.param([GR_CAP], lambda p, conn, now: p.connection_lost(conn, now), True, id="a graceful restart"),
+        pytest.param([], lambda p, conn, now: p.data_received(conn, Notification(ErrorCode.CEASE, CeaseSubcode.CONNECTION_COLLISION_RESOLUTION).encode(), now),
+                     False, id="their Cease/Connection Collision Resolution"),
+        pytest.param([], lambda p, conn, now: p.data_received(conn, Notification(ErrorCode.CEASE, CeaseSubcode.ADMINISTRATIVE_SHUTDOWN).encode(), now),
+                     False, id="their Cease/Administrative Shutdown"),
+        pytest.param([], lambda p, conn, now: p.data_received(conn, Notification(ErrorCode.CEASE, CeaseSubcode.OTHER_CONFIGURATION_CHANGE).encode(), now),
+                     False, id="their Cease/Other Configuration Change"),
+    ],
+)  # fmt: skip
+def test_a_peer_restarting_gracefully_or_ending_on_purpose_may_reconnect_at_once(caps, end, graceful):
+    # Its operator's reset or reconfiguration, a §6.8 collision, a graceful restart: no
+    # oscillation to damp, and refused it would wait its own ConnectRetry (BIRD: 120 s).
+    p = bare_peer()
+    assert p.accept(-1, 0.0)
+    p.data_received(-1, their_open(caps=caps) + Keepalive().encode(), 0.0)
+    assert p.session.state is State.ESTABLISHED
+    end(p, -1, 0.5)
+    assert p.session.state is State.IDLE and p.get_timer() > 0.6
+    events = []
+    while (ev := p.next_event()) is not None:
+        events.append(ev)
+    assert isinstance(events[-1], PeerDown) and events[-1].graceful is graceful, events
+    assert p.accept(-2, 0.6)
+    p.data_received(-2, their_open(caps=caps) + Keepalive().encode(), 0.6)
+    assert p.session.state is State.ESTABLISHED
 
 
 def test_an_inbound_connection_in_connect_closes_the_one_we_were_making():
