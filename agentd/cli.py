@@ -576,22 +576,18 @@ def _agent_listens(host: str, port: int, token_file: Path) -> str | None:
     listens there is root's or the agent's user's (the API token file's owner): an agent that
     is starting, stopping or stuck.  None when nothing listens there (or it cannot be told),
     or only another user's process (a squatter: no agent can have bound the port then)."""
-    import ipaddress
+    from agentd.daemon import listeners
 
-    from agentd.daemon.listeners import file_owner, listener_owners, resolve, user_name
-
-    address = resolve(host)
-    try:
-        ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return None
     # The configured listen address is this host's (the agent binds it): a connection to it
-    # reaches a wildcard listener on the port too, whether it is loopback or the node's own.
-    uids = listener_owners(address, port, wildcards=True) or set()
-    ours = sorted(uids & {0, file_owner(token_file)})
+    # reaches a wildcard listener on the port too, whether it is loopback or the node's own;
+    # one to 0.0.0.0 or :: reaches loopback's; a name, each of its addresses in turn.
+    uids: set[int] = set()
+    for address in listeners.addresses(host):
+        uids |= listeners.listener_owners(listeners.reached(address), port, wildcards=True) or set()
+    ours = sorted(uids & {0, listeners.file_owner(token_file)})
     if not ours:
         return None
-    return (f"a process of {user_name(ours[0])} listens on {host}:{port}: an agent starting, stopping or stuck? "
+    return (f"a process of {listeners.user_name(ours[0])} listens on {host}:{port}: an agent starting, stopping or stuck? "
             "Not leaving without it while it may run: try again (stop it first if it does not answer)")
 
 

@@ -48,9 +48,8 @@ def owners(listeners: Iterable[tuple[ipaddress.IPv4Address | ipaddress.IPv6Addre
     """The uids of the listeners a connection to ``host:port`` may reach: those bound to that
     address (the kernel prefers them), else (``wildcards``: ``host`` is known to be this
     host's) the wildcard ones of its family (an IPv6 wildcard takes IPv4 too, unless v6only)."""
-    try:
-        ip = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
+    ip = target(host)
+    if ip is None:
         return set()
     exact, wild = set(), set()
     for addr, p, uid in listeners:
@@ -61,6 +60,30 @@ def owners(listeners: Iterable[tuple[ipaddress.IPv4Address | ipaddress.IPv6Addre
         elif wildcards and addr.is_unspecified and (addr.version == ip.version or addr.version == 6):
             wild.add(uid)
     return exact or wild
+
+
+def target(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``host`` (an address) is as /proc/net/tcp{,6} give them: without its scope
+    (fe80::1%eth0: the listener bound to fe80::1 is what a connection to it reaches) and an
+    IPv4-mapped one as IPv4 (an AF_INET6 connect to ::ffff:127.0.0.1 reaches 127.0.0.1's
+    listeners).  None when it is no address."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def reached(address: str) -> str:
+    """The address a connection to ``address`` reaches: Linux takes the unspecified address
+    (0.0.0.0, ::, ::ffff:0.0.0.0) as its family's loopback (127.0.0.1, ::1), whose listeners
+    take it -- not only a wildcard one.  Others as they are."""
+    ip = target(address)
+    if ip is None or not ip.is_unspecified:
+        return address
+    return "127.0.0.1" if ip.version == 4 else "::1"
 
 
 def listener_owners(host: str, port: int, proc: Path | None = None, *, wildcards: bool = True) -> set[int] | None:
@@ -102,16 +125,18 @@ def squatter(host: str, port: int, token_file: Path, proc: Path | None = None, *
     ``host`` is one of this host's addresses (``agentd leave``'s, the configured listen
     address, is), else :func:`is_local_address` tells.  A connection to a local address
     reaches a wildcard listener (0.0.0.0, ::) on the port as well when nothing is bound to the
-    address itself: any local user's, [api] listen on the node's address or on loopback."""
-    address = resolve(host)
-    try:
-        ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return None
-    if local is None:
-        local = is_local_address(address)
-    uid = untrusted_owner(address, port, file_owner(token_file), proc, wildcards=local)
-    if uid is None:
+    address itself: any local user's, [api] listen on the node's address or on loopback; one
+    to the unspecified address reaches loopback's (:func:`reached`).  A name is checked at
+    each of its addresses: the client falls back to the next when one refuses."""
+    agent_uid = file_owner(token_file)
+    for address in addresses(host):  # the client tries each in turn (urllib: the next on a refusal)
+        if target(address) is None:
+            continue
+        mine = is_local_address(address) if local is None else local
+        uid = untrusted_owner(reached(address), port, agent_uid, proc, wildcards=mine)
+        if uid is not None:
+            break
+    else:
         return None
     return (f"{host}:{port} is served by a process of {user_name(uid)}, neither root nor the agent's user "
             f"(the owner of {token_file}): not sending it the API token (another user took the agent's port "
@@ -164,13 +189,14 @@ def is_local_host(host: str) -> bool:
     return bool(addresses) and all(is_local_address(a) for a in addresses)
 
 
-def resolve(host: str) -> str:
-    """``host`` as an address (localhost's first), for :func:`owners`."""
+def addresses(host: str) -> list[str]:
+    """Every address of ``host`` (an address: itself), in getaddrinfo's order: those a
+    client's connection may go to, one after the other.  [] when it resolves to none."""
+    bare = host.strip("[]")
+    if target(bare) is not None:
+        return [bare]
     try:
-        ipaddress.ip_address(host.strip("[]"))
-        return host.strip("[]")
-    except ValueError:
-        try:
-            return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-        except (OSError, IndexError):
-            return host
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return list(dict.fromkeys(str(a[4][0]) for a in found))

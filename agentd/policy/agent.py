@@ -715,6 +715,10 @@ class PolicyAgent:
         try:
             await asyncio.to_thread(self.fast_path.set_pods, wanted)
         except (OSError, RuntimeError) as err:  # BpfError, BpfUnavailable: the normal path carries on
+            # Part of it may be applied (the other veths; a moved address off its old veth):
+            # what the fast path has is known no more, and the next sync tells it all again --
+            # also when the pods go back to what it was last told (a failed pod deleted).
+            self._fast_pods = None
             self.fast_path_error = str(err)
             log.warning("pod fast path not updated: %s", err)
             return

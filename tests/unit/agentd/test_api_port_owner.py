@@ -335,3 +335,141 @@ def test_agentd_flows_sends_the_key_to_no_other_host(tmp_path, monkeypatch, caps
         args.api = api
         assert cli.flows_command(args, token_file) == 1
         assert sent == [{"Authorization": f"Bearer {auth.ui_key('t0ken')}"}], api
+
+
+# ------------------------------------------------------------------ what a connection reaches (review s56 r10)
+
+HEAD = TCP.splitlines()[0] + "\n"
+BOB_V4 = "   0: 0100007F:238B 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 1 1\n"  # 127.0.0.1:9099
+BOB_V6 = ("   0: 00000000000000000000000001000000:238B 00000000000000000000000000000000:0000 0A 00000000:00000000 "
+          "00:00000000 00000000  1000 0 1 1\n")  # [::1]:9099  # fmt: skip
+
+
+def _net(tmp_path, tcp: str = "", tcp6: str = ""):
+    net = tmp_path / "net"
+    net.mkdir(exist_ok=True)
+    (net / "tcp").write_text(HEAD + tcp)
+    (net / "tcp6").write_text(HEAD + tcp6)
+    return net
+
+
+@pytest.mark.parametrize(("listen", "bob"), [("0.0.0.0", "v4"), ("::", "v6"), ("[::]", "v6"), ("::ffff:0.0.0.0", "v4")])
+def test_a_wildcard_api_listen_address_is_checked_at_loopback_where_a_connection_to_it_goes(
+        listen, bob, tmp_path, monkeypatch):  # fmt: skip
+    """[api] listen = 0.0.0.0 (or ::): `agentd leave` connects to it, which Linux takes as
+    127.0.0.1 (::1); only listeners bound to the wildcard itself were counted, and another
+    user's 127.0.0.1:9099 got the API token."""
+    net = _net(tmp_path, BOB_V4 if bob == "v4" else "", BOB_V6 if bob == "v6" else "")
+    token_file = tmp_path / "api.token"
+    token_file.write_text("t0ken\n")
+    monkeypatch.setattr(listeners, "file_owner", lambda path: 0)
+    said = listeners.squatter(listen, 9099, token_file, net, local=True)
+    assert said is not None and "is served by a process of uid 1000" in said, said
+    if listen in ("0.0.0.0", "::", "[::]"):  # told this host's without a socket
+        assert listeners.squatter(listen, 9099, token_file, net) is not None  # told local by the address
+    assert listeners.squatter(listen, 9098, token_file, net, local=True) is None  # nothing on that port
+    monkeypatch.setattr(listeners, "PROC_NET", net)
+    connected = []
+    monkeypatch.setattr(cli, "api_open", lambda req, **kw: connected.append(req) or pytest.fail("token sent"))
+    with pytest.raises(cli.LeaveRefused, match="is served by a process of uid 1000.*not sending it the API token"):
+        cli.leave_running_agent(listen.strip("[]"), 9099, token_file, timeout=1)
+    assert connected == []
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0", "::"])
+def test_nothing_answering_on_a_wildcard_listen_address_with_roots_loopback_listener_is_no_leave_without_it(
+        listen, tmp_path, monkeypatch):  # fmt: skip
+    import urllib.error
+
+    root = lambda line: line.replace("  1000 ", "     0 ")
+    net = _net(tmp_path, root(BOB_V4) if listen == "0.0.0.0" else "", root(BOB_V6) if listen == "::" else "")
+    monkeypatch.setattr(listeners, "PROC_NET", net)
+
+    def refused(req, **kw):
+        raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+
+    monkeypatch.setattr(cli, "api_open", refused)
+    with pytest.raises(cli.LeaveRefused, match=rf"but a process of uid 0 .*listens on {listen}:9099"):
+        cli.leave_running_agent(listen, 9099, tmp_path / "api.token", timeout=1)
+
+
+def _two_addresses(monkeypatch, name: str, *found: str) -> None:
+    """getaddrinfo gives ``name`` these addresses, in this order (Debian's localhost: ::1 first)."""
+    import socket
+
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *a, **kw):
+        if host != name:
+            return real(host, port, *a, **kw)
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", (a, port or 0, 0, 0)) if ":" in a
+                else (socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port or 0)) for a in found]  # fmt: skip
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_a_name_is_checked_at_each_of_its_addresses_the_client_may_fall_back_to(tmp_path, monkeypatch):
+    """localhost is ::1 then 127.0.0.1: nothing on ::1:9099, another user's 127.0.0.1:9099.
+    Only the first was checked; urllib, refused on ::1, sent the key to 127.0.0.1."""
+    net = _net(tmp_path, BOB_V4)
+    token_file = tmp_path / "api.token"
+    token_file.write_text("t0ken\n")
+    monkeypatch.setattr(listeners, "file_owner", lambda path: 0)
+    _two_addresses(monkeypatch, "localhost", "::1", "127.0.0.1")
+    said = listeners.squatter("localhost", 9099, token_file, net)
+    assert said is not None and said.startswith("localhost:9099 is served by a process of uid 1000"), said
+    assert listeners.squatter("localhost", 9098, token_file, net) is None
+    # leave without the agent: root's listener on the second address is an agent all the same
+    monkeypatch.setattr(listeners, "PROC_NET", _net(tmp_path, BOB_V4.replace("  1000 ", "     0 ")))
+    assert "a process of uid 0" in cli._agent_listens("localhost", 9099, token_file)
+    assert cli._agent_listens("localhost", 9098, token_file) is None
+
+
+def test_a_name_with_a_remote_address_besides_a_local_one_is_not_this_host():
+    """The key goes only where every address of the name is this host's: a connection may
+    try any of them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(listeners, "is_local_address", lambda address: address == "127.0.0.1")
+        _two_addresses(mp, "mixed.example", "127.0.0.1", "192.0.2.99")
+        assert not listeners.is_local_host("mixed.example")
+        _two_addresses(mp, "mixed.example", "127.0.0.1")
+        assert listeners.is_local_host("mixed.example")
+
+
+def test_an_ipv4_mapped_address_reaches_the_ipv4_listeners(tmp_path, monkeypatch):
+    """An AF_INET6 connect to ::ffff:127.0.0.1 reaches 127.0.0.1:9099 (or 0.0.0.0:9099)."""
+    token_file = tmp_path / "api.token"
+    token_file.write_text("t0ken\n")
+    monkeypatch.setattr(listeners, "file_owner", lambda path: 0)
+    bob = [(ip_address("127.0.0.1"), 9099, 1000)]
+    assert listeners.owners(bob, "::ffff:127.0.0.1", 9099) == {1000}
+    assert listeners.owners(bob, "[::ffff:127.0.0.1]", 9099) == {1000}
+    assert listeners.owners([(ip_address("0.0.0.0"), 9099, 1000)], "::ffff:127.0.0.1", 9099) == {1000}
+    assert listeners.owners([(ip_address("::"), 9099, 1000)], "::ffff:127.0.0.1", 9099) == {1000}  # not v6only
+    assert listeners.owners([(ip_address("::ffff:127.0.0.1"), 9099, 1000)], "127.0.0.1", 9099) == {1000}
+    assert listeners.owners([(ip_address("0.0.0.0"), 9099, 1000)], "::ffff:127.0.0.1", 9099, wildcards=False) == set()
+    said = listeners.squatter("::ffff:127.0.0.1", 9099, token_file, _net(tmp_path, BOB_V4), local=True)
+    assert said is not None and said.startswith("::ffff:127.0.0.1:9099 is served by a process of uid 1000"), said
+    wild = WILD.splitlines()[1] + "\n"  # 0.0.0.0:9099, uid 1000
+    assert listeners.squatter("::ffff:127.0.0.1", 9099, token_file, _net(tmp_path, wild), local=True) is not None
+
+
+def test_a_scoped_link_local_address_reaches_the_listener_bound_to_it(tmp_path, monkeypatch):
+    """fe80::fc:ff:fe00:1%eth0 (as HostPort and --api take it) is the listener on
+    fe80::fc:ff:fe00:1: /proc/net/tcp6 gives no scope, and a scoped address compared unequal."""
+    import socket
+    import sys
+
+    raw = socket.inet_pton(socket.AF_INET6, "fe80::fc:ff:fe00:1")
+    hexa = "".join(int.from_bytes(raw[i:i + 4], sys.byteorder).to_bytes(4, "big").hex().upper() for i in range(0, 16, 4))
+    bob = BOB_V6.replace("00000000000000000000000001000000:238B", f"{hexa}:238B")
+    token_file = tmp_path / "api.token"
+    token_file.write_text("t0ken\n")
+    monkeypatch.setattr(listeners, "file_owner", lambda path: 0)
+    link_local = [(ip_address("fe80::fc:ff:fe00:1"), 9099, 1000)]
+    for host in ("fe80::fc:ff:fe00:1%eth0", "[fe80::fc:ff:fe00:1%eth0]", "fe80::fc:ff:fe00:1%2"):
+        assert listeners.owners(link_local, host, 9099, wildcards=False) == {1000}, host
+    net = _net(tmp_path, "", bob)
+    for local in (True, False):  # the exact listener, whether or not the address is told this host's
+        said = listeners.squatter("fe80::fc:ff:fe00:1%eth0", 9099, token_file, net, local=local)
+        assert said is not None and "is served by a process of uid 1000" in said, said

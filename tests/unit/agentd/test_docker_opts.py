@@ -355,6 +355,9 @@ def test_a_cluster_network_in_dockers_default_pools_is_warned_of_and_json_gives_
     assert pools_outside(IPv4Network("172.20.1.0/24"))[0] == [
         *({"base": f"172.{n}.0.0/16", "size": 16} for n in range(17, 32) if n != 20),
         {"base": "192.168.0.0/16", "size": 20}]  # fmt: skip
+    # A piece of exactly the pool's size is kept: one /20 holds one of the pool's networks.
+    assert pools_outside(IPv4Network("192.168.0.0/20"))[0][-4:] == [
+        {"base": f"192.168.{third}.0/{length}", "size": 20} for third, length in ((16, 20), (32, 19), (64, 18), (128, 17))]
     # Outside the pools (the lab's 10.244.0.0/16): no warning, no pools.
     path.write_text(render_subnet_file(SF))
     assert main(["docker-opts", "--subnet-file", str(path), "--format", "json"]) == 0
