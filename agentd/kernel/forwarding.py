@@ -228,10 +228,9 @@ def plan_external(next_hop: str, underlay: Underlay) -> PeerPlan:
     if isinstance(a, IPv6Address) and a.ipv4_mapped is not None:
         return PeerPlan(next_hop, "none", "IPv4-mapped IPv6 next hop cannot be routed", version=6)
     if isinstance(a, IPv6Address) and a.is_link_local:
-        # fe80::/10 is on-link only on the interface of the session it was learned on, which
-        # is not known here (desired_routes refuses such best paths, with the reason).
-        return PeerPlan(next_hop, "none", "external link-local next hop: the interface of its session is not known",
-                        version=6)
+        # fe80::/10 is on-link on the interface it was learned on (the peer session's: the
+        # underlay); Linux refuses such a gateway without a device (EINVAL).
+        return PeerPlan(next_hop, HOST_GW, f"external link-local next hop on-link via {underlay.ifname}", version=6)
     if underlay.on_link(a):
         return PeerPlan(next_hop, HOST_GW, f"external next hop on-link via {underlay.ifname}", version=a.version)
     return PeerPlan(next_hop, EXTERNAL, "external next hop resolved by the kernel", version=a.version)
@@ -621,9 +620,8 @@ def desired_routes(
     must lie in (None: not checked); ``subnet_lens``: the cluster's subnet length of each
     family (None: not checked).  A node record's subnet is held against other nodes' routes
     only as :func:`held_subnets` trusts it (the others listed in ``untrusted``).  A best path :func:`refusal` refuses is left out, with a
-    row in ``refused``; so is a link-local next hop (RFC 2545 §3: it is on-link only on the link
-    of the session that brought it -- learned over iBGP, another node's; from an external peer,
-    a link this node does not know).  A best path whose route cannot be formed yet
+    row in ``refused``; so is a link-local next hop learned over iBGP (RFC 2545 §3: it is
+    on-link only where an external peer sent it).  A best path whose route cannot be formed yet
     (the data path that carries it is not up here yet) is left out too, its destination listed
     in ``pending``.  Pure: the agent applies the result."""
     nodes = list(nodes)
@@ -679,16 +677,8 @@ def desired_routes(
             why = f"{dst!r} is not an IP prefix"
         if why is None and nh in ownerless:  # a node's next hop, but no one node's: not an external router's either
             why = f"next hop {nh} is no node's: {ownerless[nh]}"
-        if why is None and isinstance(next_hop, IPv6Address) and next_hop.is_link_local:
-            if internal and internal[0]:
-                why = f"link-local next hop {nh} learned over iBGP: it is on-link only at the node its external peer sent it to"
-            else:
-                # RFC 2545 §3: on-link only on the link of the session that brought it, which
-                # agentd does not track (a peer's key drops its %zone): installed on the
-                # underlay it would go to the wrong link wherever the session is on another
-                # interface (a second NIC to the ToR), and two routers' fe80::1 are one peer.
-                why = (f"link-local next hop {nh} learned from an external peer: agentd does not know the "
-                       "interface of the peer's session to install it on (have the peer send a global next hop)")
+        if why is None and internal and internal[0] and isinstance(next_hop, IPv6Address) and next_hop.is_link_local:
+            why = f"link-local next hop {nh} learned over iBGP: it is on-link only at the node its external peer sent it to"
         if why is not None:
             refused.append({"dst": dst, "via": None, "dev": None, "backend": "refused", "peer": nh, "reason": why})
             continue

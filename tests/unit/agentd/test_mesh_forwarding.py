@@ -142,41 +142,36 @@ def test_external_next_hops():
     assert not plan_external("::ffff:10.0.0.9", UNDERLAY).routable
 
 
-def test_an_external_link_local_next_hop_is_refused_not_put_on_the_underlay():
-    # An external IPv6 peer (BGP unnumbered from a fe80::/10 listen range, or a router giving
-    # its link-local next hop): fe80::/10 is on-link only on the link of the session, which
-    # may be another NIC than the underlay, and which agentd does not track (the peer key
-    # drops the %zone: fe80::1%eth1 and fe80::1%eth2 are one peer).  Put on eth0 it would go
-    # to the wrong link: refused, with the reason, as over iBGP.
+def test_an_external_link_local_next_hop_is_routed_through_the_underlay():
+    # An external IPv6 peer (BGP unnumbered, or a router giving its link-local next hop):
+    # fe80::/10 is not in the underlay's prefixes, but on-link there; Linux refuses a
+    # link-local gateway without a device.
     plan = plan_external("fe80::2", UNDERLAY)
-    assert not plan.routable and "interface of its session" in plan.reason
+    assert (plan.backend, plan.version) == ("host-gw", 6)
+    r = route_for("2001:db8:99::/48", plan, UNDERLAY, LocalPaths())
+    assert (r.gateway, r.dev) == ("fe80::2", "eth0")
     underlay = Underlay("eth0", 2, IPv4Interface("10.0.0.1/24"), 1500,
                         (IPv4Network("10.0.0.0/24"), IPv6Network("2001:db8::/64")),
                         interface_v6=IPv6Interface("2001:db8::1/64"), link_local=IPv6Address("fe80::1"))
-    plan = desired_routes([("2001:db8:99::/48", IPv6Address("fe80::2"), False),
-                           ("2001:db8:98::/48", IPv6Address("fe80::3"), False, False),
-                           ("2001:db8:97::/48", IPv6Address("2001:db8::9"), False, False)], [], underlay, LocalPaths(),
+    plan = desired_routes([("2001:db8:99::/48", IPv6Address("fe80::2"), False)], [], underlay, LocalPaths(),
                           own_subnets=["10.244.0.0/24"], blackhole_metric=4000, own_backend="vxlan",
                           encap="always", versions=(4, 6))
     assert [(r.dst, r.gateway, r.dev) for r in plan.routes if r.kind == "unicast"] == [
-        ("2001:db8:97::/48", "2001:db8::9", "eth0")]
-    assert [(r["dst"], r["peer"], r["backend"]) for r in plan.refused] == [
-        ("2001:db8:99::/48", "fe80::2", "refused"), ("2001:db8:98::/48", "fe80::3", "refused")]
-    assert plan.refused[0]["reason"] == (
-        "link-local next hop fe80::2 learned from an external peer: agentd does not know the interface of the "
-        "peer's session to install it on (have the peer send a global next hop)")
+        ("2001:db8:99::/48", "fe80::2", "eth0")]
     assert plan_external("2001:db8:ff::1", underlay).backend == "kernel"  # off-link: resolved by the kernel
 
 
 def test_a_link_local_next_hop_learned_over_ibgp_is_refused():
     # RFC 2545 §3: fe80::2 is on-link at the node whose external peer sent it, not here; a
     # node passing it on unchanged (an agent without next-hop-self for it) must not make this
-    # node route into its own segment.
+    # node route into its own segment.  From our own external peer (not iBGP) it is installed.
     bests = [("2001:db8:99::/48", IPv6Address("fe80::2"), False, True),
+             ("2001:db8:98::/48", IPv6Address("fe80::3"), False, False),
              ("2001:db8:97::/48", IPv6Address("2001:db8::9"), False, True)]
     plan = desired_routes(bests, [], UNDERLAY, LocalPaths(), own_subnets=["10.244.0.0/24"], blackhole_metric=4000,
                           own_backend="vxlan", encap="always", versions=(4, 6))
-    assert [(r.dst, r.gateway) for r in plan.routes if r.kind == "unicast"] == [("2001:db8:97::/48", "2001:db8::9")]
+    assert [(r.dst, r.gateway) for r in plan.routes if r.kind == "unicast"] == [
+        ("2001:db8:98::/48", "fe80::3"), ("2001:db8:97::/48", "2001:db8::9")]
     assert [(r["dst"], r["peer"], r["backend"], r["reason"]) for r in plan.refused] == [
         ("2001:db8:99::/48", "fe80::2", "refused",
          "link-local next hop fe80::2 learned over iBGP: it is on-link only at the node its external peer sent it to")]
