@@ -632,6 +632,8 @@ class SpeakerService:
         elif self._listener_gtsm and sock is not None:
             with contextlib.suppress(OSError):
                 set_ttl(sock, None)  # inherited from the listener: back to the default
+        if why is None and _link_local(remote):
+            why = self._other_link(remote, peername)
         conn = next(self._inbound_ids)
         proto.conn = conn
         self._protocols[conn] = proto
@@ -651,6 +653,19 @@ class SpeakerService:
             proto.conn = None
             proto.transport.abort()
         self._pump()
+
+    def _other_link(self, remote: str, peername: tuple) -> str | None:
+        """Why a connection from the link-local ``remote`` is refused: a connection from the
+        same address on another interface is open.  A peer is keyed by its address alone (the
+        %zone dropped), so two routers on two links that both use fe80::1 would be taken for
+        one peer, the second connection for a collision with the first; the first one keeps it."""
+        zone = _zone(peername)
+        for proto in self._protocols.values():
+            other = proto.transport.get_extra_info("peername") if proto.transport is not None else None
+            if other and _unmap(other[0]) == remote and _zone(other) != zone:
+                return (f"a connection from {remote} on {_zone_name(_zone(other))} is open, and this one is on "
+                        f"{_zone_name(zone)}: peers are told apart by address, not by interface")
+        return None
 
     def _data(self, conn: int, data: bytes) -> None:
         try:
@@ -881,6 +896,32 @@ def _abort(transport: asyncio.BaseTransport) -> None:
 def _link_local(address: str) -> bool:
     a = ip_address(address.split("%", 1)[0])
     return isinstance(a, IPv6Address) and a.is_link_local
+
+
+def _zone(sockaddr: tuple) -> int | str:
+    """The interface of an IPv6 socket address (its scope id; the %zone where the address text
+    carries one and the scope id is not given)."""
+    if len(sockaddr) > 3 and sockaddr[3]:
+        return int(sockaddr[3])
+    host = str(sockaddr[0])
+    if "%" not in host:
+        return 0
+    name = host.split("%", 1)[1]
+    if name.isdigit():
+        return int(name)
+    try:
+        return socket.if_nametoindex(name)
+    except OSError:
+        return name
+
+
+def _zone_name(zone: int | str) -> str:
+    if isinstance(zone, str):
+        return zone
+    try:
+        return socket.if_indextoname(zone)
+    except OSError:
+        return f"interface {zone}"
 
 
 def _unmap(address: str) -> str:

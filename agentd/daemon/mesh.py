@@ -17,6 +17,7 @@ routes into every agent without cutting a legitimate one.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from ipaddress import IPv4Address, IPv6Address
 
 from bgp import PeerSettings
 
@@ -56,12 +57,22 @@ def desired_peers(
     external: Iterable[PeerSettings] = (),
     session_version: int = 4,
     max_prefixes: int | None = None,
+    local_address: IPv4Address | IPv6Address | None = None,
 ) -> list[PeerSettings]:
     """The peer set for node ``me``.  Sessions are IPv4 (``session_version`` 4: they carry the
     IPv6 routes of a dual-stack cluster too, as BIRD's multi-channel sessions do) or IPv6 (an
     IPv6-only cluster); nodes without an address of that family are skipped, and so is ``me``.
     ``max_prefixes``: the limit of each session to a node (:func:`node_max_prefixes`), which is
-    tried again NODE_RESTART seconds after it resets one."""
+    tried again NODE_RESTART seconds after it resets one.
+
+    ``local_address``: this node's published address of the session family (its node record's
+    ``address`` or ``address_v6``), the source the sessions to nodes are bound to, as Calico's
+    BIRD ``source address``.  Unbound, the kernel picks the source (on a host with several
+    addresses: a SLAAC or temporary IPv6 one, a secondary IPv4 one): the other node then refuses
+    the connection (not the address it knows this node by), or, where it takes it, gets this
+    node's pod subnets with that address as next hop -- which it cannot map to this node, so it
+    routes them as an external router's, past the vxlan or udp backend.  An inbound session's
+    local address is the one the other node dialled: this one."""
     out: dict[str, PeerSettings] = {}
     for name, node in sorted(nodes.items()):
         address = node.address if session_version == 4 else node.address_v6
@@ -85,6 +96,7 @@ def desired_peers(
             bfd=bfd,
             max_prefixes=max_prefixes,
             max_prefixes_restart=float(NODE_RESTART) if max_prefixes is not None else None,
+            local_address=local_address,
         )
         out[ps.key] = ps
     for ps in external:
@@ -112,6 +124,7 @@ class Peering:
             self.nodes.pop(ev.name, None)
 
     def peers(self, cfg: Config, cluster: ClusterConfig | None = None) -> list[PeerSettings]:
+        version = 6 if cfg.network.ip_family == "ipv6" else 4
         return desired_peers(
             self.me,
             self.nodes,
@@ -121,6 +134,7 @@ class Peering:
             hold_time=cfg.bgp.hold_time,
             bfd=bfd_timers(cfg),
             external=[peer_settings(p, cfg, description=EXTERNAL) for p in cfg.bgp.peers],
-            session_version=6 if cfg.network.ip_family == "ipv6" else 4,
+            session_version=version,
             max_prefixes=node_max_prefixes(cluster),
+            local_address=cfg.node.address if version == 4 else cfg.node.address_v6,
         )

@@ -181,6 +181,15 @@ def _mac(address: bytes | None) -> str | None:
     return ":".join(f"{b:02x}" for b in address) if address else None
 
 
+def _canonical_ip(value: object) -> str:
+    """An address in the kernel's spelling (what inet_ntop gives back); text that is no
+    address as it is (the kernel refuses it, and that peer alone, when it is sent)."""
+    try:
+        return str(ip_address(str(value)))
+    except ValueError:
+        return str(value)
+
+
 def vtep_mac(node_name: str, vni: int) -> bytes:
     """The MAC agentd gives the VTEP it makes: the first 6 bytes of SHA-256 of the node's name
     and the VNI, locally administered and unicast -- the same each time the device is made (a
@@ -384,11 +393,16 @@ class _Vxlan:
             if plan.backend == "vxlan" and plan.extra.get("vtep_mac"):
                 # The peer's VTEP address of each pod family this node has too.
                 keys = [k for k, mine in (("vtep_ip", self.vtep_ip), ("vtep_ip_v6", self.vtep_ip_v6)) if mine]
-                ips = tuple(str(plan.extra[k]) for k in keys if plan.extra.get(k))
+                # In the kernel's spelling (inet_ntop, lower-case MAC), as ``installed`` is read
+                # back: a record's "FD00:10:244:3:0::" or "0A:BB:..." (valid, and taken by
+                # plan_peer) would otherwise differ from it for ever -- sent again at every sync,
+                # and "lost" at every re-read.
+                ips = tuple(_canonical_ip(plan.extra[k]) for k in keys if plan.extra.get(k))
                 # Its port and VNI (checked by plan_peer) where they are not ours.
                 port, vni = plan.extra.get("vxlan_port"), plan.extra.get("vni")
                 if ips:
-                    wanted[addr] = (ips, str(plan.extra["vtep_mac"]), None if port in (None, ours.vxlan_port) else port,
+                    wanted[addr] = (ips, str(plan.extra["vtep_mac"]).lower(),
+                                    None if port in (None, ours.vxlan_port) else port,
                                     None if vni in (None, ours.vxlan_vni) else vni)
         await self._sync(wanted, prune)
 

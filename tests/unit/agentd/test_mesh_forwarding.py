@@ -310,6 +310,42 @@ def test_ipv6_only_peers_and_routes():
     assert (plan.address, plan.backend, plan.via) == ("2001:db8::1", "host-gw", "2001:db8::1")
 
 
+def test_node_sessions_are_bound_to_the_published_address(tmp_path):
+    """The sessions to other nodes leave from this node's published address of their family
+    (the address the others know it by and map its next hops to), not the one the kernel picks
+    on a host with several; external peers keep their own local_address (unset: unbound)."""
+    from agentd.config.settings import load_config
+    from agentd.daemon.mesh import Peering
+    from agentd.datastore.store import NodeEvent
+
+    class Host:
+        def hostname(self):
+            return "b"
+
+        def default_address(self):
+            return IPv4Address("192.0.2.11")
+
+        def default_address_v6(self, beside=None):
+            return IPv6Address("2001:db8::b")
+
+    toml = tmp_path / "agentd.toml"
+    toml.write_text('[[bgp.peers]]\naddress = "2001:db8:ff::1"\nasn = 65000\n')
+    vx = {"type": "vxlan", "vtep_ip_v6": "fd00:10:244:1::", "vtep_mac": "0a:00:00:00:00:01"}
+    peering = Peering("b")
+    peering.apply(NodeEvent("snapshot", nodes={"a": v6only("a", "2001:db8::a", backend=vx),
+                                               "b": v6only("b", "2001:db8::b", backend=vx)}))
+    cfg = load_config(toml, env={"AGENTD_NETWORK_IP_FAMILY": "ipv6", "AGENTD_NETWORK_BACKEND": "vxlan"}, host=Host(),
+                      check_files=False)
+    peers = {p.key: p for p in peering.peers(cfg)}
+    assert peers["2001:db8::a"].local_address == IPv6Address("2001:db8::b")
+    assert peers["2001:db8:ff::1"].local_address is None
+    # Dual stack: the IPv4 sessions from the IPv4 address.
+    dual_nodes = {"a": dual("a", "192.0.2.10", "2001:db8::a", "fe80::a"), "b": dual("b", "192.0.2.11", "2001:db8::b", "fe80::b")}
+    peering.apply(NodeEvent("snapshot", nodes=dual_nodes))
+    cfg = load_config(env={"AGENTD_NETWORK_IP_FAMILY": "dual"}, host=Host(), check_files=False)
+    assert [(p.key, p.local_address) for p in peering.peers(cfg)] == [("192.0.2.10", IPv4Address("192.0.2.11"))]
+
+
 def test_desired_routes_of_a_dual_stack_node():
     """Each family's routes through the peer its next hop names: the IPv6 address, or the
     IPv4-mapped one a peer without an IPv6 underlay address gives its IPv6 routes."""

@@ -159,6 +159,29 @@ def test_entries_the_kernel_lost_are_put_back_at_the_next_re_read(kernel, monkey
     asyncio.run(main())
 
 
+def test_a_record_spelling_its_vtep_non_canonically_is_installed_once(kernel, caplog):
+    """A record's VTEP address and MAC in another valid spelling (upper case, a zero group
+    written out) are compared with the kernel's entries as the kernel spells them: sent once,
+    not again at every sync, and never reported lost at a re-read."""
+    async def main():
+        _t, vx = _tunnels_with_vtep([0.0])
+        vx.vtep_ip_v6 = "fd00:10:244:3::"
+        plans = {PEER: _plan(vtep_mac=MAC.upper(), vtep_ip="10.244.4.0",
+                             vtep_ip_v6="FD00:10:244:4:0::")}
+        await vx.sync(plans, {}, prune=True)
+        assert vx.installed[PEER] == (("10.244.4.0", "fd00:10:244:4::"), MAC, None, None)
+        kernel.requests.clear()
+        await vx.sync(plans, {}, prune=True)
+        assert kernel.requests == []
+        vx.reread = True  # what the kernel holds, read back (inet_ntop, lower-case MAC)
+        with caplog.at_level("WARNING"):
+            await vx.sync(plans, {}, prune=True)
+        assert kernel.requests == [] and "lost" not in caplog.text
+        assert vx.installed[PEER] == (("10.244.4.0", "fd00:10:244:4::"), MAC, None, None)
+
+    asyncio.run(main())
+
+
 def test_a_vtep_with_another_index_is_re_read_at_once(kernel, monkeypatch):
     """The device deleted and made again (its entries gone with it): no waiting for the timer."""
     clock = [1000.0]
