@@ -245,10 +245,19 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
     return table
 
 
+def _response(query: dns.message.Message) -> dns.message.Message:
+    """The start of a response to ``query``, never padded: dnspython pads one to a query with
+    the EDNS Padding option to 468-octet blocks (RFC 8467), which is meant for encrypted
+    transports (DoT, DoH), not this plain one -- and a padded answer does not fit where
+    :func:`_render` measured it would (no reply over UDP, the TCP connection closed, a cut
+    keeping 2 records where 28 fit)."""
+    return dns.message.make_response(query, pad=0)
+
+
 def _ours(table: Names, query: dns.message.Message) -> dns.message.Message:
     """The start of an answer from ``table``: SERVFAIL before its first sync (the caller
     returns it as it is), else authoritative."""
-    response = dns.message.make_response(query)
+    response = _response(query)
     if table.ready:
         response.flags |= dns.flags.AA
     else:
@@ -263,7 +272,7 @@ def _refused(query: dns.message.Message) -> dns.message.Message:
     server answers a class it does not serve REFUSED (core/dnsserver, coredns#973), and lets CH
     through only to a server block with chaos or forward, where the kubernetes plugin, which
     checks no class, gave the IN records."""
-    response = dns.message.make_response(query)
+    response = _response(query)
     response.set_rcode(dns.rcode.REFUSED)
     return response
 
@@ -327,17 +336,17 @@ def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[A
     if query.opcode() != dns.opcode.QUERY:
         # UPDATE, NOTIFY and the rest: not implemented, whatever the zone, as CoreDNS answers
         # them (miekg/dns); never forwarded, where an upstream would take them from the node.
-        response = dns.message.make_response(query)
+        response = _response(query)
         response.set_rcode(dns.rcode.NOTIMP)
         return response
     if len(query.question) != 1:  # none, or more than one (RFC 9619): no question to answer
-        response = dns.message.make_response(query)
+        response = _response(query)
         response.set_rcode(dns.rcode.FORMERR)
         return response
     if query.edns > 0:
         # RFC 6891 §6.1.3: an EDNS version this server does not speak gets BADVERS, with the
         # version it does (0; make_response answers with it), whatever the name (CoreDNS alike).
-        response = dns.message.make_response(query)
+        response = _response(query)
         response.set_rcode(dns.rcode.BADVERS)
         return response
     q = query.question[0]
@@ -428,12 +437,17 @@ def _addresses(name: dns.name.Name | str, rdtype: int, addresses: Iterable[str])
 def _render(query: dns.message.Message, response: dns.message.Message, limit: int) -> bytes:
     """``response`` in at most ``limit`` octets.  What does not fit is cut: when its answer
     section fits whole, some of its additional records are left out, without TC (RFC 2181 9:
-    they are extra); else :func:`_truncated`."""
+    they are extra); else :func:`_truncated`.  Never padded (:func:`_response`: a forwarded
+    reply too)."""
+    response.pad = 0
     # The least the answers take: an answer too big for certain is not rendered in vain first.
     least = 12 + sum(len(r) * (11 + (len(r.name) > 1) + _LEAST_DATA.get(r.rdtype, 0)) for r in response.answer)
     if least > limit:
         return _truncated(query, response, limit)
-    wire = response.to_wire(max_size=limit, prefer_truncation=True)
+    try:
+        wire = response.to_wire(max_size=limit, prefer_truncation=True)
+    except (dns.exception.TooBig, ValueError):  # what the measure did not foresee (an OPT record too big): cut, not unanswered
+        return _truncated(query, response, limit)
     (ancount,) = struct.unpack("!H", wire[6:8])  # dnspython leaves out a whole RRset that does not fit
     if ancount < sum(len(rrset) for rrset in response.answer):
         return _truncated(query, response, limit)
@@ -456,7 +470,7 @@ def _truncated(query: dns.message.Message, response: dns.message.Message, limit:
     records = [(rrset, rdata) for rrset in response.answer for rdata in rrset]
 
     def render(count: int) -> bytes:
-        cut = dns.message.make_response(query)
+        cut = _response(query)
         cut.flags = response.flags | dns.flags.TC
         cut.set_rcode(response.rcode())
         kept, source = None, None
@@ -706,12 +720,12 @@ class DnsServer:
             return None  # a response, not a query: dropped, unlogged (nothing to answer, nothing to forward)
         response, outcome = resolve(self.table(), query, self.service_ranges, self.addresses), "answered"
         if response is None and self.in_flight >= self.max_forwarded:
-            response, outcome = dns.message.make_response(query), "rejected"
+            response, outcome = _response(query), "rejected"
             response.set_rcode(dns.rcode.SERVFAIL)
         elif response is None:
             response, outcome = await self._forward(query, tcp), "forwarded"
             if response is None:
-                response, outcome = dns.message.make_response(query), "servfail"
+                response, outcome = _response(query), "servfail"
                 response.set_rcode(dns.rcode.SERVFAIL)
         # Over UDP an answer must fit the requestor's buffer: 512 octets (RFC 1035 4.2.1), or
         # the payload size its EDNS OPT record offers (RFC 6891 6.2.5, never less than 512).

@@ -1473,3 +1473,55 @@ def test_dns_query_counters_are_exported_at_zero_before_a_server_ran_when_dns_is
     registry.register(ServiceViews(state))  # type: ignore[arg-type]
     samples = {o: registry.get_sample_value("agentd_dns_queries_total", {"outcome": o}) for o in sdns.OUTCOMES}
     assert samples == dict.fromkeys(sdns.OUTCOMES, 0.0 if enabled else None)
+
+
+# ------------------------------------------------------------------ review r11
+
+
+def padded(name: str, rdtype: str = "A", payload: int = 512) -> dns.message.Message:
+    """A query with the EDNS Padding option (RFC 7830), as a stub resolver set up for DoT sends it."""
+    import dns.edns
+
+    return dns.message.make_query(name, rdtype, use_edns=0, payload=payload,
+                                  options=[dns.edns.GenericOption(dns.edns.OptionType.PADDING, b"")])  # fmt: skip
+
+
+async def test_a_query_with_the_padding_option_gets_an_unpadded_answer_that_fits_with_every_record_that_fits():
+    """dnspython pads the answer to a query with the Padding option to 468-octet blocks (RFC
+    8467, meant for encrypted transports): the answer was measured unpadded and then did not
+    fit (TooBig: no reply over UDP, a WARNING per datagram, the TCP connection closed), and a cut
+    kept 2 records where 28 fit.  Not padded here: the answer fits with all that fit."""
+    name = "hl.shop.svc.cluster.local"
+    for n, payload, cut in ((28, 512, False), (40, 512, True), (60, 1232, False), (70, 1232, False), (100, 1232, True)):
+        table = sdns.names([sp("hl", "", "TCP", 80, None, many(n))], "cluster.local")
+        server = sdns.DnsServer("127.0.0.1", 0, lambda table=table: table, [])
+        wire = await server.answer(padded(name, payload=payload).to_wire())
+        r = dns.message.from_wire(wire)
+        kept = len(r.answer[0])
+        assert len(wire) <= payload and bool(r.flags & dns.flags.TC) == cut, (n, payload, len(wire))
+        assert kept == n if not cut else kept >= (28 if payload == 512 else 70), (n, payload, kept)
+        tcp = dns.message.from_wire(await server.answer(padded(name, payload=payload).to_wire(), tcp=True))
+        assert not tcp.flags & dns.flags.TC and len(tcp.answer[0]) == n, (n, payload)
+        assert server.failed == 0
+
+
+async def test_a_forwarded_reply_whose_opt_record_does_not_fit_is_cut_not_left_unanswered(monkeypatch):
+    """A backstop of the rendering: an upstream's reply with a 600-octet EDNS option does not fit
+    a 512-octet client whatever its records (dnspython: ValueError); the client gets the cut
+    (TC, without the option), not silence."""
+    import dns.asyncquery
+    import dns.edns
+    import dns.rrset
+
+    async def udp(query, host, **kw):
+        reply = dns.message.make_response(query)
+        reply.use_edns(0, 0, 1232, options=[dns.edns.GenericOption(65001, b"x" * 600)])
+        reply.answer.append(dns.rrset.from_text(query.question[0].name, 60, "IN", "A", "192.0.2.1"))
+        return reply
+
+    monkeypatch.setattr(dns.asyncquery, "udp", udp)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53)])
+    wire = await server.answer(dns.message.make_query("example.com", "A", use_edns=0, payload=512).to_wire())
+    r = dns.message.from_wire(wire)
+    assert len(wire) <= 512 and r.flags & dns.flags.TC and r.rcode() == dns.rcode.NOERROR
+    assert lines(r.answer) == ["example.com. 60 IN A 192.0.2.1"] and not r.options
