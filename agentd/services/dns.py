@@ -771,7 +771,7 @@ class DnsServer:
                     reply = await dns.asyncquery.udp(query, host, timeout=FORWARD_TIMEOUT, port=port, ignore_trailing=True,
                                                      ignore_unexpected=True, ignore_errors=True)
                     if reply.flags & dns.flags.TC:
-                        reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
+                        reply = await self._whole(query, upstream, reply)
             except (dns.exception.DNSException, OSError, EOFError, ValueError) as err:  # EOFError: TCP closed unanswered
                 log.debug("upstream %s:%d failed: %s", host, port, err)
                 self.upstreams.failed(upstream, str(err) or type(err).__name__, state)
@@ -779,6 +779,19 @@ class DnsServer:
             self.upstreams.answered(upstream)
             return reply
         return None
+
+    async def _whole(self, query: dns.message.Message, upstream: Upstream, truncated: dns.message.Message) -> Any:
+        """The whole answer over TCP to what ``upstream`` answered truncated (TC) over UDP; its
+        TCP failing (53/tcp filtered in front of many a corporate resolver): the truncated reply,
+        TC kept, as CoreDNS forward passes it back -- the upstream did answer, so it is not a
+        failure (two such names downed it, and split-horizon names went to the next upstream),
+        and a resolver that never retries over TCP (musl) still gets the records it holds."""
+        try:
+            return await dns.asyncquery.tcp(query, upstream.host, timeout=FORWARD_TIMEOUT, port=upstream.port)
+        except (dns.exception.DNSException, OSError, EOFError, ValueError) as err:
+            log.debug("upstream %s:%d answered truncated over UDP, not over TCP: %s", upstream.host, upstream.port,
+                      str(err) or type(err).__name__)  # fmt: skip
+            return truncated
 
     def _datagram(self, transport: asyncio.DatagramTransport, data: bytes, addr: Any) -> asyncio.Task[None] | None:
         """A datagram from ``addr``: answered, unless it comes from a source that may not ask."""

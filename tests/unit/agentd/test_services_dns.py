@@ -274,17 +274,16 @@ def test_a_headless_services_srv_records_give_the_endpoints_ports():
 
 
 async def test_an_upstream_that_closes_tcp_unanswered_is_a_failure_and_the_next_is_asked(monkeypatch):
-    """dnspython raises a bare EOFError when a TCP upstream closes without an answer: that
-    upstream failed, the next one is asked, and with none left the client gets SERVFAIL."""
+    """dnspython raises a bare EOFError when a TCP upstream closes without an answer: asked for
+    a TCP client, that upstream failed, the next one is asked, and with none left the client
+    gets SERVFAIL.  (A UDP client's query answered truncated over UDP is answered: below.)"""
     import dns.asyncquery
 
     asked = []
 
     async def udp(query, host, **kw):
         asked.append(("udp", host))
-        reply = dns.message.make_response(query)
-        reply.flags |= dns.flags.TC
-        return reply
+        raise AssertionError("a TCP client's query is forwarded over TCP")
 
     async def tcp(query, host, **kw):
         asked.append(("tcp", host))
@@ -293,9 +292,10 @@ async def test_an_upstream_that_closes_tcp_unanswered_is_a_failure_and_the_next_
     monkeypatch.setattr(dns.asyncquery, "udp", udp)
     monkeypatch.setattr(dns.asyncquery, "tcp", tcp)
     server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53), ("192.0.2.2", 53)])
-    out = dns.message.from_wire(await server.answer(dns.message.make_query("example.com", "A").to_wire()))
+    out = dns.message.from_wire(await server.answer(dns.message.make_query("example.com", "A").to_wire(), tcp=True))
     assert out.rcode() == dns.rcode.SERVFAIL and server.failed == 1
-    assert asked == [("udp", "192.0.2.1"), ("tcp", "192.0.2.1"), ("udp", "192.0.2.2"), ("tcp", "192.0.2.2")]
+    assert asked == [("tcp", "192.0.2.1"), ("tcp", "192.0.2.2")]
+    assert [u["fails"] for u in server.upstreams.status(0)] == [1, 1]
 
 
 def test_branches_follow_services_coming_and_going():
@@ -1525,3 +1525,43 @@ async def test_a_forwarded_reply_whose_opt_record_does_not_fit_is_cut_not_left_u
     r = dns.message.from_wire(wire)
     assert len(wire) <= 512 and r.flags & dns.flags.TC and r.rcode() == dns.rcode.NOERROR
     assert lines(r.answer) == ["example.com. 60 IN A 192.0.2.1"] and not r.options
+
+
+async def test_an_upstream_answering_truncated_over_udp_but_not_over_tcp_is_answered_with_the_truncated_reply():
+    """An upstream whose 53/tcp is filtered (refused here: a TCP socket bound to its port, not
+    listening) answers a big name truncated over UDP: the client gets that reply, TC set, as
+    CoreDNS forward passes it back, and the upstream answered -- not SERVFAIL, nor down after
+    two such names (split-horizon names would then go to the next upstream)."""
+    import asyncio
+    import socket
+
+    import dns.rrset
+
+    class Proto(asyncio.DatagramProtocol):
+        def connection_made(self, transport) -> None:
+            self.transport = transport
+
+        def datagram_received(self, data: bytes, addr) -> None:
+            query = dns.message.from_wire(data)
+            reply = dns.message.make_response(query)  # 60 records, cut to the 25 that fit in 512 octets
+            reply.flags |= dns.flags.TC
+            reply.answer.append(dns.rrset.from_text_list(query.question[0].name, 300, "IN", "A",
+                                                         [f"192.0.2.{i}" for i in range(1, 26)]))  # fmt: skip
+            self.transport.sendto(reply.to_wire(max_size=512), addr)
+
+    transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(Proto, local_addr=("127.0.0.1", 0))
+    closed = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        where = transport.get_extra_info("sockname")[:2]
+        closed.bind(where)  # no listener: a TCP connection to the upstream is refused
+        server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [where])
+        for _ in range(3):
+            wire = await server.answer(dns.message.make_query("big.example.com", "A").to_wire())
+            r = dns.message.from_wire(wire)
+            assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.TC and len(wire) <= 512
+            assert len(r.answer[0]) == 25
+        assert server.outcomes["forwarded"] == 3 and server.failed == 0
+        assert [(u["state"], u["fails"]) for u in server.upstreams.status(0)] == [("healthy", 0)]
+    finally:
+        closed.close()
+        transport.close()
