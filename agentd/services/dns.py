@@ -6,8 +6,8 @@ agentd-cni hands that address to pods as their nameserver (the ADD result's ``dn
 The wire format is dnspython's.
 
 * ``<svc>.<ns>.svc.<domain>`` A: the IPv4 cluster IP, AAAA: the IPv6 one (a Service has the
-  records of its ``ipFamilies``); a headless service: its ready endpoints of each family, and
-  each of them its own name, ``<hostname>.<svc>.<ns>.svc.<domain>`` (the EndpointSlice
+  records of its ``ipFamilies``); a headless service: its ready endpoints of each family (none
+  ready, of either family: NXDOMAIN, as the specification 2.4.1), and each of them its own name, ``<hostname>.<svc>.<ns>.svc.<domain>`` (the EndpointSlice
   endpoint's ``hostname``: a StatefulSet's ``db-0``), else its address with dashes
   (``10-244-1-5.<svc>...``, as CoreDNS).
 * ``_<port>._<proto>.<svc>.<ns>.svc.<domain>`` SRV (named ports): ``0 100 <port> <svc>.<ns>.svc.<domain>``
@@ -214,13 +214,18 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
     srv: dict[str, set[tuple[int, str]]] = {}
     for sp in ports:
         host = f"{sp.service}.{sp.namespace}.svc.{domain}."
-        for hosts in by_family.values():  # the name exists for both types, if empty for one
-            hosts.setdefault(host, set())
-        addrs = by_family[sp.family][host]
         # A headless Service's records are its ready endpoints only (the Kubernetes DNS
         # specification, as CoreDNS gives them), not the terminating ones a connection may
         # still be sent to when none is ready.
         ready = [e for e in sp.endpoints if e.ready] if sp.cluster_ip is None else []
+        if sp.cluster_ip is not None or ready:
+            # The name exists for both types, if empty for one (NODATA).  A headless Service
+            # without a ready endpoint of either family has no name at all: NXDOMAIN, its SRV
+            # names too (the specification 2.4.1: "If there are no ready endpoints for the
+            # headless Service, the answer should be NXDOMAIN"; CoreDNS alike).
+            for hosts in by_family.values():
+                hosts.setdefault(host, set())
+        addrs = by_family[sp.family].get(host, set())
         if sp.cluster_ip is not None:
             addrs.add(sp.cluster_ip)
         else:
@@ -238,7 +243,8 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
                 targets = {(sp.port, host)}
             else:
                 targets = {(e.port, f"{endpoint_label(e)}.{host}") for e in ready}
-            srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).update(targets)
+            if targets:  # a headless Service's without a ready endpoint: no SRV name (NXDOMAIN)
+                srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).update(targets)
     a, aaaa = ({k: tuple(sorted(v)) for k, v in by_family[version].items()} for version in (4, 6))
     table = Names(domain, a, {k: tuple(sorted(v)) for k, v in srv.items()}, aaaa)
     table.add_hosts(a)

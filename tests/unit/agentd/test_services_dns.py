@@ -358,21 +358,46 @@ def test_negative_answers_carry_the_domains_soa():
     assert ask("web.shop.svc.cluster.local").authority == []
 
 
-def test_a_headless_service_with_only_terminating_endpoints_has_no_records():
+def test_a_headless_service_with_only_terminating_endpoints_has_no_name():
+    """The Kubernetes DNS specification 2.4.1: "If there are no ready endpoints for the
+    headless Service, the answer should be NXDOMAIN" (CoreDNS alike): A and AAAA, with the SOA."""
     table = sdns.names([sp("h", "http", "TCP", 80, None, [Endpoint("10.244.1.5", 8080, ready=False, terminating=True)])],
                        "cluster.local")
-    r = sdns.resolve(table, dns.message.make_query("h.shop.svc.cluster.local", "A"))
-    assert r.rcode() == dns.rcode.NOERROR and r.answer == []
+    for rdtype in ("A", "AAAA", "ANY"):
+        r = sdns.resolve(table, dns.message.make_query("h.shop.svc.cluster.local", rdtype))
+        assert r.rcode() == dns.rcode.NXDOMAIN and r.answer == [] and r.flags & dns.flags.AA, rdtype
+        assert lines(r.authority)[0].startswith("cluster.local. 5 IN SOA"), rdtype
+    r = sdns.resolve(table, dns.message.make_query("10-244-1-5.h.shop.svc.cluster.local", "A"))
+    assert r.rcode() == dns.rcode.NXDOMAIN
 
 
-def test_a_headless_services_srv_name_without_ready_endpoints_is_nodata_that_clients_can_read():
+def test_a_headless_services_srv_name_without_ready_endpoints_is_nxdomain_that_clients_can_read():
     table = sdns.names([sp("h", "pg", "TCP", 5432, None, [Endpoint("10.244.1.5", 5432, ready=False, terminating=True)])],
                        "cluster.local")
     for rdtype in ("SRV", "ANY"):
         r = sdns.resolve(table, dns.message.make_query("_pg._tcp.h.shop.svc.cluster.local", rdtype))
         parsed = dns.message.from_wire(r.to_wire())  # an empty SRV record would be FORMERR here
-        assert parsed.rcode() == dns.rcode.NOERROR and parsed.answer == [], rdtype
+        assert parsed.rcode() == dns.rcode.NXDOMAIN and parsed.answer == [], rdtype
         assert lines(parsed.authority)[0].startswith("cluster.local. 5 IN SOA")
+
+
+def test_a_headless_services_name_exists_while_either_family_has_a_ready_endpoint():
+    """Ready endpoints of IPv4 only: the name's AAAA is NODATA (it exists), not NXDOMAIN; its
+    SRV name has the IPv4 endpoints; none ready of either family: no name, no SRV name."""
+    ready4 = sdns.names([sp("h", "pg", "TCP", 5432, None, [Endpoint("10.244.1.5", 5432)]),
+                         sp6("h", "pg", 5432, None, [Endpoint("fd00:10:244:1::5", 5432, ready=False)])],
+                        "cluster.local")  # fmt: skip
+    r = sdns.resolve(ready4, dns.message.make_query("h.shop.svc.cluster.local", "AAAA"))
+    assert r.rcode() == dns.rcode.NOERROR and r.answer == [] and lines(r.authority)[0].startswith("cluster.local. 5 IN SOA")
+    r = sdns.resolve(ready4, dns.message.make_query("_pg._tcp.h.shop.svc.cluster.local", "SRV"))
+    assert lines(r.answer) == ["_pg._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 5432 10-244-1-5.h.shop.svc.cluster.local."]
+    none = sdns.names([sp("h", "pg", "TCP", 5432, None, [Endpoint("10.244.1.5", 5432, ready=False)]),
+                       sp6("h", "pg", 5432, None, [Endpoint("fd00:10:244:1::5", 5432, ready=False)])],
+                      "cluster.local")  # fmt: skip
+    for name, rdtype in (("h.shop.svc.cluster.local", "A"), ("h.shop.svc.cluster.local", "AAAA"),
+                         ("_pg._tcp.h.shop.svc.cluster.local", "SRV")):  # fmt: skip
+        r = sdns.resolve(none, dns.message.make_query(name, rdtype))
+        assert r.rcode() == dns.rcode.NXDOMAIN and lines(r.authority)[0].startswith("cluster.local. 5 IN SOA"), (name, rdtype)
 
 
 async def test_query_outcomes_are_monotonic_counters_counted_once_when_the_reply_is_made(monkeypatch):
