@@ -14,6 +14,7 @@ The wire format is dnspython's.
   (a headless Service: one per ready endpoint, its port and its own name), the targets' A and
   AAAA records in the additional section (RFC 2782; Kubernetes DNS spec 2.3.1/2.4.1, which
   gives AAAA as it gives A).
+* ``dns-version.<domain>`` TXT: ``"1.1.0"`` (the specification 2.2; CoreDNS's value, TTL 28800).
 * The cluster domain's apex (Services or none): its SOA and NS (``ns.dns.<domain>``, which has
   the node-local addresses), as CoreDNS's kubernetes plugin; ``in-addr.arpa``'s and
   ``ip6.arpa``'s where a Service range of that family makes reverse names ours.
@@ -80,6 +81,11 @@ from .model import Endpoint, ServicePort
 log = logging.getLogger("agentd.services.dns")
 
 TTL = 5  # seconds, as CoreDNS's kubernetes plugin
+# dns-version.<cluster domain> TXT (the Kubernetes DNS specification 2.2): the schema version
+# CoreDNS's kubernetes plugin gives (its DNSSchemaVersion; the specification's text says
+# 1.0.1), and its TTL.
+DNS_SCHEMA_VERSION = "1.1.0"
+DNS_VERSION_TTL = 28800  # seconds
 DEVICE = "agentd-dns"
 FORWARD_TIMEOUT = 2.0
 OUTCOMES = ("answered", "forwarded", "servfail", "rejected", "foreign")  # agentd_dns_queries_total{outcome}
@@ -375,6 +381,12 @@ def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[A
         if qname.startswith("ns."):
             _nameserver(response, q.name, q.rdtype, nameservers)
         if not response.answer:
+            response.authority.append(_soa(table.domain))
+        return response
+    if qname == f"dns-version.{table.domain}.":  # the specification 2.2: "There must be a TXT record named dns-version.<zone>"
+        if q.rdtype in (dns.rdatatype.TXT, dns.rdatatype.ANY):
+            response.answer.append(dns.rrset.from_text(q.name, DNS_VERSION_TTL, "IN", "TXT", f'"{DNS_SCHEMA_VERSION}"'))
+        else:
             response.authority.append(_soa(table.domain))
         return response
     known = qname in table.a or qname in table.srv or _is_branch(table, qname)  # a holds every host, aaaa too

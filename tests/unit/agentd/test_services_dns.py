@@ -1590,3 +1590,18 @@ async def test_an_upstream_answering_truncated_over_udp_but_not_over_tcp_is_answ
     finally:
         closed.close()
         transport.close()
+
+
+def test_dns_version_txt_of_the_cluster_domain():
+    """The Kubernetes DNS specification 2.2: "There must be a TXT record named
+    dns-version.<zone>": CoreDNS's value, 1.1.0, TTL 28800; other types NODATA; SERVFAIL
+    before the first sync, as every name of the domain."""
+    r = ask("dns-version.cluster.local", "TXT")
+    assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA
+    assert lines(r.answer) == ['dns-version.cluster.local. 28800 IN TXT "1.1.0"'] and r.authority == []
+    assert lines(ask("DNS-Version.cluster.local.", "ANY").answer) == ['DNS-Version.cluster.local. 28800 IN TXT "1.1.0"']
+    r = ask("dns-version.cluster.local", "A")
+    assert r.rcode() == dns.rcode.NOERROR and r.answer == [] and lines(r.authority)[0].startswith("cluster.local. 5 IN SOA")
+    assert ask("x.dns-version.cluster.local", "TXT").rcode() == dns.rcode.NXDOMAIN
+    empty = sdns.Names("cluster.local", ready=False)
+    assert sdns.resolve(empty, dns.message.make_query("dns-version.cluster.local", "TXT")).rcode() == dns.rcode.SERVFAIL
