@@ -335,8 +335,18 @@ def _reverse_address(qname: str) -> Any:
 
 def endpoint_label(endpoint: Endpoint) -> str:
     """A headless Service's endpoint's label in DNS: its ``hostname``, else its address with
-    dashes for dots and colons (``10-244-1-5``), as CoreDNS names it."""
-    return endpoint.hostname or endpoint.ip.replace(".", "-").replace(":", "-")
+    dashes for dots and colons (``10-244-1-5``, ``fd00-10-244-1--5``), as CoreDNS names it;
+    an IPv6 address ending (starting) in ``::`` gets a ``0`` after (before) its dashes, as
+    newer CoreDNS's (``fd00-10-244-1-5-a3c0--0``): a label ending or starting with a dash is
+    no host name (Go's resolver drops it)."""
+    if endpoint.hostname:
+        return endpoint.hostname
+    label = endpoint.ip.replace(".", "-").replace(":", "-")
+    if label.endswith("-"):
+        label += "0"
+    if label.startswith("-"):
+        label = "0" + label
+    return label
 
 
 def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[Any] = (),

@@ -1605,3 +1605,24 @@ def test_dns_version_txt_of_the_cluster_domain():
     assert ask("x.dns-version.cluster.local", "TXT").rcode() == dns.rcode.NXDOMAIN
     empty = sdns.Names("cluster.local", ready=False)
     assert sdns.resolve(empty, dns.message.make_query("dns-version.cluster.local", "TXT")).rcode() == dns.rcode.SERVFAIL
+
+
+def test_ipv6_endpoints_are_named_with_dashes_and_a_zero_where_the_address_ends_or_starts_in_colons():
+    """An IPv6 endpoint without a hostname: its address with dashes for colons
+    (fd00-10-244-1--5); one ending in "::" gets a "0" after (newer CoreDNS: a label ending in
+    "-" is no host name, Go's resolver drops it), one starting with "::" a "0" before."""
+    table = sdns.names([sp6("h", "pg", 5432, None, [Endpoint("fd00:10:244:1::5", 5432),
+                                                   Endpoint("fd00:10:244:1:5:a3c0::", 5432)])],
+                       "cluster.local")  # fmt: skip
+    r = sdns.resolve(table, dns.message.make_query("_pg._tcp.h.shop.svc.cluster.local", "SRV"))
+    assert sorted(lines(r.answer)) == [
+        "_pg._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 5432 fd00-10-244-1--5.h.shop.svc.cluster.local.",
+        "_pg._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 5432 fd00-10-244-1-5-a3c0--0.h.shop.svc.cluster.local."]
+    for name, address in (("fd00-10-244-1--5", "fd00:10:244:1::5"), ("fd00-10-244-1-5-a3c0--0", "fd00:10:244:1:5:a3c0::")):
+        r = sdns.resolve(table, dns.message.make_query(f"{name}.h.shop.svc.cluster.local", "AAAA"))
+        assert lines(r.answer) == [f"{name}.h.shop.svc.cluster.local. 5 IN AAAA {address}"]
+        r = sdns.resolve(table, dns.message.make_query(f"{name}.h.shop.svc.cluster.local", "A"))
+        assert r.rcode() == dns.rcode.NOERROR and r.answer == []
+    assert sdns.endpoint_label(Endpoint("::5", 80)) == "0--5"
+    assert sdns.endpoint_label(Endpoint("::", 80)) == "0--0"
+    assert sdns.endpoint_label(Endpoint("fd00::5", 80, hostname="db-0")) == "db-0"
