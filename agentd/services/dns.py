@@ -6,14 +6,15 @@ agentd-cni hands that address to pods as their nameserver (the ADD result's ``dn
 The wire format is dnspython's.
 
 * ``<svc>.<ns>.svc.<domain>`` A: the IPv4 cluster IP, AAAA: the IPv6 one (a Service has the
-  records of its ``ipFamilies``); a headless service: its ready endpoints of each family, and
-  each of them its own name, ``<hostname>.<svc>.<ns>.svc.<domain>`` (the EndpointSlice
+  records of its ``ipFamilies``); a headless service: its ready endpoints of each family (none
+  ready, of either family: NXDOMAIN, as the specification 2.4.1), and each of them its own name, ``<hostname>.<svc>.<ns>.svc.<domain>`` (the EndpointSlice
   endpoint's ``hostname``: a StatefulSet's ``db-0``), else its address with dashes
   (``10-244-1-5.<svc>...``, as CoreDNS).
 * ``_<port>._<proto>.<svc>.<ns>.svc.<domain>`` SRV (named ports): ``0 100 <port> <svc>.<ns>.svc.<domain>``
   (a headless Service: one per ready endpoint, its port and its own name), the targets' A and
   AAAA records in the additional section (RFC 2782; Kubernetes DNS spec 2.3.1/2.4.1, which
   gives AAAA as it gives A).
+* ``dns-version.<domain>`` TXT: ``"1.1.0"`` (the specification 2.2; CoreDNS's value, TTL 28800).
 * The cluster domain's apex (Services or none): its SOA and NS (``ns.dns.<domain>``, which has
   the node-local addresses), as CoreDNS's kubernetes plugin; ``in-addr.arpa``'s and
   ``ip6.arpa``'s where a Service range of that family makes reverse names ours.
@@ -80,6 +81,11 @@ from .model import Endpoint, ServicePort
 log = logging.getLogger("agentd.services.dns")
 
 TTL = 5  # seconds, as CoreDNS's kubernetes plugin
+# dns-version.<cluster domain> TXT (the Kubernetes DNS specification 2.2): the schema version
+# CoreDNS's kubernetes plugin gives (its DNSSchemaVersion; the specification's text says
+# 1.0.1), and its TTL.
+DNS_SCHEMA_VERSION = "1.1.0"
+DNS_VERSION_TTL = 28800  # seconds
 DEVICE = "agentd-dns"
 FORWARD_TIMEOUT = 2.0
 OUTCOMES = ("answered", "forwarded", "servfail", "rejected", "foreign")  # agentd_dns_queries_total{outcome}
@@ -214,13 +220,18 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
     srv: dict[str, set[tuple[int, str]]] = {}
     for sp in ports:
         host = f"{sp.service}.{sp.namespace}.svc.{domain}."
-        for hosts in by_family.values():  # the name exists for both types, if empty for one
-            hosts.setdefault(host, set())
-        addrs = by_family[sp.family][host]
         # A headless Service's records are its ready endpoints only (the Kubernetes DNS
         # specification, as CoreDNS gives them), not the terminating ones a connection may
         # still be sent to when none is ready.
         ready = [e for e in sp.endpoints if e.ready] if sp.cluster_ip is None else []
+        if sp.cluster_ip is not None or ready:
+            # The name exists for both types, if empty for one (NODATA).  A headless Service
+            # without a ready endpoint of either family has no name at all: NXDOMAIN, its SRV
+            # names too (the specification 2.4.1: "If there are no ready endpoints for the
+            # headless Service, the answer should be NXDOMAIN"; CoreDNS alike).
+            for hosts in by_family.values():
+                hosts.setdefault(host, set())
+        addrs = by_family[sp.family].get(host, set())
         if sp.cluster_ip is not None:
             addrs.add(sp.cluster_ip)
         else:
@@ -238,17 +249,27 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
                 targets = {(sp.port, host)}
             else:
                 targets = {(e.port, f"{endpoint_label(e)}.{host}") for e in ready}
-            srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).update(targets)
+            if targets:  # a headless Service's without a ready endpoint: no SRV name (NXDOMAIN)
+                srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).update(targets)
     a, aaaa = ({k: tuple(sorted(v)) for k, v in by_family[version].items()} for version in (4, 6))
     table = Names(domain, a, {k: tuple(sorted(v)) for k, v in srv.items()}, aaaa)
     table.add_hosts(a)
     return table
 
 
+def _response(query: dns.message.Message) -> dns.message.Message:
+    """The start of a response to ``query``, never padded: dnspython pads one to a query with
+    the EDNS Padding option to 468-octet blocks (RFC 8467), which is meant for encrypted
+    transports (DoT, DoH), not this plain one -- and a padded answer does not fit where
+    :func:`_render` measured it would (no reply over UDP, the TCP connection closed, a cut
+    keeping 2 records where 28 fit)."""
+    return dns.message.make_response(query, pad=0)
+
+
 def _ours(table: Names, query: dns.message.Message) -> dns.message.Message:
     """The start of an answer from ``table``: SERVFAIL before its first sync (the caller
     returns it as it is), else authoritative."""
-    response = dns.message.make_response(query)
+    response = _response(query)
     if table.ready:
         response.flags |= dns.flags.AA
     else:
@@ -263,7 +284,7 @@ def _refused(query: dns.message.Message) -> dns.message.Message:
     server answers a class it does not serve REFUSED (core/dnsserver, coredns#973), and lets CH
     through only to a server block with chaos or forward, where the kubernetes plugin, which
     checks no class, gave the IN records."""
-    response = dns.message.make_response(query)
+    response = _response(query)
     response.set_rcode(dns.rcode.REFUSED)
     return response
 
@@ -314,8 +335,18 @@ def _reverse_address(qname: str) -> Any:
 
 def endpoint_label(endpoint: Endpoint) -> str:
     """A headless Service's endpoint's label in DNS: its ``hostname``, else its address with
-    dashes for dots and colons (``10-244-1-5``), as CoreDNS names it."""
-    return endpoint.hostname or endpoint.ip.replace(".", "-").replace(":", "-")
+    dashes for dots and colons (``10-244-1-5``, ``fd00-10-244-1--5``), as CoreDNS names it;
+    an IPv6 address ending (starting) in ``::`` gets a ``0`` after (before) its dashes, as
+    newer CoreDNS's (``fd00-10-244-1-5-a3c0--0``): a label ending or starting with a dash is
+    no host name (Go's resolver drops it)."""
+    if endpoint.hostname:
+        return endpoint.hostname
+    label = endpoint.ip.replace(".", "-").replace(":", "-")
+    if label.endswith("-"):
+        label += "0"
+    if label.startswith("-"):
+        label = "0" + label
+    return label
 
 
 def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[Any] = (),
@@ -327,17 +358,17 @@ def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[A
     if query.opcode() != dns.opcode.QUERY:
         # UPDATE, NOTIFY and the rest: not implemented, whatever the zone, as CoreDNS answers
         # them (miekg/dns); never forwarded, where an upstream would take them from the node.
-        response = dns.message.make_response(query)
+        response = _response(query)
         response.set_rcode(dns.rcode.NOTIMP)
         return response
     if len(query.question) != 1:  # none, or more than one (RFC 9619): no question to answer
-        response = dns.message.make_response(query)
+        response = _response(query)
         response.set_rcode(dns.rcode.FORMERR)
         return response
     if query.edns > 0:
         # RFC 6891 §6.1.3: an EDNS version this server does not speak gets BADVERS, with the
         # version it does (0; make_response answers with it), whatever the name (CoreDNS alike).
-        response = dns.message.make_response(query)
+        response = _response(query)
         response.set_rcode(dns.rcode.BADVERS)
         return response
     q = query.question[0]
@@ -360,6 +391,12 @@ def resolve(table: Names, query: dns.message.Message, service_ranges: Sequence[A
         if qname.startswith("ns."):
             _nameserver(response, q.name, q.rdtype, nameservers)
         if not response.answer:
+            response.authority.append(_soa(table.domain))
+        return response
+    if qname == f"dns-version.{table.domain}.":  # the specification 2.2: "There must be a TXT record named dns-version.<zone>"
+        if q.rdtype in (dns.rdatatype.TXT, dns.rdatatype.ANY):
+            response.answer.append(dns.rrset.from_text(q.name, DNS_VERSION_TTL, "IN", "TXT", f'"{DNS_SCHEMA_VERSION}"'))
+        else:
             response.authority.append(_soa(table.domain))
         return response
     known = qname in table.a or qname in table.srv or _is_branch(table, qname)  # a holds every host, aaaa too
@@ -428,12 +465,17 @@ def _addresses(name: dns.name.Name | str, rdtype: int, addresses: Iterable[str])
 def _render(query: dns.message.Message, response: dns.message.Message, limit: int) -> bytes:
     """``response`` in at most ``limit`` octets.  What does not fit is cut: when its answer
     section fits whole, some of its additional records are left out, without TC (RFC 2181 9:
-    they are extra); else :func:`_truncated`."""
+    they are extra); else :func:`_truncated`.  Never padded (:func:`_response`: a forwarded
+    reply too)."""
+    response.pad = 0
     # The least the answers take: an answer too big for certain is not rendered in vain first.
     least = 12 + sum(len(r) * (11 + (len(r.name) > 1) + _LEAST_DATA.get(r.rdtype, 0)) for r in response.answer)
     if least > limit:
         return _truncated(query, response, limit)
-    wire = response.to_wire(max_size=limit, prefer_truncation=True)
+    try:
+        wire = response.to_wire(max_size=limit, prefer_truncation=True)
+    except (dns.exception.TooBig, ValueError):  # what the measure did not foresee (an OPT record too big): cut, not unanswered
+        return _truncated(query, response, limit)
     (ancount,) = struct.unpack("!H", wire[6:8])  # dnspython leaves out a whole RRset that does not fit
     if ancount < sum(len(rrset) for rrset in response.answer):
         return _truncated(query, response, limit)
@@ -456,7 +498,7 @@ def _truncated(query: dns.message.Message, response: dns.message.Message, limit:
     records = [(rrset, rdata) for rrset in response.answer for rdata in rrset]
 
     def render(count: int) -> bytes:
-        cut = dns.message.make_response(query)
+        cut = _response(query)
         cut.flags = response.flags | dns.flags.TC
         cut.set_rcode(response.rcode())
         kept, source = None, None
@@ -706,12 +748,12 @@ class DnsServer:
             return None  # a response, not a query: dropped, unlogged (nothing to answer, nothing to forward)
         response, outcome = resolve(self.table(), query, self.service_ranges, self.addresses), "answered"
         if response is None and self.in_flight >= self.max_forwarded:
-            response, outcome = dns.message.make_response(query), "rejected"
+            response, outcome = _response(query), "rejected"
             response.set_rcode(dns.rcode.SERVFAIL)
         elif response is None:
             response, outcome = await self._forward(query, tcp), "forwarded"
             if response is None:
-                response, outcome = dns.message.make_response(query), "servfail"
+                response, outcome = _response(query), "servfail"
                 response.set_rcode(dns.rcode.SERVFAIL)
         # Over UDP an answer must fit the requestor's buffer: 512 octets (RFC 1035 4.2.1), or
         # the payload size its EDNS OPT record offers (RFC 6891 6.2.5, never less than 512).
@@ -757,7 +799,7 @@ class DnsServer:
                     reply = await dns.asyncquery.udp(query, host, timeout=FORWARD_TIMEOUT, port=port, ignore_trailing=True,
                                                      ignore_unexpected=True, ignore_errors=True)
                     if reply.flags & dns.flags.TC:
-                        reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
+                        reply = await self._whole(query, upstream, reply)
             except (dns.exception.DNSException, OSError, EOFError, ValueError) as err:  # EOFError: TCP closed unanswered
                 log.debug("upstream %s:%d failed: %s", host, port, err)
                 self.upstreams.failed(upstream, str(err) or type(err).__name__, state)
@@ -765,6 +807,19 @@ class DnsServer:
             self.upstreams.answered(upstream)
             return reply
         return None
+
+    async def _whole(self, query: dns.message.Message, upstream: Upstream, truncated: dns.message.Message) -> Any:
+        """The whole answer over TCP to what ``upstream`` answered truncated (TC) over UDP; its
+        TCP failing (53/tcp filtered in front of many a corporate resolver): the truncated reply,
+        TC kept, as CoreDNS forward passes it back -- the upstream did answer, so it is not a
+        failure (two such names downed it, and split-horizon names went to the next upstream),
+        and a resolver that never retries over TCP (musl) still gets the records it holds."""
+        try:
+            return await dns.asyncquery.tcp(query, upstream.host, timeout=FORWARD_TIMEOUT, port=upstream.port)
+        except (dns.exception.DNSException, OSError, EOFError, ValueError) as err:
+            log.debug("upstream %s:%d answered truncated over UDP, not over TCP: %s", upstream.host, upstream.port,
+                      str(err) or type(err).__name__)  # fmt: skip
+            return truncated
 
     def _datagram(self, transport: asyncio.DatagramTransport, data: bytes, addr: Any) -> asyncio.Task[None] | None:
         """A datagram from ``addr``: answered, unless it comes from a source that may not ask."""

@@ -274,17 +274,16 @@ def test_a_headless_services_srv_records_give_the_endpoints_ports():
 
 
 async def test_an_upstream_that_closes_tcp_unanswered_is_a_failure_and_the_next_is_asked(monkeypatch):
-    """dnspython raises a bare EOFError when a TCP upstream closes without an answer: that
-    upstream failed, the next one is asked, and with none left the client gets SERVFAIL."""
+    """dnspython raises a bare EOFError when a TCP upstream closes without an answer: asked for
+    a TCP client, that upstream failed, the next one is asked, and with none left the client
+    gets SERVFAIL.  (A UDP client's query answered truncated over UDP is answered: below.)"""
     import dns.asyncquery
 
     asked = []
 
     async def udp(query, host, **kw):
         asked.append(("udp", host))
-        reply = dns.message.make_response(query)
-        reply.flags |= dns.flags.TC
-        return reply
+        raise AssertionError("a TCP client's query is forwarded over TCP")
 
     async def tcp(query, host, **kw):
         asked.append(("tcp", host))
@@ -293,9 +292,10 @@ async def test_an_upstream_that_closes_tcp_unanswered_is_a_failure_and_the_next_
     monkeypatch.setattr(dns.asyncquery, "udp", udp)
     monkeypatch.setattr(dns.asyncquery, "tcp", tcp)
     server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53), ("192.0.2.2", 53)])
-    out = dns.message.from_wire(await server.answer(dns.message.make_query("example.com", "A").to_wire()))
+    out = dns.message.from_wire(await server.answer(dns.message.make_query("example.com", "A").to_wire(), tcp=True))
     assert out.rcode() == dns.rcode.SERVFAIL and server.failed == 1
-    assert asked == [("udp", "192.0.2.1"), ("tcp", "192.0.2.1"), ("udp", "192.0.2.2"), ("tcp", "192.0.2.2")]
+    assert asked == [("tcp", "192.0.2.1"), ("tcp", "192.0.2.2")]
+    assert [u["fails"] for u in server.upstreams.status(0)] == [1, 1]
 
 
 def test_branches_follow_services_coming_and_going():
@@ -358,21 +358,46 @@ def test_negative_answers_carry_the_domains_soa():
     assert ask("web.shop.svc.cluster.local").authority == []
 
 
-def test_a_headless_service_with_only_terminating_endpoints_has_no_records():
+def test_a_headless_service_with_only_terminating_endpoints_has_no_name():
+    """The Kubernetes DNS specification 2.4.1: "If there are no ready endpoints for the
+    headless Service, the answer should be NXDOMAIN" (CoreDNS alike): A and AAAA, with the SOA."""
     table = sdns.names([sp("h", "http", "TCP", 80, None, [Endpoint("10.244.1.5", 8080, ready=False, terminating=True)])],
                        "cluster.local")
-    r = sdns.resolve(table, dns.message.make_query("h.shop.svc.cluster.local", "A"))
-    assert r.rcode() == dns.rcode.NOERROR and r.answer == []
+    for rdtype in ("A", "AAAA", "ANY"):
+        r = sdns.resolve(table, dns.message.make_query("h.shop.svc.cluster.local", rdtype))
+        assert r.rcode() == dns.rcode.NXDOMAIN and r.answer == [] and r.flags & dns.flags.AA, rdtype
+        assert lines(r.authority)[0].startswith("cluster.local. 5 IN SOA"), rdtype
+    r = sdns.resolve(table, dns.message.make_query("10-244-1-5.h.shop.svc.cluster.local", "A"))
+    assert r.rcode() == dns.rcode.NXDOMAIN
 
 
-def test_a_headless_services_srv_name_without_ready_endpoints_is_nodata_that_clients_can_read():
+def test_a_headless_services_srv_name_without_ready_endpoints_is_nxdomain_that_clients_can_read():
     table = sdns.names([sp("h", "pg", "TCP", 5432, None, [Endpoint("10.244.1.5", 5432, ready=False, terminating=True)])],
                        "cluster.local")
     for rdtype in ("SRV", "ANY"):
         r = sdns.resolve(table, dns.message.make_query("_pg._tcp.h.shop.svc.cluster.local", rdtype))
         parsed = dns.message.from_wire(r.to_wire())  # an empty SRV record would be FORMERR here
-        assert parsed.rcode() == dns.rcode.NOERROR and parsed.answer == [], rdtype
+        assert parsed.rcode() == dns.rcode.NXDOMAIN and parsed.answer == [], rdtype
         assert lines(parsed.authority)[0].startswith("cluster.local. 5 IN SOA")
+
+
+def test_a_headless_services_name_exists_while_either_family_has_a_ready_endpoint():
+    """Ready endpoints of IPv4 only: the name's AAAA is NODATA (it exists), not NXDOMAIN; its
+    SRV name has the IPv4 endpoints; none ready of either family: no name, no SRV name."""
+    ready4 = sdns.names([sp("h", "pg", "TCP", 5432, None, [Endpoint("10.244.1.5", 5432)]),
+                         sp6("h", "pg", 5432, None, [Endpoint("fd00:10:244:1::5", 5432, ready=False)])],
+                        "cluster.local")  # fmt: skip
+    r = sdns.resolve(ready4, dns.message.make_query("h.shop.svc.cluster.local", "AAAA"))
+    assert r.rcode() == dns.rcode.NOERROR and r.answer == [] and lines(r.authority)[0].startswith("cluster.local. 5 IN SOA")
+    r = sdns.resolve(ready4, dns.message.make_query("_pg._tcp.h.shop.svc.cluster.local", "SRV"))
+    assert lines(r.answer) == ["_pg._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 5432 10-244-1-5.h.shop.svc.cluster.local."]
+    none = sdns.names([sp("h", "pg", "TCP", 5432, None, [Endpoint("10.244.1.5", 5432, ready=False)]),
+                       sp6("h", "pg", 5432, None, [Endpoint("fd00:10:244:1::5", 5432, ready=False)])],
+                      "cluster.local")  # fmt: skip
+    for name, rdtype in (("h.shop.svc.cluster.local", "A"), ("h.shop.svc.cluster.local", "AAAA"),
+                         ("_pg._tcp.h.shop.svc.cluster.local", "SRV")):  # fmt: skip
+        r = sdns.resolve(none, dns.message.make_query(name, rdtype))
+        assert r.rcode() == dns.rcode.NXDOMAIN and lines(r.authority)[0].startswith("cluster.local. 5 IN SOA"), (name, rdtype)
 
 
 async def test_query_outcomes_are_monotonic_counters_counted_once_when_the_reply_is_made(monkeypatch):
@@ -1473,3 +1498,131 @@ def test_dns_query_counters_are_exported_at_zero_before_a_server_ran_when_dns_is
     registry.register(ServiceViews(state))  # type: ignore[arg-type]
     samples = {o: registry.get_sample_value("agentd_dns_queries_total", {"outcome": o}) for o in sdns.OUTCOMES}
     assert samples == dict.fromkeys(sdns.OUTCOMES, 0.0 if enabled else None)
+
+
+# ------------------------------------------------------------------ review r11
+
+
+def padded(name: str, rdtype: str = "A", payload: int = 512) -> dns.message.Message:
+    """A query with the EDNS Padding option (RFC 7830), as a stub resolver set up for DoT sends it."""
+    import dns.edns
+
+    return dns.message.make_query(name, rdtype, use_edns=0, payload=payload,
+                                  options=[dns.edns.GenericOption(dns.edns.OptionType.PADDING, b"")])  # fmt: skip
+
+
+async def test_a_query_with_the_padding_option_gets_an_unpadded_answer_that_fits_with_every_record_that_fits():
+    """dnspython pads the answer to a query with the Padding option to 468-octet blocks (RFC
+    8467, meant for encrypted transports): the answer was measured unpadded and then did not
+    fit (TooBig: no reply over UDP, a WARNING per datagram, the TCP connection closed), and a cut
+    kept 2 records where 28 fit.  Not padded here: the answer fits with all that fit."""
+    name = "hl.shop.svc.cluster.local"
+    for n, payload, cut in ((28, 512, False), (40, 512, True), (60, 1232, False), (70, 1232, False), (100, 1232, True)):
+        table = sdns.names([sp("hl", "", "TCP", 80, None, many(n))], "cluster.local")
+        server = sdns.DnsServer("127.0.0.1", 0, lambda table=table: table, [])
+        wire = await server.answer(padded(name, payload=payload).to_wire())
+        r = dns.message.from_wire(wire)
+        kept = len(r.answer[0])
+        assert len(wire) <= payload and bool(r.flags & dns.flags.TC) == cut, (n, payload, len(wire))
+        assert kept == n if not cut else kept >= (28 if payload == 512 else 70), (n, payload, kept)
+        tcp = dns.message.from_wire(await server.answer(padded(name, payload=payload).to_wire(), tcp=True))
+        assert not tcp.flags & dns.flags.TC and len(tcp.answer[0]) == n, (n, payload)
+        assert server.failed == 0
+
+
+async def test_a_forwarded_reply_whose_opt_record_does_not_fit_is_cut_not_left_unanswered(monkeypatch):
+    """A backstop of the rendering: an upstream's reply with a 600-octet EDNS option does not fit
+    a 512-octet client whatever its records (dnspython: ValueError); the client gets the cut
+    (TC, without the option), not silence."""
+    import dns.asyncquery
+    import dns.edns
+    import dns.rrset
+
+    async def udp(query, host, **kw):
+        reply = dns.message.make_response(query)
+        reply.use_edns(0, 0, 1232, options=[dns.edns.GenericOption(65001, b"x" * 600)])
+        reply.answer.append(dns.rrset.from_text(query.question[0].name, 60, "IN", "A", "192.0.2.1"))
+        return reply
+
+    monkeypatch.setattr(dns.asyncquery, "udp", udp)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53)])
+    wire = await server.answer(dns.message.make_query("example.com", "A", use_edns=0, payload=512).to_wire())
+    r = dns.message.from_wire(wire)
+    assert len(wire) <= 512 and r.flags & dns.flags.TC and r.rcode() == dns.rcode.NOERROR
+    assert lines(r.answer) == ["example.com. 60 IN A 192.0.2.1"] and not r.options
+
+
+async def test_an_upstream_answering_truncated_over_udp_but_not_over_tcp_is_answered_with_the_truncated_reply():
+    """An upstream whose 53/tcp is filtered (refused here: a TCP socket bound to its port, not
+    listening) answers a big name truncated over UDP: the client gets that reply, TC set, as
+    CoreDNS forward passes it back, and the upstream answered -- not SERVFAIL, nor down after
+    two such names (split-horizon names would then go to the next upstream)."""
+    import asyncio
+    import socket
+
+    import dns.rrset
+
+    class Proto(asyncio.DatagramProtocol):
+        def connection_made(self, transport) -> None:
+            self.transport = transport
+
+        def datagram_received(self, data: bytes, addr) -> None:
+            query = dns.message.from_wire(data)
+            reply = dns.message.make_response(query)  # 60 records, cut to the 25 that fit in 512 octets
+            reply.flags |= dns.flags.TC
+            reply.answer.append(dns.rrset.from_text_list(query.question[0].name, 300, "IN", "A",
+                                                         [f"192.0.2.{i}" for i in range(1, 26)]))  # fmt: skip
+            self.transport.sendto(reply.to_wire(max_size=512), addr)
+
+    transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(Proto, local_addr=("127.0.0.1", 0))
+    closed = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        where = transport.get_extra_info("sockname")[:2]
+        closed.bind(where)  # no listener: a TCP connection to the upstream is refused
+        server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [where])
+        for _ in range(3):
+            wire = await server.answer(dns.message.make_query("big.example.com", "A").to_wire())
+            r = dns.message.from_wire(wire)
+            assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.TC and len(wire) <= 512
+            assert len(r.answer[0]) == 25
+        assert server.outcomes["forwarded"] == 3 and server.failed == 0
+        assert [(u["state"], u["fails"]) for u in server.upstreams.status(0)] == [("healthy", 0)]
+    finally:
+        closed.close()
+        transport.close()
+
+
+def test_dns_version_txt_of_the_cluster_domain():
+    """The Kubernetes DNS specification 2.2: "There must be a TXT record named
+    dns-version.<zone>": CoreDNS's value, 1.1.0, TTL 28800; other types NODATA; SERVFAIL
+    before the first sync, as every name of the domain."""
+    r = ask("dns-version.cluster.local", "TXT")
+    assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA
+    assert lines(r.answer) == ['dns-version.cluster.local. 28800 IN TXT "1.1.0"'] and r.authority == []
+    assert lines(ask("DNS-Version.cluster.local.", "ANY").answer) == ['DNS-Version.cluster.local. 28800 IN TXT "1.1.0"']
+    r = ask("dns-version.cluster.local", "A")
+    assert r.rcode() == dns.rcode.NOERROR and r.answer == [] and lines(r.authority)[0].startswith("cluster.local. 5 IN SOA")
+    assert ask("x.dns-version.cluster.local", "TXT").rcode() == dns.rcode.NXDOMAIN
+    empty = sdns.Names("cluster.local", ready=False)
+    assert sdns.resolve(empty, dns.message.make_query("dns-version.cluster.local", "TXT")).rcode() == dns.rcode.SERVFAIL
+
+
+def test_ipv6_endpoints_are_named_with_dashes_and_a_zero_where_the_address_ends_or_starts_in_colons():
+    """An IPv6 endpoint without a hostname: its address with dashes for colons
+    (fd00-10-244-1--5); one ending in "::" gets a "0" after (newer CoreDNS: a label ending in
+    "-" is no host name, Go's resolver drops it), one starting with "::" a "0" before."""
+    table = sdns.names([sp6("h", "pg", 5432, None, [Endpoint("fd00:10:244:1::5", 5432),
+                                                   Endpoint("fd00:10:244:1:5:a3c0::", 5432)])],
+                       "cluster.local")  # fmt: skip
+    r = sdns.resolve(table, dns.message.make_query("_pg._tcp.h.shop.svc.cluster.local", "SRV"))
+    assert sorted(lines(r.answer)) == [
+        "_pg._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 5432 fd00-10-244-1--5.h.shop.svc.cluster.local.",
+        "_pg._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 5432 fd00-10-244-1-5-a3c0--0.h.shop.svc.cluster.local."]
+    for name, address in (("fd00-10-244-1--5", "fd00:10:244:1::5"), ("fd00-10-244-1-5-a3c0--0", "fd00:10:244:1:5:a3c0::")):
+        r = sdns.resolve(table, dns.message.make_query(f"{name}.h.shop.svc.cluster.local", "AAAA"))
+        assert lines(r.answer) == [f"{name}.h.shop.svc.cluster.local. 5 IN AAAA {address}"]
+        r = sdns.resolve(table, dns.message.make_query(f"{name}.h.shop.svc.cluster.local", "A"))
+        assert r.rcode() == dns.rcode.NOERROR and r.answer == []
+    assert sdns.endpoint_label(Endpoint("::5", 80)) == "0--5"
+    assert sdns.endpoint_label(Endpoint("::", 80)) == "0--0"
+    assert sdns.endpoint_label(Endpoint("fd00::5", 80, hostname="db-0")) == "db-0"
