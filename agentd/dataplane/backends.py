@@ -424,12 +424,20 @@ class _Vxlan:
             await asyncio.to_thread(_delete_link, self.device)
 
 
-def host_addresses_v6(nodes: Iterable[NodeRecord], own: str) -> dict[str, str]:
+def host_addresses_v6(nodes: Iterable[NodeRecord], own: str,
+                      refused: Iterable[IPv4Network | IPv6Network] = ()) -> dict[str, str]:
     """The peer nodes' IPv6 node addresses, each -> the node's IPv4 underlay address (the
     worker's sender): a peer's host sends IPv6 from it where no address of its own subnet is
     picked (its TUN's, its pods' bridge's) -- a reply from its node address to a pod that
     connected to it (with ``ip_masq`` off), or a host with no such address yet.  An address
-    two records claim (one of them this node's) is no one's, as next_hop_owners has it."""
+    two records claim (one of them this node's) is no one's, as next_hop_owners has it; nor is
+    one inside ``refused`` (own_ranges_v6: this node's own addresses, whether or not its record
+    is in ``nodes``, the pod network, the Service range) or inside any record's pod subnet,
+    whether or not its route is routed here yet: a record must not let its node pose as pods,
+    as another node's host or as this one."""
+    nodes = list(nodes)
+    nets = [n for n in (*refused, *(s for r in nodes for s in (r.subnet, r.subnet_v6)))
+            if n is not None and n.version == 6]
     claims: dict[str, list[NodeRecord]] = {}
     for n in nodes:
         if n.address_v6 is not None:
@@ -438,14 +446,27 @@ def host_addresses_v6(nodes: Iterable[NodeRecord], own: str) -> dict[str, str]:
         addr: str(ns[0].address)
         for addr, ns in claims.items()
         if len(ns) == 1 and ns[0].name != own and ns[0].address is not None
+        and not any(ip_address(addr) in net for net in nets)
     }
+
+
+def own_ranges_v6(cfg: Config, underlay: Underlay) -> list[IPv6Network]:
+    """What no peer's node address may lie in besides the pod subnets (host_addresses_v6):
+    this node's own IPv6 addresses -- its node and underlay addresses, the node-local DNS
+    address (the same on every node), the Ingress addresses -- and the IPv6 pod network and
+    Service range (cluster IPs)."""
+    addresses = [cfg.node.address_v6, cfg.dns.address_v6, *cfg.ingress.addresses, underlay.interface.ip,
+                 underlay.interface_v6.ip if underlay.interface_v6 is not None else None, underlay.link_local]
+    return [*(ip_network(a) for a in addresses if a is not None and a.version == 6),
+            cfg.network.cidr_v6, cfg.network.service_cidr_v6]
 
 
 def _host_sources(hosts: Mapping[str, str], sources: Mapping[str, str],
                   own: Iterable[IPv4Network | IPv6Network]) -> dict[str, str]:
-    """``<address>/128 -> peer`` for each of ``hosts`` (host_addresses_v6), but for one inside
-    this node's pod subnets or inside a prefix ``sources`` gives another peer: a record's
-    address_v6 must not let its node pose as our pods or as another node's."""
+    """``<address>/128 -> peer`` for each of ``hosts`` (host_addresses_v6, which refuses the
+    rest), but for one inside this node's pod subnets or inside a prefix ``sources`` gives
+    another peer: a record's address_v6 must not let its node pose as our pods or as another
+    node's."""
     by_len: dict[int, dict[int, str]] = {}
     for dst, nh in sources.items():
         if ":" in dst:
@@ -883,7 +904,8 @@ class Tunnels:
         self.members: set[str] = set()
         # Each peer node's IPv6 node address -> its (IPv4) peer address: what its host's IPv6
         # packets may come from besides its pod subnets (the workers' reverse-path check), as its
-        # IPv4 ones may from its underlay address.  An address two records claim is no one's.
+        # IPv4 ones may from its underlay address.  An address two records claim is no one's, nor
+        # one inside a pod subnet or the pod network, nor one of ours (own_ranges_v6).
         self.hosts_v6: dict[str, str] = {}
         self._members_known = False
         self._plans: Mapping[str, PeerPlan] = {}
@@ -1135,7 +1157,7 @@ class Tunnels:
         self.plans_v6, self.next_hops_v6 = dict(plans_v6 or {}), dict(next_hops_v6 or {})
         if members_known:
             self.members = {str(n.peer_address) for n in nodes.values()} | {str(self.underlay.interface.ip)}
-            self.hosts_v6 = host_addresses_v6(nodes.values(), self.node_name)
+            self.hosts_v6 = host_addresses_v6(nodes.values(), self.node_name, own_ranges_v6(self.cfg, self.underlay))
             self._members_known = True
             # Only the peers reached through a tunnel need the backend their record names: one
             # reached directly (cross-subnet, on our segment) needs none, so a backend named only

@@ -201,8 +201,8 @@ async def test_a_peer_hosts_ipv6_node_address_is_a_source_of_that_peer_alone():
              _record("n6", "192.168.50.6", 6, "fd00:10:244:1::6"),     # inside ours
              _record("n7", "192.168.50.7", 7)]                         # no IPv6 node address
     hosts = backends.host_addresses_v6(nodes, "n1")
-    assert hosts == {"2001:db8::2": b, "2001:db8::3": c, "fd00:10:244:2::5": "192.168.50.5",
-                     "fd00:10:244:1::6": "192.168.50.6"}
+    assert hosts == {"2001:db8::2": b, "2001:db8::3": c}
+    hosts.update({"fd00:10:244:2::5": "192.168.50.5", "fd00:10:244:1::6": "192.168.50.6"})  # (_host_sources refuses them itself too)
     plans = {p: PeerPlan(p, "udp", "", f"n{p[-1]}") for p in (b, c)}
     plans_v6 = {p: PeerPlan(p, "udp", "", f"n{p[-1]}", version=6) for p in (b, c)}
     t = types.SimpleNamespace(
@@ -228,6 +228,58 @@ async def test_a_peer_hosts_ipv6_node_address_is_a_source_of_that_peer_alone():
     assert not check.source_ok(v6("2001:db8::2"), C)      # B's forged by C
     assert not check.source_ok(v6("2001:db8::1"), B)      # ours
     assert not check.source_ok(v6("fd00:10:244:2::5"), socket.inet_aton("192.168.50.5"))  # n5 as n2's pod
+
+
+def test_a_peers_node_address_inside_a_pod_subnet_not_routed_here_is_no_ones():
+    """A record's address_v6 inside another node's pod subnet is refused while that node's route
+    is not (yet) in the reverse-path table -- pending, refused, not learned from BGP yet --, and
+    one inside the IPv6 pod network that no record holds yet (a subnet a later node leases): the
+    claimant would pass as that node's pods.  A genuine one beside them is still its node's."""
+    from ipaddress import ip_network
+
+    nodes = [_record("n1", "192.168.50.1", 1, "2001:db8::1"), _record("n2", "192.168.50.2", 2, "2001:db8::2"),
+             _record("n3", "192.168.50.3", 3, "2001:db8::3"),
+             _record("n4", "192.168.50.4", 4, "fd00:10:244:3::5"),      # inside n3's pod subnet
+             _record("n5", "192.168.50.5", 5, "fd00:10:244:ff::5")]     # inside the pod network, no one's yet
+    # n3's route is not in sources: only n2's and n4's are routed here.
+    sources = {"fd00:10:244:2::/64": "192.168.50.2", "fd00:10:244:4::/64": "192.168.50.4"}
+    ours = [ip_network("10.244.1.0/24"), ip_network("fd00:10:244:1::/64")]
+    hosts = backends.host_addresses_v6(nodes, "n1", [ip_network("fd00:10:244::/48")])
+    assert backends._host_sources(hosts, sources, ours) == {"2001:db8::2/128": "192.168.50.2",
+                                                            "2001:db8::3/128": "192.168.50.3"}
+    # Without the pod network given, a record's subnet alone still refuses n4's claim.
+    hosts = backends.host_addresses_v6(nodes, "n1")
+    assert "fd00:10:244:3::5" not in hosts and hosts["fd00:10:244:ff::5"] == "192.168.50.5"
+
+
+async def test_a_peers_node_address_cannot_be_one_of_this_nodes_own():
+    """No record's address_v6 passes as this node's own addresses that lie outside its pod
+    subnets: its node address (also while its own record is missing from the node set: a lapsed
+    lease, a deleted key), its underlay's, the node-local DNS address (the same on every node),
+    its Ingress addresses, or a cluster IP of the IPv6 Service range -- pods would take packets
+    from their DNS server or from this host itself.  A peer's genuine node address still passes."""
+    from ipaddress import ip_address, ip_interface, ip_network
+
+    from agentd.config.settings import load_config
+    from agentd.kernel.netinfo import Underlay
+
+    cfg = load_config(None, env={}, overrides={"node.address": "192.168.50.1", "node.name": "n1",
+                                               "node.address_v6": "2001:db8::1", "network.ip_family": "dual",
+                                               "ingress.addresses": "2001:db8:1::80"})
+    underlay = Underlay("eth0", 2, ip_interface("192.168.50.1/24"), 1500, (ip_network("192.168.50.0/24"),),
+                        interface_v6=ip_interface("2001:db8::9/64"), link_local=ip_address("fe80::1"))
+    claims = {"n2": "2001:db8::1",            # our node address; our record (n1) is not in the set
+              "n3": "fd00:169:254:20::10",    # the node-local DNS address
+              "n4": "fd00:10:96::5",          # a cluster IP
+              "n5": "2001:db8:1::80",         # our Ingress address
+              "n6": "2001:db8::9",            # our underlay's
+              "n7": "2001:db8::7"}            # its own: passes
+    nodes = {name: _record(name, f"192.168.50.{name[1:]}", int(name[1:]), a) for name, a in claims.items()}
+    t = backends.Tunnels(cfg, underlay, "n1")
+    t.apply({}, {}, nodes)
+    assert t.hosts_v6 == {"2001:db8::7": "192.168.50.7"}
+    ours = [ip_network("10.244.1.0/24"), ip_network("fd00:10:244:1::/64")]
+    assert backends._host_sources(t.hosts_v6, {}, ours) == {"2001:db8::7/128": "192.168.50.7"}
 
 
 async def test_the_udp_tun_gets_an_address_in_each_pod_subnet_the_ipip_tun_the_ipv4_one(tmp_path):
