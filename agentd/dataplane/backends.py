@@ -436,8 +436,18 @@ def host_addresses_v6(nodes: Iterable[NodeRecord], own: str,
     whether or not its route is routed here yet: a record must not let its node pose as pods,
     as another node's host or as this one."""
     nodes = list(nodes)
-    nets = [n for n in (*refused, *(s for r in nodes for s in (r.subnet, r.subnet_v6)))
-            if n is not None and n.version == 6]
+    # The networks by prefix length (one or two lengths: the pod subnets' and a few more): a
+    # claim is looked up once per length, not against every record's subnet -- at 1,000
+    # dual-stack nodes that was 4.4 s of the event loop at every apply.
+    nets: dict[int, set[int]] = {}
+    for net in (*refused, *(s for r in nodes for s in (r.subnet, r.subnet_v6))):
+        if net is not None and net.version == 6:
+            nets.setdefault(net.prefixlen, set()).add(int(net.network_address))
+
+    def inside(addr: str) -> bool:
+        x = int(ip_address(addr))
+        return any((x >> (128 - plen)) << (128 - plen) in starts for plen, starts in nets.items())
+
     claims: dict[str, list[NodeRecord]] = {}
     for n in nodes:
         if n.address_v6 is not None:
@@ -445,8 +455,7 @@ def host_addresses_v6(nodes: Iterable[NodeRecord], own: str,
     return {
         addr: str(ns[0].address)
         for addr, ns in claims.items()
-        if len(ns) == 1 and ns[0].name != own and ns[0].address is not None
-        and not any(ip_address(addr) in net for net in nets)
+        if len(ns) == 1 and ns[0].name != own and ns[0].address is not None and not inside(addr)
     }
 
 
