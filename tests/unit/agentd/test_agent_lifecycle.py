@@ -141,6 +141,66 @@ def test_an_agent_stopping_for_a_lost_subnet_removes_its_node_record_and_subnet_
     assert not subnet_file.exists()
 
 
+def _stub_the_start(monkeypatch, store):
+    """Agent._start with ``store`` for its datastore and none of the kernel: the route
+    programmer and the tunnels do nothing, forwarding is left as it is, and the step after
+    the lease (the pod fast path) is held for good."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import agent as agent_module
+
+    class Programmer:
+        def __init__(self, **_):
+            self.on_sync = None
+
+        async def start(self):
+            pass
+
+    async def no_forwarding(self):
+        pass
+
+    async def fast_path(self):  # the step after the lease: held for good
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(agent_module, "RouteProgrammer", Programmer)
+    monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: store)
+    monkeypatch.setattr(agent_module, "Tunnels", lambda *a, **kw: SimpleNamespace())
+    monkeypatch.setattr(Agent, "_forwarding", no_forwarding)
+    monkeypatch.setattr(Agent, "_open_fast_path", fast_path)
+
+
+class _LeasingStore:
+    """A datastore that connects, keeps the cluster configuration it is given and leases the
+    subnet ``lease(previous)`` names (``previous``: the one the agent asked to keep)."""
+
+    on_subnet_lost = None
+
+    def __init__(self, lease):
+        self.lease = lease
+
+    async def connect(self):
+        pass
+
+    async def ensure_cluster_config(self, wanted):
+        return wanted
+
+    async def acquire_subnet(self, name, address, backend, data, previous=None, **_):
+        return SubnetLease(self.lease(previous), name, address, backend)
+
+
+async def _start_a_while(agent):
+    """agent._start() with no underlay nor kernel routes, run for 50 turns of the loop, then
+    cancelled."""
+    from types import SimpleNamespace
+
+    agent.underlay = SimpleNamespace()
+    agent.routes.adopt = lambda programmer: None
+    task = asyncio.get_running_loop().create_task(agent._start())
+    for _ in range(50):
+        await asyncio.sleep(0)
+    task.cancel()
+
+
 def test_status_names_each_start_up_step_while_it_waits(monkeypatch):
     """`systemctl status` during start-up: STATUS= names the step the agent is at -- it once
     said "connecting to etcd" until the node was started, through a subnet acquisition or a
@@ -151,13 +211,6 @@ def test_status_names_each_start_up_step_while_it_waits(monkeypatch):
     from agentd.daemon.agent import START_STEPS
 
     gate: asyncio.Queue = asyncio.Queue()
-
-    class Programmer:
-        def __init__(self, **_):
-            self.on_sync = None
-
-        async def start(self):
-            pass
 
     class Store:
         on_subnet_lost = None
@@ -172,18 +225,8 @@ def test_status_names_each_start_up_step_while_it_waits(monkeypatch):
             await gate.get()
             return SubnetLease(IPv4Network("10.244.7.0/24"), name, address, backend)
 
-    async def no_forwarding(self):
-        pass
-
-    async def fast_path(self):  # the step after the lease: held for good
-        await asyncio.Event().wait()
-
-    monkeypatch.setattr(agent_module, "RouteProgrammer", Programmer)
-    monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
-    monkeypatch.setattr(agent_module, "Tunnels", lambda *a, **kw: SimpleNamespace())
+    _stub_the_start(monkeypatch, Store())
     monkeypatch.setattr(agent_module.node_files, "previous_subnets", lambda cfg: {})
-    monkeypatch.setattr(Agent, "_forwarding", no_forwarding)
-    monkeypatch.setattr(Agent, "_open_fast_path", fast_path)
 
     async def settle():
         for _ in range(20):
@@ -213,7 +256,6 @@ def test_the_start_after_a_lost_subnet_warns_that_the_subnet_changed(tmp_path, m
     """The stop after a lost subnet removed the subnet file, so the next start had no previous
     subnet, took another, and never logged the warning docs/docker.md promises (docker0 and
     the pods must move).  The record in [agent] state_dir names the lost subnet."""
-    from types import SimpleNamespace
 
     from agentd.daemon import agent as agent_module
 
@@ -228,51 +270,19 @@ def test_the_start_after_a_lost_subnet_warns_that_the_subnet_changed(tmp_path, m
         async def close(self):
             pass
 
-    class Store:
-        on_subnet_lost = None
+    def lease(previous):
+        asked.append(previous)
+        return new  # the lost one is another node's now
 
-        async def connect(self):
-            pass
-
-        async def ensure_cluster_config(self, wanted):
-            return wanted
-
-        async def acquire_subnet(self, name, address, backend, data, previous=None, **_):
-            asked.append(previous)
-            return SubnetLease(new, name, address, backend)  # the lost one is another node's now
-
-    class Programmer:
-        def __init__(self, **_):
-            self.on_sync = None
-
-        async def start(self):
-            pass
-
-    async def no_forwarding(self):
-        pass
-
-    async def fast_path(self):  # the step after the lease: held for good
-        await asyncio.Event().wait()
-
-    monkeypatch.setattr(agent_module, "RouteProgrammer", Programmer)
-    monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
-    monkeypatch.setattr(agent_module, "Tunnels", lambda *a, **kw: SimpleNamespace())
+    _stub_the_start(monkeypatch, _LeasingStore(lease))
     monkeypatch.setattr(agent_module, "drop_previous_protocol", lambda *a, **kw: asyncio.sleep(0))
-    monkeypatch.setattr(Agent, "_forwarding", no_forwarding)
-    monkeypatch.setattr(Agent, "_open_fast_path", fast_path)
 
     async def main():
         first = Agent(cfg)
         first.datastore = Gone()
         first._subnet_lost(SubnetLease(lost, "n1", IPv4Address("10.1.1.1"), "host-gw"))
         await first._shutdown()  # systemd restarts it
-        second = Agent(cfg)
-        second.underlay = SimpleNamespace()
-        second.routes.adopt = lambda programmer: None
-        start = asyncio.get_running_loop().create_task(second._start())
-        for _ in range(50):
-            await asyncio.sleep(0)
-        start.cancel()
+        await _start_a_while(Agent(cfg))
 
     asyncio.run(main())
     assert asked == [lost]
@@ -283,7 +293,6 @@ def test_a_changed_pod_mtu_is_warned_about_at_start(tmp_path, monkeypatch, caplo
     """The backend changed (host-gw -> vxlan) or the NIC's MTU did: the subnet file's
     AGENTD_MTU changed without a word, only a changed subnet was warned about, and docker0
     kept its old --mtu (docs/docker.md said only a lost subnet needs Docker restarted)."""
-    from types import SimpleNamespace
 
     from agentd.cni.netconf import SubnetFile, render_subnet_file
     from agentd.daemon import agent as agent_module
@@ -293,47 +302,13 @@ def test_a_changed_pod_mtu_is_warned_about_at_start(tmp_path, monkeypatch, caplo
     (tmp_path / "subnet.env").write_text(render_subnet_file(
         SubnetFile(network=IPv4Network("10.244.0.0/16"), subnet=subnet, mtu=1500, backend="host-gw")))
 
-    class Store:
-        on_subnet_lost = None
-
-        async def connect(self):
-            pass
-
-        async def ensure_cluster_config(self, wanted):
-            return wanted
-
-        async def acquire_subnet(self, name, address, backend, data, previous=None, **_):
-            return SubnetLease(subnet, name, address, backend)  # kept
-
-    class Programmer:
-        def __init__(self, **_):
-            self.on_sync = None
-
-        async def start(self):
-            pass
-
-    async def no_forwarding(self):
-        pass
-
-    async def fast_path(self):  # the step after the lease: held for good
-        await asyncio.Event().wait()
-
-    monkeypatch.setattr(agent_module, "RouteProgrammer", Programmer)
-    monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
-    monkeypatch.setattr(agent_module, "Tunnels", lambda *a, **kw: SimpleNamespace())
+    _stub_the_start(monkeypatch, _LeasingStore(lambda previous: subnet))  # kept
     monkeypatch.setattr(agent_module, "drop_previous_protocol", lambda *a, **kw: asyncio.sleep(0))
-    monkeypatch.setattr(Agent, "_forwarding", no_forwarding)
-    monkeypatch.setattr(Agent, "_open_fast_path", fast_path)
 
     async def start(mtu):
         agent = Agent(cfg)
-        agent.underlay = SimpleNamespace()
-        agent.routes.adopt = lambda programmer: None
         agent.pod_mtu = mtu  # run() takes it from the underlay and the backend
-        task = asyncio.get_running_loop().create_task(agent._start())
-        for _ in range(50):
-            await asyncio.sleep(0)
-        task.cancel()
+        await _start_a_while(agent)
 
     with caplog.at_level(logging.WARNING, logger="agentd"):
         asyncio.run(start(1500))

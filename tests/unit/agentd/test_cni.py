@@ -1153,9 +1153,9 @@ def test_del_without_the_delegate_keeps_a_corrupt_state_file_and_fails(tmp_path)
     assert os.listdir(tmp_path / "state") == ["c0ffee01"]
 
 
-def test_the_state_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatch):
-    """save_state fsyncs the temporary file before the rename (else a crash can leave the name
-    with no content: an empty state file), and the directory after it."""
+def _fsyncs_and_renames(monkeypatch):
+    """os.fsync and os.replace, recorded in order as they go on: ("fsync", of a directory?),
+    ("replace", the name taken)."""
     events = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -1169,6 +1169,13 @@ def test_the_state_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatc
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def test_the_state_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatch):
+    """save_state fsyncs the temporary file before the rename (else a crash can leave the name
+    with no content: an empty state file), and the directory after it."""
+    events = _fsyncs_and_renames(monkeypatch)
     cni.save_state(str(tmp_path / "state"), "c0ffee01", {"type": "bridge"}, "eth0")
     assert events == [("fsync", False), ("replace", "c0ffee01"), ("fsync", True)]
     assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == {"type": "bridge"}
@@ -1180,19 +1187,7 @@ def test_an_endpoint_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypa
     the directory after it."""
     from agentd.cni import endpoints as eps
 
-    events = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    def replace(src, dst, **dir_fds):
-        events.append(("replace", os.path.basename(dst)))
-        real_replace(src, dst, **dir_fds)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    events = _fsyncs_and_renames(monkeypatch)
     ep = eps.Endpoint(container_id="c0ffee01", namespace="ns", name="web", labels={}, ports=[],
                       ips=["10.244.3.7"], interface="veth1", mac="aa:bb:cc:dd:ee:ff", bridge="cni0")
     eps.write(str(tmp_path), ep)

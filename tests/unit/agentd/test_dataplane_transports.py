@@ -431,12 +431,24 @@ def c_path(kind: str, sock: socket.socket, *, mtu: int, udp_gso=False, udp_gro=F
         b.close()
 
 
-def test_the_c_udp_loop_counts_an_empty_datagram_malformed_as_python_does():
+@contextlib.contextmanager
+def _member_sockets():
+    """Our tunnel socket and a second UDP socket, both on LOCAL, closed at the end.  The second's
+    port is the one to give the path as udp_port: a member's worker sends from it (one port
+    for both ends on loopback), and what the path sends to LOCAL arrives there."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.bind((LOCAL, 0))
         s.bind((LOCAL, 0))
+        yield sock, s
+    finally:
+        sock.close()
+        s.close()
+
+
+def test_the_c_udp_loop_counts_an_empty_datagram_malformed_as_python_does():
+    with _member_sockets() as (sock, s):
         sock.setsockopt(17, UDP_GRO, 1)
         with c_path("udp", sock, mtu=1472, udp_gro=True, port=s.getsockname()[1]) as (fp, writes, _tun):
             fp.set_members({LOCAL})
@@ -445,9 +457,6 @@ def test_the_c_udp_loop_counts_an_empty_datagram_malformed_as_python_does():
             assert fp.run((), 0) == 0
             assert writes() == []
             assert fp.counters()["drop:malformed"] == 1
-    finally:
-        sock.close()
-        s.close()
 
 
 # -- a member's other processes ------------------------------------------------------------------
@@ -597,20 +606,13 @@ def _python_receive(kind: str, offload: bool, datagram: bytes, monkeypatch):
 
 def _c_receive(kind: str, datagram: bytes):
     """What the C loop writes to the TUN of ``datagram`` from a member, and its malformed count."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        sock.bind((LOCAL, 0))
-        s.bind((LOCAL, 0))
-        with c_path(kind, sock, mtu=1480 if kind == "ipip" else 1472, port=s.getsockname()[1]) as (fp, writes, _t):
-            fp.set_members({LOCAL})
-            s.sendto(datagram, sock.getsockname())
-            _ready(sock)
-            assert fp.run((), 0) == 0
-            return writes(), fp.counters()["drop:malformed"]
-    finally:
-        sock.close()
-        s.close()
+    with _member_sockets() as (sock, s), \
+            c_path(kind, sock, mtu=1480 if kind == "ipip" else 1472, port=s.getsockname()[1]) as (fp, writes, _t):
+        fp.set_members({LOCAL})
+        s.sendto(datagram, sock.getsockname())
+        _ready(sock)
+        assert fp.run((), 0) == 0
+        return writes(), fp.counters()["drop:malformed"]
 
 
 @pytest.mark.parametrize("ihl", range(6))
@@ -738,11 +740,7 @@ def _source(pkt: bytes) -> str:
 def _rpf_c(kind: str, datagrams: list[bytes], *, gso_run: bool = False) -> tuple[list[bytes], dict]:
     """What the C loop writes to the TUN of ``datagrams`` from member LOCAL (udp: from its
     udp_port; ``gso_run``: as one UDP GSO send, one GRO read here), and its counters."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        sock.bind((LOCAL, 0))
-        s.bind((LOCAL, 0))
+    with _member_sockets() as (sock, s):
         sock.setsockopt(17, UDP_GRO, 1)
         with c_path(kind, sock, mtu=1480 if kind == "ipip" else 1472, udp_gro=True,
                     port=s.getsockname()[1]) as (fp, writes, tun):
@@ -759,9 +757,6 @@ def _rpf_c(kind: str, datagrams: list[bytes], *, gso_run: bool = False) -> tuple
             while fp.run((), 0) == 0 and (w := writes()):
                 got += w
             return got, fp.counters()
-    finally:
-        sock.close()
-        s.close()
 
 
 def _rpf_python(kind: str, offload: bool, datagrams: list[bytes], monkeypatch, *,
@@ -867,21 +862,14 @@ def test_the_c_loop_checks_sources_against_the_reverse_path_table_not_the_next_h
     pkt = _to_our_pod("10.244.1.5")
     datagram = P.ipip_encapsulate(pkt, LOCAL, LOCAL) if kind == "ipip" else pkt
     for hops, sources, want in (({}, PEER_SUBNETS, [pkt]), (PEER_SUBNETS, {"10.244.2.0/24": OTHER}, [])):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            sock.bind((LOCAL, 0))
-            s.bind((LOCAL, 0))
-            with c_path(kind, sock, mtu=1480, port=s.getsockname()[1]) as (fp, writes, _tun):
-                fp.set_members({LOCAL})
-                fp.set_routes(NextHopTable(hops), NextHopTable(sources))
-                s.sendto(datagram, sock.getsockname())
-                _ready(sock)
-                assert fp.run((), 0) == 0
-                assert writes() == want and fp.counters()["drop:spoofed"] == 1 - len(want)
-        finally:
-            sock.close()
-            s.close()
+        with _member_sockets() as (sock, s), \
+                c_path(kind, sock, mtu=1480, port=s.getsockname()[1]) as (fp, writes, _tun):
+            fp.set_members({LOCAL})
+            fp.set_routes(NextHopTable(hops), NextHopTable(sources))
+            s.sendto(datagram, sock.getsockname())
+            _ready(sock)
+            assert fp.run((), 0) == 0
+            assert writes() == want and fp.counters()["drop:spoofed"] == 1 - len(want)
 
 
 def test_the_reverse_path_check_follows_the_table_and_remembers_sources():
@@ -993,21 +981,14 @@ def test_the_c_loop_leaves_gso_on_when_the_plain_sends_of_an_einval_message_fail
 
 
 def test_the_c_loop_turns_gso_off_when_the_kernel_refuses_it():
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        sock.bind((LOCAL, 0))
+    with _member_sockets() as (sock, rx):
         sock.setsockopt(socket.SOL_SOCKET, SO_NO_CHECK, 1)
-        rx.bind((LOCAL, 0))
         with c_path("udp", sock, mtu=1472, udp_gso=True, port=rx.getsockname()[1]) as (fp, _w, tun):
             fp.set_routes(NextHopTable({"10.244.0.0/16": LOCAL}))
             tun.send(_tso_frame())
             assert fp.run((), 0) == 0
             assert not fp.udp_gso and fp.gso_failed_errno == errno.EINVAL
             assert fp.counters()["tx_packets"] == 3
-    finally:
-        sock.close()
-        rx.close()
 
 
 

@@ -1308,19 +1308,18 @@ def test_a_dead_first_upstream_delays_one_query_per_backoff_cycle_not_every_quer
     assert all(b - a >= sdns.RETRY_INITIAL + sdns.FORWARD_TIMEOUT for a, b in zip(later, later[1:], strict=False)), later
 
 
-async def test_a_tcp_client_that_never_reads_its_answers_is_closed_after_the_idle_timeout(monkeypatch):
-    """A client that sends queries and never reads their answers fills the socket's buffers:
-    waiting for them to drain is bounded by the idle timeout like a read, and the connection
-    (its slot of MAX_TCP_CLIENTS, its socket) goes then."""
-    import asyncio
+def _a_server_of_big_answers(monkeypatch, padding: int, *, sndbuf: int | None = None):
+    """A DnsServer on 127.0.0.1 (not started), its TCP_IDLE 0.2 s, that answers every query at
+    once with one big answer (the response to big.example.org TXT and ``padding`` bytes); each
+    TCP client's writer goes into the list returned with it (``sndbuf``: its socket's send
+    buffer, else the kernel's)."""
     import socket
-    import struct
 
     monkeypatch.setattr(sdns, "TCP_IDLE", 0.2)
     server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [])
-    big = dns.message.make_response(dns.message.make_query("big.example.org", "TXT")).to_wire() + b"\0" * 60000
+    big = dns.message.make_response(dns.message.make_query("big.example.org", "TXT")).to_wire() + b"\0" * padding
 
-    async def answer(wire: bytes, *, tcp: bool = False) -> bytes:  # a 60 kB answer, made at once
+    async def answer(wire: bytes, *, tcp: bool = False) -> bytes:
         return big
 
     monkeypatch.setattr(server, "answer", answer)
@@ -1329,9 +1328,23 @@ async def test_a_tcp_client_that_never_reads_its_answers_is_closed_after_the_idl
 
     async def tcp_client(reader, writer) -> None:
         writers.append(writer)
+        if sndbuf is not None:
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
         await client_of(reader, writer)
 
     monkeypatch.setattr(server, "_tcp_client", tcp_client)
+    return server, writers
+
+
+async def test_a_tcp_client_that_never_reads_its_answers_is_closed_after_the_idle_timeout(monkeypatch):
+    """A client that sends queries and never reads their answers fills the socket's buffers:
+    waiting for them to drain is bounded by the idle timeout like a read, and the connection
+    (its slot of MAX_TCP_CLIENTS, its socket) goes then."""
+    import asyncio
+    import socket
+    import struct
+
+    server, writers = _a_server_of_big_answers(monkeypatch, 60000)
     await server.start()
     try:
         port = server._tcp[0].sockets[0].getsockname()[1]
@@ -1361,23 +1374,7 @@ async def test_a_tcp_client_that_never_reads_less_than_the_high_water_mark_is_cl
     import socket
     import struct
 
-    monkeypatch.setattr(sdns, "TCP_IDLE", 0.2)
-    server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [])
-    big = dns.message.make_response(dns.message.make_query("big.example.org", "TXT")).to_wire() + b"\0" * 20000
-
-    async def answer(wire: bytes, *, tcp: bool = False) -> bytes:  # a 20 kB answer, made at once
-        return big
-
-    monkeypatch.setattr(server, "answer", answer)
-    writers = []
-    client_of = server._tcp_client
-
-    async def tcp_client(reader, writer) -> None:
-        writers.append(writer)
-        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # full sooner
-        await client_of(reader, writer)
-
-    monkeypatch.setattr(server, "_tcp_client", tcp_client)
+    server, writers = _a_server_of_big_answers(monkeypatch, 20000, sndbuf=4096)  # its sends full sooner
     await server.start()
     try:
         port = server._tcp[0].sockets[0].getsockname()[1]

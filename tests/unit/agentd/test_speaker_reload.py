@@ -23,16 +23,50 @@ def config(tmp_path, **env):
     return load_config(None, env={**base, **env})
 
 
+def _serve_configured(rt, running):
+    """The service's loop (the running one), its peers and listen ranges those of ``running``:
+    neither its listener (never bound here) nor the speaker started -- what a reload does to
+    the peer set is all the tests look at."""
+    rt.service._loop = asyncio.get_running_loop()
+    rt.service.set_peers(peer_settings(p, running) for p in running.bgp.peers)
+    rt.service.set_listen_ranges(listen_ranges(running))
+
+
+def _speaker_started_by_the_cli(monkeypatch, environ, default_config):
+    """`agentd speaker` (cli.main) with ``environ`` for the environment and ``default_config`` for
+    the default file, the runtime a fake that only records what it is given: the configuration
+    it started with and the reload the CLI gave it."""
+    import os
+
+    import agentd.daemon.speaker
+    from agentd import cli
+
+    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.setattr(cli, "DEFAULT_CONFIG_PATH", str(default_config))
+    for name in ("setup_logging", "tune_gc", "limit_malloc_arenas"):
+        monkeypatch.setattr(cli, name, lambda *a, **k: None)
+    started = []
+
+    class Speaker:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        async def run(self, *, reload, set_logging):
+            started.append((self.cfg, reload))
+            return 0
+
+    monkeypatch.setattr(agentd.daemon.speaker, "SpeakerRuntime", Speaker)
+    assert cli.main(["speaker"]) == 0
+    ((running, reload),) = started
+    return running, reload
+
+
 def test_a_reload_that_changes_only_bgp_hold_time_resets_no_session(tmp_path, caplog):
     running = config(tmp_path)
     rt = SpeakerRuntime(running)
 
     async def main():
-        # The service's loop, neither its listener (never bound here) nor the speaker started:
-        # what the reload does to the peer set is all this looks at.
-        rt.service._loop = asyncio.get_running_loop()
-        rt.service.set_peers(peer_settings(p, running) for p in running.bgp.peers)
-        rt.service.set_listen_ranges(listen_ranges(running))
+        _serve_configured(rt, running)
         before = dict(rt.speaker.peers)
         ranges = list(rt.speaker.listen_ranges)
         with caplog.at_level(logging.INFO, logger="agentd.speaker"):
@@ -68,9 +102,7 @@ def test_a_reload_whose_peers_need_a_restart_only_key_keeps_the_running_peers(tm
     rt = SpeakerRuntime(running)
 
     async def main():
-        rt.service._loop = asyncio.get_running_loop()
-        rt.service.set_peers(peer_settings(p, running) for p in running.bgp.peers)
-        rt.service.set_listen_ranges(listen_ranges(running))
+        _serve_configured(rt, running)
         before = dict(rt.speaker.peers)
         peers = json.dumps([*PEERS, {"address": "192.0.2.4", "asn": 64512, "rr_client": True}])
         with caplog.at_level(logging.INFO, logger="agentd.speaker"):
@@ -118,30 +150,12 @@ def test_a_reload_with_the_default_file_read_at_start_gone_keeps_the_running_con
     de-configure every one."""
     import os
 
-    import agentd.daemon.speaker
-    from agentd import cli
-
     conf = tmp_path / "agentd.toml"
     conf.write_text('[node]\nname = "rr"\naddress = "192.0.2.1"\n[log]\nlevel = "debug"\n'
                     f'[agent]\nstate_dir = "{tmp_path}"\n[bgp]\nlisten = ""\n'
                     '[[bgp.peers]]\naddress = "192.0.2.2"\nasn = 64513\n')
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
-    monkeypatch.setattr(cli, "DEFAULT_CONFIG_PATH", str(conf))
-    for name in ("setup_logging", "tune_gc", "limit_malloc_arenas"):
-        monkeypatch.setattr(cli, name, lambda *a, **k: None)
-    started = []
-
-    class Speaker:
-        def __init__(self, cfg):
-            self.cfg = cfg
-
-        async def run(self, *, reload, set_logging):
-            started.append((self.cfg, reload))
-            return 0
-
-    monkeypatch.setattr(agentd.daemon.speaker, "SpeakerRuntime", Speaker)
-    assert cli.main(["speaker"]) == 0
-    ((running, reload),) = started
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+    running, reload = _speaker_started_by_the_cli(monkeypatch, environ, conf)
     assert running.source == str(conf) and len(running.bgp.peers) == 1
     rt = SpeakerRuntime(running)
     applied = []
@@ -171,31 +185,13 @@ def test_a_default_file_missing_at_start_may_be_missing_at_a_reload_until_one_ha
 
     import pytest
 
-    import agentd.daemon.speaker
-    from agentd import cli
     from agentd.config.model import ConfigError
 
     conf = tmp_path / "agentd.toml"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
     env.update({"AGENTD_NODE_NAME": "rr", "AGENTD_NODE_ADDRESS": "192.0.2.1",
                 "AGENTD_AGENT_STATE_DIR": str(tmp_path), "AGENTD_BGP_LISTEN": ""})
-    monkeypatch.setattr(os, "environ", env)
-    monkeypatch.setattr(cli, "DEFAULT_CONFIG_PATH", str(conf))
-    for name in ("setup_logging", "tune_gc", "limit_malloc_arenas"):
-        monkeypatch.setattr(cli, name, lambda *a, **k: None)
-    started = []
-
-    class Speaker:
-        def __init__(self, cfg):
-            self.cfg = cfg
-
-        async def run(self, *, reload, set_logging):
-            started.append((self.cfg, reload))
-            return 0
-
-    monkeypatch.setattr(agentd.daemon.speaker, "SpeakerRuntime", Speaker)
-    assert cli.main(["speaker"]) == 0
-    ((running, reload),) = started
+    running, reload = _speaker_started_by_the_cli(monkeypatch, env, conf)
     assert running.source is None and running.bgp.peers == ()
     assert reload().bgp.peers == ()  # still no file: the environment, as at start
     conf.write_text('[bgp]\n[[bgp.peers]]\naddress = "192.0.2.2"\nasn = 64513\n')

@@ -52,24 +52,31 @@ def _held(host="127.0.0.1"):
     return sock, sock.getsockname()[1]
 
 
+def _start_fails(rt, tmp_path, caplog):
+    """rt.run() returns 1 and leaves nothing running: neither the BGP service nor the API, no
+    speaker.running to make the next start claim a graceful restart.  Its one error."""
+    import asyncio
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="agentd"):
+        assert asyncio.run(rt.run()) == 1
+    assert not rt.service.speaker.started and not rt.api.running
+    assert not (tmp_path / RUNNING_FILE).exists()
+    (error,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    return error
+
+
 def test_an_api_port_taken_at_start_is_one_error_and_leaves_nothing_running(tmp_path, caplog):
     """`[api] listen` taken (the speaker's default is the agent's: one runs on this node):
     run() returns 1 with one error naming the key, the BGP service not started and no
     speaker.running left to make the next start claim a graceful restart."""
-    import asyncio
-    import logging
-
     held, port = _held()
     try:
         rt = SpeakerRuntime(config(tmp_path, **{"api.listen": f"127.0.0.1:{port}", "bgp.listen": "",
                                                 "bgp.originate": "10.99.0.0/16"}))
-        with caplog.at_level(logging.INFO, logger="agentd"):
-            assert asyncio.run(rt.run()) == 1
+        error = _start_fails(rt, tmp_path, caplog)
     finally:
         held.close()
-    assert not rt.service.speaker.started and not rt.api.running
-    assert not (tmp_path / RUNNING_FILE).exists()
-    (error,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert f"cannot serve the API on 127.0.0.1:{port} ([api] listen): " in error, error
     assert "give this speaker its own [api] listen" in error, error
     assert not SpeakerRuntime(config(tmp_path)).speaker.restart.restarting
@@ -81,20 +88,13 @@ def test_an_api_port_taken_at_start_is_one_error_and_leaves_nothing_running(tmp_
 def test_a_bgp_port_taken_at_start_is_one_error_and_stops_the_api(tmp_path, caplog):
     """`[bgp] listen` taken (an agent on this node listens on 0.0.0.0:179): the API, started
     first, is stopped again, and nothing else has started."""
-    import asyncio
-    import logging
-
     held, port = _held()
     try:
         rt = SpeakerRuntime(config(tmp_path, **{"bgp.listen": f"127.0.0.1:{port}"}))
         rt.api.port = 0  # any free one (the configuration's must be fixed)
-        with caplog.at_level(logging.INFO, logger="agentd"):
-            assert asyncio.run(rt.run()) == 1
+        error = _start_fails(rt, tmp_path, caplog)
     finally:
         held.close()
-    assert not rt.service.speaker.started and not rt.api.running
-    assert not (tmp_path / RUNNING_FILE).exists()
-    (error,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert f"cannot listen for BGP on 127.0.0.1:{port} ([bgp] listen): " in error, error
 
 

@@ -7,8 +7,10 @@ that sends what the test tells it to."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
+from collections.abc import AsyncIterator
 
 from bgp.bfd import BfdSettings
 from bgp.bfd_transport import BfdService
@@ -62,6 +64,18 @@ def service(clock: Clock, changes: list) -> tuple[BfdService, Neighbour]:
     return bfd, Neighbour(bfd.port)
 
 
+@contextlib.asynccontextmanager
+async def running_service() -> AsyncIterator[tuple[BfdService, Neighbour, Clock, list]]:
+    """``service`` on a new clock, stopped and its neighbour closed at the end."""
+    clock, changes = Clock(), []
+    bfd, nbr = service(clock, changes)
+    try:
+        yield bfd, nbr, clock, changes
+    finally:
+        await bfd.stop()
+        nbr.close()
+
+
 def read(bfd: BfdService) -> None:
     """What the loop does when the receive socket is readable."""
     for sock in list(bfd._rx.values()):
@@ -91,9 +105,7 @@ def test_a_busy_loop_that_runs_the_detection_timer_before_reading_the_neighbours
     # uvloop runs due timers before it reads sockets that became readable during a long
     # callback: the neighbour's on-time packets are still unread when the detection timer fires.
     async def run() -> None:
-        clock, changes = Clock(), []
-        bfd, nbr = service(clock, changes)
-        try:
+        async with running_service() as (bfd, nbr, clock, changes):
             mine = bring_up(bfd, nbr, local_address=OURS)
             changes.clear()
             packets_in = bfd.session(THEIRS).packets_in
@@ -111,9 +123,6 @@ def test_a_busy_loop_that_runs_the_detection_timer_before_reading_the_neighbours
             assert [(c.old, c.state, c.diag, c.failure) for c in changes] == [
                 (State.UP, State.DOWN, Diag.CONTROL_DETECTION_TIME_EXPIRED, True)
             ]
-        finally:
-            await bfd.stop()
-            nbr.close()
 
     asyncio.run(run())
 
@@ -122,9 +131,7 @@ def test_a_new_source_address_replaces_the_session_with_one_admin_down_not_a_dra
     # Two sessions to one neighbour make it flap between them (it keys its one session by our
     # address): the old one says AdminDown once and is gone before the new one starts.
     async def run() -> None:
-        clock, changes = Clock(), []
-        bfd, nbr = service(clock, changes)
-        try:
+        async with running_service() as (bfd, nbr, clock, changes):
             bring_up(bfd, nbr, local_address=OURS)
             changes.clear()
             old = bfd._by_address[THEIRS]
@@ -140,9 +147,6 @@ def test_a_new_source_address_replaces_the_session_with_one_admin_down_not_a_dra
             assert old.sock.fileno() < 0 and old.timer is None  # closed: nothing more from it
             assert bfd._draining == {} and bfd.peers() == [THEIRS]
             assert changes == []  # a replaced session's AdminDown is no failure of ours
-        finally:
-            await bfd.stop()
-            nbr.close()
 
     asyncio.run(run())
 
@@ -175,6 +179,17 @@ def crafted(clock: Clock, changes: list, route=lambda peer: ETH0) -> BfdService:
     return bfd
 
 
+@contextlib.asynccontextmanager
+async def crafted_service(route=lambda peer: ETH0) -> AsyncIterator[tuple[BfdService, Clock, list]]:
+    """``crafted`` on a new clock, stopped at the end."""
+    clock, changes = Clock(), []
+    bfd = crafted(clock, changes, route=route)
+    try:
+        yield bfd, clock, changes
+    finally:
+        await bfd.stop()
+
+
 def crafted_up(bfd: BfdService, anc: list | None = None) -> int:
     bfd.add(THEIRS, local_address=OURS, settings=FAST)
     mine = bfd.session(THEIRS).local_discr
@@ -189,9 +204,7 @@ def test_a_packet_forged_from_another_interface_or_to_another_address_cannot_tak
     # bridge forging the neighbour's address with TTL 255, Your Discriminator 0 and State Down
     # took an Up session Down -- a failure, the BGP session closed with Cease/10.
     async def run() -> None:
-        clock, changes = Clock(), []
-        bfd = crafted(clock, changes)
-        try:
+        async with crafted_service() as (bfd, _, changes):
             mine = crafted_up(bfd)
             changes.clear()
             session = bfd.session(THEIRS)
@@ -212,15 +225,12 @@ def test_a_packet_forged_from_another_interface_or_to_another_address_cannot_tak
             from bgp.bfd_transport import IP_PKTINFO
 
             assert rx.getsockopt(socket.IPPROTO_IP, IP_PKTINFO) == 1
-        finally:
-            await bfd.stop()
 
     asyncio.run(run())
 
 
 def test_a_session_follows_its_route_to_another_interface_looking_it_up_at_most_once_a_second():
     async def run() -> None:
-        clock, changes = Clock(), []
         routes = {THEIRS: ETH0}
         lookups: list[str] = []
 
@@ -228,8 +238,7 @@ def test_a_session_follows_its_route_to_another_interface_looking_it_up_at_most_
             lookups.append(peer)
             return routes.get(peer)
 
-        bfd = crafted(clock, changes, route=route)
-        try:
+        async with crafted_service(route=route) as (bfd, clock, _):
             mine = crafted_up(bfd)
             assert lookups == [THEIRS]  # once, when the session started
             routes[THEIRS] = BRIDGE  # the neighbour is now reached through another interface
@@ -245,8 +254,6 @@ def test_a_session_follows_its_route_to_another_interface_looking_it_up_at_most_
             clock.t += 1.0
             bfd._datagram(packet(State.UP, mine), ancdata(ETH0), THEIRS)
             assert bfd._by_address[THEIRS].ifindex is None and bfd.status()[0]["bad_packets"] == 2
-        finally:
-            await bfd.stop()
 
     asyncio.run(run())
 
@@ -256,16 +263,12 @@ def test_a_kernel_that_cannot_be_asked_for_the_route_leaves_sessions_unbound_wit
         raise PermissionError(1, "Operation not permitted")
 
     async def run() -> None:
-        clock, changes = Clock(), []
-        bfd = crafted(clock, changes, route=no_netlink)
-        try:
+        async with crafted_service(route=no_netlink) as (bfd, _, _):
             with caplog.at_level("WARNING", logger="bgp.bfd"):
                 crafted_up(bfd, ancdata(BRIDGE))  # any interface: as before
                 bfd.add("127.0.0.3", settings=FAST)
             assert [r.levelname for r in caplog.records if r.name == "bgp.bfd"].count("WARNING") == 1
             assert "not bound to their interfaces" in caplog.text
-        finally:
-            await bfd.stop()
 
     asyncio.run(run())
 
@@ -274,16 +277,12 @@ def test_a_packet_with_our_discriminator_from_another_address_is_unknown_and_lea
     # RFC 5881 §3: one session per neighbour address.  Your Discriminator picks the session;
     # the source must still be that session's neighbour.
     async def run() -> None:
-        clock, changes = Clock(), []
-        bfd = crafted(clock, changes)
-        try:
+        async with crafted_service() as (bfd, _, changes):
             mine = crafted_up(bfd)
             changes.clear()
             bfd._datagram(packet(State.DOWN, mine), ancdata(ETH0), "127.0.0.3")
             assert bfd.state(THEIRS) is State.UP and changes == []
             assert bfd.unknown_packets == 1 and bfd.status()[0]["bad_packets"] == 0
-        finally:
-            await bfd.stop()
 
     asyncio.run(run())
 
@@ -356,15 +355,13 @@ def test_a_link_local_neighbour_written_with_its_scope_keeps_that_interface_when
     # a second later), the route to the bare fe80::2 -- which any link may answer, here the
     # bridge -- must not take the session off its link.
     async def run() -> None:
-        clock, changes = Clock(), []
         lookups: list[str] = []
 
         def route(peer: str) -> int | None:
             lookups.append(peer)
             return BRIDGE
 
-        bfd = crafted(clock, changes, route=route)
-        try:
+        async with crafted_service(route=route) as (bfd, clock, _):
             bfd.add(f"fe80::2%{ETH0}", settings=FAST)
             nb = bfd._by_address["fe80::2"]
             assert nb.ifindex == ETH0 and lookups == []
@@ -372,8 +369,6 @@ def test_a_link_local_neighbour_written_with_its_scope_keeps_that_interface_when
             assert bfd._misdelivered(nb, BRIDGE, None) is not None  # a forgery on the bridge: refused
             assert nb.ifindex == ETH0 and lookups == []
             assert bfd._misdelivered(nb, ETH0, None) is None
-        finally:
-            await bfd.stop()
 
     asyncio.run(run())
 
@@ -383,27 +378,24 @@ def test_a_due_detection_timer_reads_past_many_other_neighbours_packets_before_d
     # queues several packets per neighbour: with 200 of others' ahead of this neighbour's, the
     # timer read 64 and declared it down (Cease/10 to a healthy peer).
     async def run() -> None:
-        clock, changes = Clock(), []
-        bfd, nbr = service(clock, changes)
-        other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        other.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, 255)
-        other.bind(("127.0.0.9", 0))
-        try:
-            mine = bring_up(bfd, nbr, local_address=OURS)
-            changes.clear()
-            for i in range(200):  # other neighbours' packets, queued first (no session here: unknown)
-                other.sendto(ControlPacket(State.UP, 0x100 + i, 0x9999, detect_mult=3, desired_min_tx=100_000,
-                                           required_min_rx=100_000).encode(), (OURS, bfd.port))
-            clock.t += 0.35  # the loop was busy; the neighbour sent in time, behind the others
-            nbr.send(State.UP, mine)
-            assert clock.t >= bfd.session(THEIRS).detect_at
-            fire_timer(bfd)
-            assert bfd.state(THEIRS) is State.UP and changes == []
-            assert bfd.unknown_packets == 200
-        finally:
-            other.close()
-            await bfd.stop()
-            nbr.close()
+        async with running_service() as (bfd, nbr, clock, changes):
+            other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            other.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, 255)
+            other.bind(("127.0.0.9", 0))
+            try:
+                mine = bring_up(bfd, nbr, local_address=OURS)
+                changes.clear()
+                for i in range(200):  # other neighbours' packets, queued first (no session here: unknown)
+                    other.sendto(ControlPacket(State.UP, 0x100 + i, 0x9999, detect_mult=3, desired_min_tx=100_000,
+                                               required_min_rx=100_000).encode(), (OURS, bfd.port))
+                clock.t += 0.35  # the loop was busy; the neighbour sent in time, behind the others
+                nbr.send(State.UP, mine)
+                assert clock.t >= bfd.session(THEIRS).detect_at
+                fire_timer(bfd)
+                assert bfd.state(THEIRS) is State.UP and changes == []
+                assert bfd.unknown_packets == 200
+            finally:
+                other.close()
 
     asyncio.run(run())
 
@@ -415,9 +407,7 @@ def test_a_packet_with_a_ttl_other_than_255_or_none_at_all_is_discarded_and_coun
     # RFC 5881 §5: "MUST be discarded if the received TTL or Hop Limit is not equal to 255".
     # 254 is one router away; no TTL in the ancillary data means it cannot be told.
     async def run() -> None:
-        clock, changes = Clock(), []
-        bfd = crafted(clock, changes)
-        try:
+        async with crafted_service() as (bfd, _, changes):
             mine = crafted_up(bfd)
             changes.clear()
             session = bfd.session(THEIRS)
@@ -435,8 +425,6 @@ def test_a_packet_with_a_ttl_other_than_255_or_none_at_all_is_discarded_and_coun
             # The same packet with TTL 255 is taken.
             bfd._datagram(packet(State.DOWN, mine), ancdata(ETH0), THEIRS)
             assert bfd.state(THEIRS) is State.DOWN
-        finally:
-            await bfd.stop()
 
     asyncio.run(run())
 
@@ -446,9 +434,7 @@ def test_sessions_send_with_ttl_255_from_a_source_port_in_49152_to_65535():
     # TTL / Hop Limit 255.  Sixteen sessions: a port drawn from a wider range would fall below
     # 49152 in one of them (all above by chance: 0.25 ** 16).
     async def run() -> None:
-        clock, changes = Clock(), []
-        bfd = crafted(clock, changes)
-        try:
+        async with crafted_service() as (bfd, _, _):
             peers = [f"127.0.0.{i}" for i in range(10, 26)]
             for peer in peers:
                 bfd.add(peer, settings=FAST)
@@ -467,8 +453,6 @@ def test_sessions_send_with_ttl_255_from_a_source_port_in_49152_to_65535():
                     nb = bfd._by_address["::1"]
                     assert nb.sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS) == 255
                     assert 49152 <= nb.source_port <= 65535
-        finally:
-            await bfd.stop()
 
     asyncio.run(run())
 
