@@ -195,6 +195,18 @@ class Peer:
         self.session.start(now)
         self._process(now)
 
+    def damping(self, now: float) -> tuple[float, int] | None:
+        """While this peer's own connections are refused after a session that ended early
+        (DampPeerOscillations): until when, and the failures its next delay grows from."""
+        if self._damped_until is not None and now < self._damped_until:
+            return self._damped_until, self._failures
+        return None
+
+    def resume_damping(self, failures: int) -> None:
+        """Carry on the failures of an earlier Peer at this address (a listen-range client's
+        last one): its next early end waits longer, as a configured peer's would."""
+        self._failures = min(max(failures, 0), 16)
+
     def stop(self, now: float, notification: Notification | None) -> None:
         self.enabled = False
         self._restart_at = None

@@ -124,6 +124,11 @@ class Speaker:
         # Peer key -> (the hold-down its last BFD reset got, when that hold-down ended): see
         # BFD_HOLD_INITIAL.  Kept by address, so it outlives a listen-range client's Peer.
         self._bfd_damping: dict[str, tuple[float, float]] = {}
+        # Listen-range client address -> (until when its connections are refused, the failures
+        # its next delay grows from): the damping of a session that ended early, which would go
+        # with the client's Peer (forgotten with its last connection).  Kept until backoff_max
+        # past its end.
+        self._dynamic_damping: dict[str, tuple[float, int]] = {}
         self.graceful = GracefulRestarts(self.rib, self._timers, local.stale_time)
         self.output = Output(
             local, self.rib, self.peers, self._timers, self.limiter, self.counters, sent=self._sent, reset=self._reset
@@ -300,8 +305,17 @@ class Speaker:
         if peer is None and self.started:
             settings = self.dynamic.settings_for(key)
             if settings is not None:
+                damped = self._dynamic_damping.pop(key, None)
+                if damped is not None and now < damped[0]:
+                    self._dynamic_damping[key] = damped
+                    # RFC 4271 §8.1.1 DampPeerOscillations, as for a configured peer (Peer.accept):
+                    # a client whose session ended right after it came up does not come back
+                    # at once, however fast it reconnects (its Peer went with the session).
+                    return Admission(False, f"its last session ended early: held down for {damped[0] - now:.0f}s more")
                 peer = self.add_peer(settings, now)
                 self.dynamic.add(key)
+                if damped is not None:
+                    peer.resume_damping(damped[1])
         if peer is None:
             if not self.started and self.dynamic.settings_for(key) is not None:
                 return Admission(False, "the speaker is not running")
@@ -508,6 +522,12 @@ class Speaker:
         while graceful restart keeps them; then it goes too)."""
         key = peer.key
         if self.peers.get(key) is peer and self.dynamic.finished(peer, key in self.graceful):
+            keep = self.local.backoff_max
+            for k in [k for k, (until, _) in self._dynamic_damping.items() if until + keep <= now]:
+                del self._dynamic_damping[k]
+            damped = peer.damping(now)
+            if damped is not None:
+                self._dynamic_damping[key] = damped
             self.remove_peer(key, now)
 
     def _drain(self, peer: Peer, now: float) -> None:

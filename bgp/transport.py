@@ -346,21 +346,28 @@ class SpeakerService:
             host, port = self.listen
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.bind((host, port))
-            # For GTSM: the TTL of each accepted connection's SYN (TCP_SAVED_SYN).
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, TCP_SAVE_SYN, 1)
-            sock.listen(self.backlog)
-            sock.setblocking(False)
-            self._listen_sock = sock
-            self._sync_listener()
-            # create_server listens again on the socket: give it the same backlog (its default is 100).
-            self._server = await self._loop.create_server(
-                lambda: _Protocol(self, None), sock=sock, backlog=self.backlog
-            )
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind((host, port))
+                # For GTSM: the TTL of each accepted connection's SYN (TCP_SAVED_SYN).
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, TCP_SAVE_SYN, 1)
+                sock.listen(self.backlog)
+                sock.setblocking(False)
+                self._listen_sock = sock
+                self._sync_listener()
+                # create_server listens again on the socket: give it the same backlog (its default is 100).
+                self._server = await self._loop.create_server(
+                    lambda: _Protocol(self, None), sock=sock, backlog=self.backlog
+                )
+            except BaseException:
+                # Nothing listens: the socket goes (it held the port, or a half-set-up listener
+                # with its MD5 keys, until the process ended).
+                self._listen_sock = None
+                sock.close()
+                raise
         self.speaker.start(self.clock())
         self._sync_bfd()
         self._pump()

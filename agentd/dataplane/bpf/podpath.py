@@ -645,6 +645,7 @@ class PodFastPath:
         if gone:
             tc.sweep(self.pins)  # the links of the veths that went with their pods
         failed: dict[int, str] = {}  # veth -> why its program could not go on
+        unwritten: dict[str, str] = {}  # address -> why the pod map did not take it
         for address, ifindex in resolved.items():
             if self.pods.get(address) == ifindex:
                 continue
@@ -658,13 +659,21 @@ class PodFastPath:
             except BpfUnavailable as err:  # the other pods' updates go on; this one is retried
                 failed[ifindex] = str(err)
                 continue
-            lb.map_update(self.maps[_ips_map(address)], _pod_key(address), POD_VALUE.pack(ifindex))
+            try:
+                lb.map_update(self.maps[_ips_map(address)], _pod_key(address), POD_VALUE.pack(ifindex))
+            except lb.BpfError as err:  # the map full (E2BIG), no memory: this address is retried, the others go on
+                unwritten[address] = str(err)
+                continue
             self.pods[address] = ifindex
         self.attached &= set(self.pods.values())
-        if failed:  # one error naming them all (the policy agent retries at its next rescan)
+        if failed or unwritten:  # one error naming them all (the policy agent retries at its next rescan)
             device = {resolved[a]: d for a, d in wanted.items() if a in resolved}
-            raise BpfUnavailable(f"pod fast path not on {len(failed)} veths (their pods take the normal path): "
-                                 + "; ".join(f"{device[i]}: {why}" for i, why in sorted(failed.items())))
+            why = [f"{device[i]}: {err}" for i, err in sorted(failed.items())]
+            why += [f"{wanted[a]} ({a}): pod map: {err}" for a, err in sorted(unwritten.items())]
+            on = [f"{len(failed)} veths"] if failed else []
+            on += [f"{len(unwritten)} addresses"] if unwritten else []
+            raise BpfUnavailable(f"pod fast path not on {' nor '.join(on)} (their pods take the normal path): "
+                                 + "; ".join(why))
 
     def _attach(self, ifindex: int) -> bool:
         assert self.prog_fd is not None and self.hook is not None

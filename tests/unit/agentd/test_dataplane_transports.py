@@ -273,6 +273,7 @@ async def test_a_peers_node_address_cannot_be_one_of_this_nodes_own():
               "n4": "fd00:10:96::5",          # a cluster IP
               "n5": "2001:db8:1::80",         # our Ingress address
               "n6": "2001:db8::9",            # our underlay's
+              "n8": "fd00:10:244:c8::5",      # the IPv6 pod network, in no record's subnet (yet)
               "n7": "2001:db8::7"}            # its own: passes
     nodes = {name: _record(name, f"192.168.50.{name[1:]}", int(name[1:]), a) for name, a in claims.items()}
     t = backends.Tunnels(cfg, underlay, "n1")

@@ -109,3 +109,28 @@ def test_a_veth_gone_before_its_attach_is_left_out_without_an_error(tmp_path, mo
     fp.set_pods(WANTED)
     assert kernel.veth_of("10.0.0.7") is None and kernel.veth_of("fd00::7") is None
     assert fp.pods == {"10.0.0.5": OTHER, "10.0.0.6": BUSY}
+
+
+def test_an_address_the_pod_map_refuses_holds_back_no_other_pod(tmp_path, monkeypatch):
+    """A pod map write that fails (the map full: E2BIG) stopped set_pods there: every later
+    address was left out of the fast path, and the policy agent was told nothing of the rest."""
+    kernel = Kernel(monkeypatch, busy=set())
+    fp = _fast_path(tmp_path, kernel, {})
+    write = kernel.update
+
+    def full_for_one(fd: int, key: bytes, value: bytes, flags: int = 0) -> None:
+        if key == podpath._pod_key("10.0.0.6"):
+            raise podpath.lb.BpfError(7, "Argument list too long")
+        write(fd, key, value, flags)
+
+    monkeypatch.setattr(podpath.lb, "map_update", full_for_one)
+    with pytest.raises(podpath.BpfUnavailable) as failed:
+        fp.set_pods(WANTED)
+    assert kernel.veth_of("10.0.0.5") == OTHER
+    assert kernel.veth_of("10.0.0.7") == NEW and kernel.veth_of("fd00::7") == NEW  # after the refused one
+    assert kernel.veth_of("10.0.0.6") is None and "10.0.0.6" not in fp.pods
+    assert str(failed.value).startswith("pod fast path not on 1 addresses (their pods take the normal path): "
+                                        "vethBUSY (10.0.0.6): pod map: ")
+    monkeypatch.setattr(podpath.lb, "map_update", write)  # room again: the retry writes it
+    fp.set_pods(WANTED)
+    assert kernel.veth_of("10.0.0.6") == BUSY and fp.attached == {OTHER, BUSY, NEW}

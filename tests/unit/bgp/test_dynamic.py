@@ -198,3 +198,42 @@ def test_the_most_specific_listen_range_wins_whatever_their_order():
     assert h.connect(inner) and h.connect(outer)
     assert sp.peers["10.0.1.5"].settings.asn == 65002 and sp.peers["10.0.1.5"].state is State.ESTABLISHED
     assert sp.peers["10.0.2.5"].settings.asn == 65001 and sp.peers["10.0.2.5"].state is State.ESTABLISHED
+
+
+def test_a_client_whose_sessions_end_right_after_they_come_up_is_damped_across_its_peers():
+    """A listen-range client's Peer goes with its session, and with it the damping of a session
+    that ended early (RFC 4271 §8.1.1 DampPeerOscillations, bgp6): reconnecting at once, it came
+    back at once, its routes in and out as fast as it reconnected.  Now its address is refused
+    until the restart delay is over, and the next early end waits longer, as for a configured
+    peer (backoff_initial 1 s: 0.75-1 s, then 1.5-2 s)."""
+    sp, h = reflector()
+    conn = iter(range(-1, -100, -1))
+
+    def client() -> RawPeer:
+        return RawPeer("10.1.0.8", 65000, conn=next(conn))
+
+    def drop(c: RawPeer) -> None:  # no NOTIFICATION, no graceful restart: a failure
+        sp.connection_lost(c.conn, h.now)
+        c.closed = True
+        h.pump()
+        assert "10.1.0.8" not in sp.peers
+
+    c = client()
+    assert h.connect(c)
+    drop(c)
+    assert not h.connect(client())  # at once: refused, the delay runs
+    h.advance(1.0)
+    c = client()
+    assert h.connect(c)  # the delay over
+    drop(c)
+    h.advance(1.2)
+    assert not h.connect(client())  # the delay grew: 1.5-2 s
+    h.advance(0.8)
+    c = client()
+    assert h.connect(c)
+    h.advance(sp.local.backoff_max)  # up long enough: its end starts the backoff over
+    sp.connection_lost(c.conn, h.now)
+    c.closed = True
+    h.pump()
+    assert h.connect(client())
+    assert not sp._dynamic_damping

@@ -383,6 +383,8 @@ GR_CAP = GracefulRestart(False, 120, (GracefulRestartFamily(*IPV4_UNICAST, True)
                      False, id="their Cease/Connection Collision Resolution"),
         pytest.param([], lambda p, conn, now: p.data_received(conn, Notification(ErrorCode.CEASE, CeaseSubcode.ADMINISTRATIVE_SHUTDOWN).encode(), now),
                      False, id="their Cease/Administrative Shutdown"),
+        pytest.param([], lambda p, conn, now: p.data_received(conn, Notification(ErrorCode.CEASE, CeaseSubcode.ADMINISTRATIVE_RESET).encode(), now),
+                     False, id="their Cease/Administrative Reset"),
         pytest.param([], lambda p, conn, now: p.data_received(conn, Notification(ErrorCode.CEASE, CeaseSubcode.OTHER_CONFIGURATION_CHANGE).encode(), now),
                      False, id="their Cease/Other Configuration Change"),
     ],

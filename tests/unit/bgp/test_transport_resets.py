@@ -114,3 +114,32 @@ def test_an_outbound_connection_reset_before_it_was_set_up_is_a_failed_connect()
     peer = sp.peers["127.0.0.2"]
     assert peer.session.conn is None and peer.state is State.IDLE  # tried again after the backoff:
     assert loop.timers == [peer.get_timer()]
+
+
+
+async def test_a_listener_that_cannot_bind_is_closed_not_left_open(monkeypatch):
+    """start() whose bind fails (the port taken, the address not ours) raises, and leaves no
+    socket behind: it held the half-set-up listener open until the process ended."""
+    made: list[socket.socket] = []
+    real = socket.socket
+
+    class Recorded(real):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    with real(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        sp = make_speaker("127.0.0.1", 65000, [("127.0.0.2", 65000)])
+        svc = SpeakerService(sp, listen=("127.0.0.1", taken.getsockname()[1]), clock=lambda: 0.0)
+        monkeypatch.setattr(socket, "socket", Recorded)
+        try:
+            await svc.start()
+        except OSError:
+            pass
+        else:
+            raise AssertionError("bind to a taken port succeeded")
+    assert len(made) == 1
+    assert made[0].fileno() == -1  # closed
+    assert svc._listen_sock is None and svc._server is None
