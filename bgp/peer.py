@@ -195,17 +195,24 @@ class Peer:
         self.session.start(now)
         self._process(now)
 
-    def damping(self, now: float) -> tuple[float, int] | None:
-        """While this peer's own connections are refused after a session that ended early
-        (DampPeerOscillations): until when, and the failures its next delay grows from."""
-        if self._damped_until is not None and now < self._damped_until:
-            return self._damped_until, self._failures
-        return None
+    def carried(self, now: float) -> tuple[float, int, str] | None:
+        """What the next Peer at this address takes over from this one, when this one goes (a
+        listen-range client's Peer goes with its session): until when its connections are
+        refused after a session that ended early (DampPeerOscillations; ``now`` when they are
+        not), the failures its next delay grows from, and why it is refused.  None without
+        failures (nothing to carry: a session that stayed up backoff_max started over)."""
+        if self._failures == 0:
+            return None
+        damped = self._damped_until is not None and now < self._damped_until
+        return (self._damped_until if damped else now), self._failures, self._ended_early_reason()
 
     def resume_damping(self, failures: int) -> None:
         """Carry on the failures of an earlier Peer at this address (a listen-range client's
-        last one): its next early end waits longer, as a configured peer's would."""
+        last one): its next failure waits longer, as a configured peer's would."""
         self._failures = min(max(failures, 0), 16)
+
+    def _ended_early_reason(self) -> str:
+        return f"its last session ended {self.since - self._up_at:.1f}s after it came up ({self.last_error or 'a reset'})"
 
     def stop(self, now: float, notification: Notification | None) -> None:
         self.enabled = False
@@ -249,11 +256,7 @@ class Peer:
         if self._damped_until is not None and now < self._damped_until:
             # RFC 4271 §8.1.1 DampPeerOscillations: the IdleHoldTimer runs, and Idle refuses
             # connections (§8.2.2) -- ours wait for it too.
-            return Admission(
-                False,
-                f"its last session ended {self.since - self._up_at:.1f}s after it came up "
-                f"({self.last_error or 'a reset'}): held down for {self._damped_until - now:.0f}s more",
-            )
+            return Admission(False, f"{self._ended_early_reason()}: held down for {self._damped_until - now:.0f}s more")
         main = self.session
         displaced = ""
         if not self._free(main) and len(self.collisions) >= 1:

@@ -79,6 +79,10 @@ DEFERRAL_KEY = "\0deferral"  # the timer of RFC 4724 §4.1 (no peer key starts w
 # period costs only the usual backoff (a neighbour that went and came back is back at once, as
 # before); each further one within BFD_QUIET seconds of the last one's hold-down ending holds
 # the peer down (no connection either way) for BFD_HOLD_INITIAL, doubling up to BFD_HOLD_MAX.
+# Listen-range clients' kept damping (Speaker._dynamic_damping) is swept of lapsed entries
+# once it holds this many, then whenever it has doubled since.
+DAMPING_PRUNE_MIN = 256
+
 BFD_HOLD_INITIAL = 60.0
 BFD_HOLD_MAX = 300.0
 BFD_QUIET = 300.0
@@ -124,11 +128,14 @@ class Speaker:
         # Peer key -> (the hold-down its last BFD reset got, when that hold-down ended): see
         # BFD_HOLD_INITIAL.  Kept by address, so it outlives a listen-range client's Peer.
         self._bfd_damping: dict[str, tuple[float, float]] = {}
-        # Listen-range client address -> (until when its connections are refused, the failures
-        # its next delay grows from): the damping of a session that ended early, which would go
-        # with the client's Peer (forgotten with its last connection).  Kept until backoff_max
-        # past its end.
-        self._dynamic_damping: dict[str, tuple[float, int]] = {}
+        # Listen-range client address -> what its next Peer takes over from its last one
+        # (Peer.carried: until when it is refused, its failures, why) and the settings its range
+        # gave it: a client's Peer goes with its session, and its damping (RFC 4271 §8.1.1
+        # DampPeerOscillations) would go with it.  An entry lasts backoff_max past its hold-down
+        # (as long as a session must stay up to start the backoff over); one of a client whose
+        # range is gone or changed, or that became a configured peer, goes at once.
+        self._dynamic_damping: dict[str, tuple[tuple[float, int, str], PeerSettings]] = {}
+        self._damping_prune_at = DAMPING_PRUNE_MIN
         self.graceful = GracefulRestarts(self.rib, self._timers, local.stale_time)
         self.output = Output(
             local, self.rib, self.peers, self._timers, self.limiter, self.counters, sent=self._sent, reset=self._reset
@@ -183,6 +190,8 @@ class Speaker:
     def set_peers(self, peers: Iterable[PeerSettings], now: float) -> None:
         """The configured peers (dynamic ones from listen ranges are left alone)."""
         wanted = {p.key: p for p in peers}
+        for key in [k for k in self._dynamic_damping if k in wanted]:
+            del self._dynamic_damping[key]  # a configured peer now: its own damping from here on
         for key in [k for k in self.peers if k not in wanted and k not in self.dynamic]:
             self.remove_peer(key, now)
         for key, settings in wanted.items():
@@ -211,6 +220,8 @@ class Speaker:
         Dynamic peers whose range is gone or changed are reset."""
         for key in self.dynamic.set_ranges(ranges, self.peers.get):
             self.remove_peer(key, now, CeaseSubcode.OTHER_CONFIGURATION_CHANGE)
+        for key in [k for k, (_, kept_with) in self._dynamic_damping.items() if self.dynamic.settings_for(k) != kept_with]:
+            del self._dynamic_damping[key]  # its range gone or changed: a fresh start, as a reconfigured peer's
         for key in list(self.dynamic):
             wanted = self.dynamic.settings_for(key)
             if wanted is not None and key in self.peers:
@@ -305,17 +316,17 @@ class Speaker:
         if peer is None and self.started:
             settings = self.dynamic.settings_for(key)
             if settings is not None:
-                damped = self._dynamic_damping.pop(key, None)
-                if damped is not None and now < damped[0]:
-                    self._dynamic_damping[key] = damped
+                carried = self._carried(key, settings, now)
+                if carried is not None and now < carried[0]:
                     # RFC 4271 §8.1.1 DampPeerOscillations, as for a configured peer (Peer.accept):
                     # a client whose session ended right after it came up does not come back
                     # at once, however fast it reconnects (its Peer went with the session).
-                    return Admission(False, f"its last session ended early: held down for {damped[0] - now:.0f}s more")
+                    return Admission(False, f"{carried[2]}: held down for {carried[0] - now:.0f}s more")
                 peer = self.add_peer(settings, now)
                 self.dynamic.add(key)
-                if damped is not None:
-                    peer.resume_damping(damped[1])
+                self._dynamic_damping.pop(key, None)
+                if carried is not None:
+                    peer.resume_damping(carried[1])
         if peer is None:
             if not self.started and self.dynamic.settings_for(key) is not None:
                 return Admission(False, "the speaker is not running")
@@ -522,13 +533,27 @@ class Speaker:
         while graceful restart keeps them; then it goes too)."""
         key = peer.key
         if self.peers.get(key) is peer and self.dynamic.finished(peer, key in self.graceful):
-            keep = self.local.backoff_max
-            for k in [k for k, (until, _) in self._dynamic_damping.items() if until + keep <= now]:
-                del self._dynamic_damping[k]
-            damped = peer.damping(now)
-            if damped is not None:
-                self._dynamic_damping[key] = damped
+            carried = peer.carried(now)
+            if carried is not None:
+                self._dynamic_damping[key] = (carried, peer.settings)
+                if len(self._dynamic_damping) >= self._damping_prune_at:
+                    # The lapsed ones go, at a cost spread over as many forgets as are left.
+                    for k in [k for k in self._dynamic_damping if self._carried(k, None, now) is None]:
+                        del self._dynamic_damping[k]
+                    self._damping_prune_at = max(DAMPING_PRUNE_MIN, 2 * len(self._dynamic_damping))
             self.remove_peer(key, now)
+
+    def _carried(self, key: str, settings: PeerSettings | None, now: float) -> tuple[float, int, str] | None:
+        """What a listen-range client at ``key`` takes over from its last Peer (see
+        ``_dynamic_damping``), if anything is still kept for it: nothing once its entry lapsed,
+        nor when ``settings`` (its range's now) differ from those it was kept with."""
+        entry = self._dynamic_damping.get(key)
+        if entry is None:
+            return None
+        carried, kept_with = entry
+        if carried[0] + self.local.backoff_max <= now or (settings is not None and settings != kept_with):
+            return None
+        return carried
 
     def _drain(self, peer: Peer, now: float) -> None:
         self._touched[id(peer)] = peer

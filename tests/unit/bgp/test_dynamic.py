@@ -237,3 +237,111 @@ def test_a_client_whose_sessions_end_right_after_they_come_up_is_damped_across_i
     h.pump()
     assert h.connect(client())
     assert not sp._dynamic_damping
+
+
+ADMIN_RESET = b"\xff" * 16 + b"\x00\x15\x03\x06\x04"  # NOTIFICATION Cease/Administrative Reset
+
+
+class Clients:
+    """Listen-range clients at ``address``, each connection a new conn id; ``fail`` ends one
+    without NOTIFICATION or graceful restart (a failure), right after it came up."""
+
+    def __init__(self, sp: Speaker, h: RawHarness) -> None:
+        self.sp, self.h = sp, h
+        self.conn = iter(range(-1, -10_000, -1))
+
+    def connect(self, address: str = "10.1.0.8") -> RawPeer | None:
+        c = RawPeer(address, 65000, conn=next(self.conn))
+        return c if self.h.connect(c) else None
+
+    def fail(self, c: RawPeer) -> None:
+        self.sp.connection_lost(c.conn, self.h.now)
+        c.closed = True
+        self.h.pump()
+        assert c.address not in self.sp.peers
+
+    def refused_for(self, address: str = "10.1.0.8", step: float = 0.25) -> float:
+        """How long ``address`` is refused from now (advancing the clock)."""
+        start = self.h.now
+        while self.connect(address) is None:
+            self.h.advance(step)
+        return self.h.now - start
+
+
+def test_a_clients_failures_are_carried_across_a_session_it_ended_on_purpose():
+    """Its own Cease (an Administrative Reset) lets a client back at once, as a configured
+    peer, but its failures still count: the next early end waits longer (1.5-2 s), not
+    backoff_initial again -- a client alternating resets and failures was held 1 s for ever."""
+    sp, h = reflector()
+    cl = Clients(sp, h)
+    cl.fail(cl.connect())
+    h.advance(1.0)
+    c = cl.connect()
+    h.send(c, ADMIN_RESET)
+    c.closed = True
+    h.pump()
+    assert "10.1.0.8" not in sp.peers
+    cl.fail(cl.connect())  # let in at once after its Cease; then an early end again
+    assert cl.refused_for() >= 1.5
+
+
+def test_a_clients_damping_goes_when_its_range_changes():
+    """A changed range resets its clients (Cease/Other Configuration Change) and a held-down
+    one starts afresh under the new settings, as a reconfigured peer is let in at once."""
+    sp, h = reflector()
+    cl = Clients(sp, h)
+    cl.fail(cl.connect())
+    assert cl.connect() is None
+    template = PeerSettings(IPv4Address("10.1.0.0"), 65000, rr_client=True, hold_time=30)
+    sp.set_listen_ranges([ListenRange(ip_network("10.1.0.0/16"), template)], h.now)
+    assert "10.1.0.8" not in sp._dynamic_damping  # not kept till it lapses
+    c = cl.connect()
+    assert c is not None and sp.peers["10.1.0.8"]._failures == 0
+
+
+def test_a_client_configured_as_a_peer_drops_its_kept_damping():
+    sp, h = reflector()
+    cl = Clients(sp, h)
+    cl.fail(cl.connect())
+    sp.set_peers([PeerSettings(IPv4Address("10.1.0.8"), 65000, rr_client=True, passive=True)], h.now)
+    assert "10.1.0.8" not in sp._dynamic_damping
+    sp.set_peers([], h.now)  # back to the range: a fresh start
+    assert cl.connect() is not None
+
+
+def test_a_clients_kept_damping_lapses_whatever_other_clients_do(monkeypatch):
+    """Kept backoff_max past its hold-down, then a client starts afresh -- whether or not other
+    clients came and went meanwhile; a sweep of lapsed entries (once the table has grown) keeps
+    the others' damping."""
+    import bgp.speaker
+
+    monkeypatch.setattr(bgp.speaker, "DAMPING_PRUNE_MIN", 3)
+    for others in (False, True):
+        sp, h = reflector()
+        cl = Clients(sp, h)
+        cl.fail(cl.connect())  # A: held down 0.75-1 s, failures 1
+        h.advance(1.0 + sp.local.backoff_max)
+        if others:
+            for address in ("10.1.0.20", "10.1.0.21"):
+                cl.fail(cl.connect(address))
+        cl.fail(cl.connect())  # A again: a first failure, 0.75-1 s
+        assert cl.refused_for() <= 1.0, others
+    # The sweep: A's entry lapsed, B's and C's held down still are kept.
+    sp, h = reflector()
+    cl = Clients(sp, h)
+    cl.fail(cl.connect())
+    h.advance(1.0 + sp.local.backoff_max)
+    cl.fail(cl.connect("10.1.0.20"))
+    cl.fail(cl.connect("10.1.0.21"))  # the third entry: the sweep runs
+    assert set(sp._dynamic_damping) == {"10.1.0.20", "10.1.0.21"}
+    assert cl.connect("10.1.0.20") is None and cl.connect("10.1.0.21") is None
+
+
+def test_a_client_is_told_why_it_is_refused_as_a_configured_peer():
+    sp, h = reflector()
+    cl = Clients(sp, h)
+    cl.fail(cl.connect())
+    admission = sp.accept(-999, "10.1.0.8", h.now, RR)
+    assert not admission
+    assert admission.reason.startswith("its last session ended 0.0s after it came up (")
+    assert "held down for 1s more" in admission.reason

@@ -143,3 +143,30 @@ async def test_a_listener_that_cannot_bind_is_closed_not_left_open(monkeypatch):
     assert len(made) == 1
     assert made[0].fileno() == -1  # closed
     assert svc._listen_sock is None and svc._server is None
+
+
+async def test_a_listener_whose_server_cannot_be_made_is_closed_too(monkeypatch):
+    """Past bind and listen -- its MD5 keys set (_sync_listener) -- create_server failing
+    leaves no socket either, nor one the service still takes for its listener."""
+    made: list[socket.socket] = []
+    real = socket.socket
+
+    class Recorded(real):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    async def refused(*_args, **_kwargs):
+        raise OSError(24, "Too many open files")
+
+    svc = service()
+    monkeypatch.setattr(socket, "socket", Recorded)
+    monkeypatch.setattr(asyncio.get_running_loop(), "create_server", refused)
+    try:
+        await svc.start()
+    except OSError:
+        pass
+    else:
+        raise AssertionError("create_server's failure was not raised")
+    assert len(made) == 1 and made[0].fileno() == -1
+    assert svc._listen_sock is None and svc._server is None
