@@ -226,7 +226,13 @@ class PolicyEngine:
                 self._all_pods_changed()
         if old != pod or old_local != local:
             self.pods_version += 1
-            self._reselect(key)
+            # Which policies select it: only asked of a pod of this node (or one that was).
+            # Another node's pods are in no pod chain nor the base ruleset: their changes
+            # reach the tables through the peer selectors' members (_recheck, above) alone,
+            # not by building this node's whole base ruleset again at every pod event of the
+            # cluster (as remove_pod).
+            if local is not None or old_local is not None or key in self._pod_policies:
+                self._reselect(key)
 
     def cut_off(self, key: PodKey, port: LocalPort) -> None:
         """Local pod ``key``, attached at ``port``, is known no better (its endpoint file or

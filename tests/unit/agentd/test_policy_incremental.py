@@ -280,3 +280,44 @@ def test_a_policy_added_changed_and_removed_over_pods_others_select_leaves_those
     assert eng._dirty_policies == {first.key}
     assert eng._pod_policies == {("a", "l2"): {second.key}}
 
+
+# ------------------------------------------------------------------ pods of other nodes
+
+
+def test_a_pod_of_another_node_no_selector_matches_builds_nothing():
+    """A pod of another node that no kept peer selector matches changes nothing of this node's
+    tables: the engine is not dirty and a build touches nothing (it rebuilt the whole base
+    ruleset at every pod event of the cluster, review s57 r1); one whose labels make a peer
+    selector match it builds that policy's sets again, and only them."""
+    eng = PolicyEngine(NODE)
+    _local_pods(eng, 3)
+    policy = Policy.parse(kinds.validate(np("web", "a", {
+        "podSelector": {"matchLabels": {"app": "a0"}}, "ingress": [{"from": [{"podSelector": {"matchLabels": {"role": "client"}}}]}]})))
+    eng.upsert_policy(policy)
+    eng.build()
+    eng.touched()
+    base = set(eng._objects) - {obj.key for obj in (*eng._compiled[policy.key], *eng._pod_objects[("a", "l0")])}
+
+    remote = Pod("a", "r", "n2", (ipaddress.ip_address("10.1.9.1"),), {"app": "a0"})  # selected, were it local
+    eng.upsert_pod(remote)
+    assert not eng.dirty
+    eng.build()
+    assert eng.touched() == set()
+    eng.upsert_pod(Pod("z", "r", "n2", (ipaddress.ip_address("10.1.9.2"),), {"role": "client"}))  # other namespace
+    assert not eng.dirty
+    eng.remove_pod(("z", "r"))
+    assert not eng.dirty
+
+    eng.upsert_pod(Pod("a", "r", "n2", remote.ips, {"app": "a0", "role": "client"}))  # now a peer
+    assert eng.dirty and eng._dirty_policies == {policy.key} and not eng._local_dirty
+    rs = eng.build()
+    touched = eng.touched()
+    assert touched and not touched & base
+    assert any("10.1.9.1" in s.elements for s in rs.sets() if s.name.startswith("np-in/a/web/"))
+
+    eng.upsert_pod(Pod("a", "r", "n2", remote.ips, {"app": "a0"}))  # a peer no longer
+    assert eng._dirty_policies == {policy.key} and not eng._local_dirty
+    rs = eng.build()
+    assert not any("10.1.9.1" in s.elements for s in rs.sets() if s.name.startswith("np-in/a/web/"))
+    state = {"ns": {}, "pods": {k: (p, eng.local.get(k)) for k, p in eng.pods.items()}, "pol": {policy.key: policy}}
+    assert _objects(eng) == _objects(_fresh(state, (4,)))
