@@ -226,7 +226,13 @@ class PolicyEngine:
                 self._all_pods_changed()
         if old != pod or old_local != local:
             self.pods_version += 1
-            self._reselect(key)
+            # Which policies select it: only asked of a pod of this node (or one that was).
+            # Another node's pods are in no pod chain nor the base ruleset: their changes
+            # reach the tables through the peer selectors' members (_recheck, above) alone,
+            # not by building this node's whole base ruleset again at every pod event of the
+            # cluster (as remove_pod).
+            if local is not None or old_local is not None or key in self._pod_policies:
+                self._reselect(key)
 
     def cut_off(self, key: PodKey, port: LocalPort) -> None:
         """Local pod ``key``, attached at ``port``, is known no better (its endpoint file or
@@ -387,8 +393,13 @@ class PolicyEngine:
             self._pod_policies.pop(key, None)
         # The pod's chains, the bridge sets, and the policies whose selection or whose
         # ingress named ports (resolved on the selected pods) may differ.
-        self._dirty_pods.add(key)
         self._dirty_policies |= before | after
+        self._selection_changed((key,))
+
+    def _selection_changed(self, keys: Iterable[PodKey]) -> None:
+        """The policies selecting local pods ``keys`` changed: their chains and the base
+        ruleset (which pods are isolated) are built again."""
+        self._dirty_pods.update(keys)
         self._local_dirty = True
         self._prefixes = self._chains = None
 
@@ -403,11 +414,16 @@ class PolicyEngine:
         self.policies[key] = policy
         self._ns_policies[policy.namespace].add(key)
         # Nothing is laid out or kept for it here (its limits are checked as it is laid out,
-        # before anything of it is kept): only whether it selects a local pod is asked.
-        for pod_key in list(self.local):
-            pod = self.pods.get(pod_key)
-            if pod is not None and policy.selects(pod):
-                self._reselect(pod_key)
+        # before anything of it is kept): only whether it selects a local pod is asked.  No
+        # other policy's selection changes: its own entries are added, not each pod's
+        # selecting policies asked again (:meth:`_reselect`: for a burst of policies of one
+        # namespace, an etcd snapshot, that was quadratic in them).
+        selected = [k for k in self.local if (pod := self.pods.get(k)) is not None and policy.selects(pod)]
+        if selected:
+            self._selected[key].update(selected)
+            for pod_key in selected:
+                self._pod_policies[pod_key].add(key)
+            self._selection_changed(selected)
         self._dirty_policies.add(key)
 
     def _match_all(self, sel: PeerSelector) -> set[PodKey]:
@@ -435,8 +451,11 @@ class PolicyEngine:
         policy = self.policies.pop(key)
         _discard(self._ns_policies, policy.namespace, key)
         self._unlay(key, policy)
-        for pod_key in list(self._selected.pop(key, ())):
-            self._reselect(pod_key)
+        selected = self._selected.pop(key, set())  # (only its own entries: as upsert_policy)
+        for pod_key in selected:
+            _discard(self._pod_policies, pod_key, key)
+        if selected:
+            self._selection_changed(selected)
 
     def _laid_out(self, key: PolicyKey, policy: Policy) -> tuple[compiler.Layout, ...] | str:
         """The policy's chains from the policy alone, or why it is too large to program: laid
