@@ -906,10 +906,15 @@ _PEER_CONTEXT = ("[node] address", "[node] address_v6", "[node] route_reflector"
                  "[bgp] asn", "[bgp] router_id", "[bgp] listen")
 
 
+# [bgp] keys a reload applies beside the peers and listen ranges: BFD's, which the neighbours
+# take over without a new BGP session (as in BIRD: started, ended or re-tuned by a Poll Sequence).
+LIVE_BGP_KEYS = ("bfd", "bfd_interval", "bfd_multiplier")
+
+
 def reloaded(running: Config, read: Config, *, also: tuple[str, ...] = ()) -> Reload:
-    """What a SIGHUP applies: the external peers, the listen ranges and the log settings of
-    ``read``, and the ``[bgp]`` keys named in ``also`` (``agentd speaker``: ``originate``);
-    everything else stays as ``running`` has it.  The agent's reload and ``agentd speaker``'s
+    """What a SIGHUP applies: the external peers, the listen ranges, BFD's settings
+    (:data:`LIVE_BGP_KEYS`) and the log settings of ``read``, and the ``[bgp]`` keys named in
+    ``also`` (``agentd speaker``: ``originate``); everything else stays as ``running`` has it.  The agent's reload and ``agentd speaker``'s
     both go through here.
 
     ``read`` was checked against its own [node] and [bgp] keys; the peers run with the running
@@ -918,7 +923,7 @@ def reloaded(running: Config, read: Config, *, also: tuple[str, ...] = ()) -> Re
     refuse) are not applied: the running peers and ranges stay, the rest of the reload applies,
     and ``refused`` says why in one line, naming the keys that need a restart."""
     peers = {"peers": read.bgp.peers, "listen_ranges": read.bgp.listen_ranges}
-    also_keys = {key: getattr(read.bgp, key) for key in also}
+    also_keys = {key: getattr(read.bgp, key) for key in (*LIVE_BGP_KEYS, *also)}
     live = dataclasses.replace(running, bgp=dataclasses.replace(running.bgp, **peers, **also_keys), log=read.log)
     refused = None
     problems = peer_problems(live)

@@ -455,3 +455,31 @@ def test_a_default_file_missing_at_start_may_be_missing_at_a_reload_until_it_is_
         assert len(agent.cfg.bgp.peers) == 1 and "no such file" in (agent.reload_error or "")
 
     asyncio.run(main())
+
+
+def test_a_reload_gives_the_sessions_with_other_nodes_the_new_bfd_timers(tmp_path, caplog):
+    """[bgp] bfd, bfd_interval, bfd_multiplier apply at a reload to the sessions with other
+    nodes too (mesh or reflector sessions: Peering.peers reads the running configuration), as
+    docs/bfd.md says; they waited for a restart."""
+    from agentd.daemon.mesh import Peering
+    from agentd.datastore.records import NodeRecord
+
+    conf = tmp_path / "agentd.toml"
+    conf.write_text('[node]\nname = "n1"\naddress = "10.1.1.1"\n[bgp]\nlisten = ""\n')
+    running = load_config(conf, env={})
+    conf.write_text('[node]\nname = "n1"\naddress = "10.1.1.1"\n[bgp]\nlisten = ""\nbfd = true\n'
+                    'bfd_interval = 0.1\nbfd_multiplier = 5\n')
+
+    async def main():
+        agent = Agent(running, config_path=str(conf), set_logging=lambda *_: None)
+        agent.notifier = _Recorder()
+        with caplog.at_level(logging.INFO, logger="agentd"):
+            agent._reload()
+        peering = Peering("n1")
+        peering.nodes = {"n2": NodeRecord(name="n2", address=IPv4Address("10.1.1.2"), asn=64512,
+                                          subnet=IPv4Network("10.244.2.0/24"), route_reflector=False, cluster_id=None)}
+        (node,) = peering.peers(agent.cfg)
+        assert node.bfd == (0.1, 5)
+        assert "applied only by a restart" not in caplog.text
+
+    asyncio.run(main())

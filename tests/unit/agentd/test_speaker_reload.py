@@ -200,3 +200,50 @@ def test_a_default_file_missing_at_start_may_be_missing_at_a_reload_until_one_ha
     conf.unlink()
     with pytest.raises(ConfigError, match="no such file"):
         reload()
+
+
+class _Bfd:
+    """The BFD sessions the service asks for (bgp.bfd_transport.BfdService's calls)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.sessions: dict[str, tuple] = {}
+
+    def open(self, addresses=None) -> None:
+        self.started = True
+
+    def set_listen(self, addresses) -> None:
+        pass
+
+    def add(self, peer, local_address=None, settings=None) -> None:
+        self.sessions[peer] = (local_address, settings)
+
+    def remove(self, peer, *, drain=True) -> None:
+        self.sessions.pop(peer, None)
+
+
+def test_a_reload_re_tunes_bfd_without_resetting_a_session(tmp_path, caplog):
+    """[bgp] bfd, bfd_interval and bfd_multiplier change with a reload (docs/bfd.md, as in
+    BIRD): each neighbour inheriting them takes the new timers over in place -- the same BGP
+    session, its BFD session re-tuned -- and no "applied only by a restart" warning.  They
+    waited for a restart while the docs said a reload applied them."""
+    running = config(tmp_path)
+    rt = SpeakerRuntime(running)
+
+    async def main():
+        _serve_configured(rt, running)
+        rt.service.bfd = bfd = _Bfd()  # (no socket opened, no packet sent)
+        before = dict(rt.speaker.peers)
+        assert [p.settings.bfd for p in before.values()] == [None, None]
+        with caplog.at_level(logging.INFO, logger="agentd.speaker"):
+            rt._reload(lambda: config(tmp_path, AGENTD_BGP_BFD="true", AGENTD_BGP_BFD_INTERVAL="0.1",
+                                      AGENTD_BGP_BFD_MULTIPLIER="5"))
+        assert {k: id(p) for k, p in rt.speaker.peers.items()} == {k: id(p) for k, p in before.items()}
+        assert [p.settings.bfd for p in rt.speaker.peers.values()] == [(0.1, 5), (0.1, 5)]
+        assert rt.speaker.listen_ranges[0].template.bfd == (0.1, 5)
+        assert (rt.cfg.bgp.bfd, rt.cfg.bgp.bfd_interval, rt.cfg.bgp.bfd_multiplier) == (True, 0.1, 5)
+        assert "applied only by a restart" not in caplog.text
+        assert {peer: settings.desired_min_tx for peer, (_, settings) in bfd.sessions.items()} == {
+            "192.0.2.2": 0.1, "192.0.2.3": 0.1}
+
+    asyncio.run(main())
