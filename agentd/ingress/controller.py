@@ -455,6 +455,22 @@ class IngressController:
             else:
                 errors[where] = ("a tls entry without hosts, and its certificate names none of its Ingress's rule "
                                  f"hosts that no other entry names: {served}")
+        # A usable Secret named for a host its certificate does not cover: not served for it
+        # (a client would refuse it), the host goes to another Ingress's Secret that covers
+        # it, else to the default certificate -- as ingress-nginx says (VerifyHostname).
+        uncovered: dict[tuple[str, str], list[str]] = {}
+        for key, host in self.table.uncovered:
+            uncovered.setdefault(key, []).append(host)
+        given = {t.host: t for t in self.table.tls}
+        for key, names in uncovered.items():
+            where = f"{key[0]}/{key[1]}"
+            said = []
+            for host in dict.fromkeys(names):
+                t = given.get(host)
+                by = (f"{t.secret[0]}/{t.secret[1]}'s certificate" if t is not None and t.serves and t.secret is not None
+                      and t.secret != key else "the default certificate")  # fmt: skip
+                said.append(f"its certificate does not cover {host} (no subjectAltName for it): {host} served with {by}")
+            errors[where] = "; ".join([errors[where], *said] if where in errors else said)
         for where, why in errors.items():
             if self.tls_errors.get(where) != why:
                 log.warning("ingress: TLS Secret %s: %s", where, why)
@@ -462,14 +478,14 @@ class IngressController:
         return out
 
     def _usable(self, key: tuple[str, str]) -> bool:
-        """Whether Secret ``key`` can serve TLS (routing.build: a host's unusable Secret does
-        not keep another Ingress's usable one from it)."""
+        """Whether Secret ``key`` can serve TLS: it exists, is kubernetes.io/tls and loads
+        (routing.build also asks that its certificate cover the host: ``_cert_names``)."""
         secret = self.objects["Secret"].get(key)
         return secret is not None and secret.get("type") == TLS_TYPE and self._refused(_pem(secret)) is None
 
     def _cert_names(self, key: tuple[str, str]) -> tuple[str, ...]:
-        """The DNS names of usable Secret ``key``'s certificate (routing.build: what a ``tls[]``
-        entry without hosts covers of its Ingress's hosts)."""
+        """The DNS names of usable Secret ``key``'s certificate (routing.build: the hosts it
+        may serve, of those its Ingress's rules have)."""
         secret = self.objects["Secret"].get(key)
         if secret is None or not self._usable(key):
             return ()

@@ -14,14 +14,21 @@ and no path is ever quoted into the configuration text:
    backend, longest first: the element-wise Prefix match;
 4. ``defaults.map``: ``vhost`` -> its default backend; then the frontend's default backend.
 
+Plain HTTP to a TLS host (``tls-hosts.lst``: the name, or the wildcard one label above it) is
+redirected to HTTPS between steps 3 and 4, per path as ingress-nginx decides per location:
+when the backend a rule chose is in ``redirect-backends.lst`` (those of the Ingresses whose
+ssl-redirect is on), or, no rule matching, the virtual host is in ``redirect-vhosts.lst``
+(its oldest Ingress's is on).
+
 A key is ``vhost/`` and the normalised path's bytes in hex (:func:`key`): the request path is
 percent-decoded and normalised first, as nginx does (agentd.ingress.routing.normalise_path,
 whose regular expressions the frontend runs), and a decoded path may hold any byte -- a
 space, a tab or a newline would split a map line into a key and a value of the sender's
 choosing; in hex each rule is one line whatever its path, and a byte prefix is a hex prefix.
 
-:mod:`agentd.ingress.routing` is the reference; tests/unit/agentd/test_ingress_routing.py runs
-both on the same tables.
+:mod:`agentd.ingress.routing` is the reference (``route``, ``redirects``);
+tests/unit/agentd/test_ingress_routing.py runs both on the same tables, the rendered frontend's
+rules run by an interpreter of the fetches, converters and matches they use.
 
 Backends list their endpoints as ``server <ip>:<port> <ip>:<port>``: the server's name is
 its address, so the controller (agentd.ingress.controller) changes them through the runtime
@@ -41,7 +48,8 @@ from agentd.resources.ingress_settings import Settings
 
 Server = tuple[str, int]  # (ip, port) of one ready endpoint
 
-MAPS = ("hosts.map", "exact.map", "prefix.map", "defaults.map", "redirect.lst", "crt-list")
+MAPS = ("hosts.map", "exact.map", "prefix.map", "defaults.map", "tls-hosts.lst", "redirect-backends.lst",
+        "redirect-vhosts.lst", "crt-list")
 BACKEND_DEFAULTS = (
     "balance roundrobin",
     # A request whose connection failed, or that a pod closed without an answer (one that just
@@ -156,18 +164,25 @@ def maps(table: RouteTable, cert_files: Mapping[tuple[str, str], Path]) -> dict[
         if vhost.default is not None:
             defaults.append(f"{name} {vhost.default}")
     prefix.sort(key=lambda kv: (-len(kv[0]), kv[0]))
-    # Every TLS host is redirected, its Secret usable or not (ingress-nginx serves the default
-    # certificate then, and still redirects).
-    redirect = sorted({t.host for t in table.tls if t.redirect and t.host})
+    # Every TLS host may be redirected, its Secret usable or not (ingress-nginx serves the
+    # default certificate then, and still redirects) -- where the Ingress of the path that
+    # answers wants it: the matching rule's backend's, else the virtual host's oldest.
+    tls_hosts = sorted({t.host for t in table.tls if t.host})
+    redirect_backends = sorted(n for n, b in table.backends.items() if (b.namespace, b.ingress) in table.redirecting)
+    redirect_vhosts = sorted(n for n, v in table.vhosts.items() if v.ingress in table.redirecting)
     # Every line names its host (SNI filter): a line without one would serve its certificate
-    # for every name in it, other Ingresses' hosts included.
-    crt = [f"{cert_files[t.secret]} {t.host}" for t in table.tls if t.host and t.secret is not None and t.secret in cert_files]
+    # for every name in it, other Ingresses' hosts included.  A Secret that does not serve the
+    # host (its certificate does not cover it): the default certificate.
+    crt = [f"{cert_files[t.secret]} {t.host}" for t in table.tls
+           if t.host and t.serves and t.secret is not None and t.secret in cert_files]  # fmt: skip
     return {
         "hosts.map": _lines(hosts),
         "exact.map": _lines(f"{k} {v}" for k, v in sorted(exact.items())),
         "prefix.map": _lines(f"{k} {v}" for k, v in prefix),
         "defaults.map": _lines(defaults),
-        "redirect.lst": _lines(redirect),
+        "tls-hosts.lst": _lines(tls_hosts),
+        "redirect-backends.lst": _lines(redirect_backends),
+        "redirect-vhosts.lst": _lines(redirect_vhosts),
         "crt-list": _lines(crt),
     }
 
@@ -234,7 +249,7 @@ def render(
     files = maps(table, cert_files)
     # Only the lookups this table needs: every rule costs each request some CPU.
     wildcards = any(v.startswith("*.") for v in table.vhosts)
-    redirects = files["redirect.lst"].split()
+    tls_hosts = files["tls-hosts.lst"].split()
     # With no wildcard host and no rule without a host, a request's virtual host is its host
     # (a host no rule names matches no key: every key starts with a rule's host), so the key
     # is built in one step; the hosts.map lookup is only needed for the other cases.
@@ -266,22 +281,32 @@ def render(
     if table.vhosts:  # a request's key: its virtual host, then its path (a Host with "/": refused above)
         out += _normalise_path()
         out.append(f'    http-request set-var-fmt(txn.key) "%[{vhost}]/%[var(txn.path),hex]"')
-    if redirects:  # HTTP -> HTTPS for TLS hosts (the exact name, or the wildcard covering it)
-        out.append(f"    acl tls_host var(txn.host) -m str -f {d / 'redirect.lst'}")
-        if any(h.startswith("*.") for h in redirects):
-            out.append(f"    acl tls_host var(txn.host),regsub(^[^.]+,*) -m str -f {d / 'redirect.lst'}")
-        out.append(f"    http-request redirect location https://%[var(txn.host)]{https}%[capture.req.uri] code 308 "
-                   "if !{ ssl_fc } tls_host")
-    if s.body_size:
-        out.append(f"    http-request deny deny_status 413 if {{ req.hdr_val(content-length) gt {s.body_size} }}")
     out += [
-        *(f"    {line}" for line in FORWARDED),
-        *(f"    {line}" for line in s.snippet),
         f"    http-request set-var(txn.backend) var(txn.key),map_str({d / 'exact.map'})" if files["exact.map"] else "",
         f"    http-request set-var(txn.backend) var(txn.key),map_beg({d / 'prefix.map'}) if !{{ var(txn.backend) -m found }}"
         if files["prefix.map"] else "",
+    ]
+    # HTTP -> HTTPS for a TLS host (the exact name, or the wildcard covering it), decided per
+    # path as ingress-nginx decides per location: by the Ingress of the rule that matched (its
+    # backend, in txn.backend by now), else by the virtual host's oldest Ingress.
+    wanted = []
+    if files["redirect-backends.lst"]:
+        wanted.append(f"{{ var(txn.backend) -m str -f {d / 'redirect-backends.lst'} }}")
+    if files["redirect-vhosts.lst"]:
+        wanted.append(f"!{{ var(txn.backend) -m found }} {{ {vhost} -m str -f {d / 'redirect-vhosts.lst'} }}")
+    if tls_hosts and wanted:
+        out.append(f"    acl tls_host var(txn.host) -m str -f {d / 'tls-hosts.lst'}")
+        if any(h.startswith("*.") for h in tls_hosts):
+            out.append(f"    acl tls_host var(txn.host),regsub(^[^.]+,*) -m str -f {d / 'tls-hosts.lst'}")
+        out.append(f"    http-request redirect location https://%[var(txn.host)]{https}%[capture.req.uri] code 308 if "
+                   + " || ".join(f"!{{ ssl_fc }} tls_host {w}" for w in wanted))
+    if s.body_size:
+        out.append(f"    http-request deny deny_status 413 if {{ req.hdr_val(content-length) gt {s.body_size} }}")
+    out += [
         f"    http-request set-var(txn.backend) {vhost},map_str({d / 'defaults.map'}) if !{{ var(txn.backend) -m found }}"
         if files["defaults.map"] else "",
+        *(f"    {line}" for line in FORWARDED),
+        *(f"    {line}" for line in s.snippet),
         "    use_backend %[var(txn.backend)] if { var(txn.backend) -m found }" if table.vhosts else "",
         f"    default_backend {table.default}",
         "",

@@ -31,15 +31,22 @@ features):
 * **Default backend.**  A request no rule matches goes to the ``defaultBackend`` of the
   oldest Ingress of its virtual host that has one, else to the ``defaultBackend`` of the
   oldest Ingress of ours that has one, else to the built-in default backend: 404.
-* **TLS.**  ``tls[]`` entries give each host its Secret (SNI); a host named by several
-  Ingresses takes the oldest one's.  An entry without ``hosts`` stands for the hosts of its
-  own Ingress's rules that its certificate covers (:func:`covers`) and no other entry of
-  that Ingress names, as in ingress-nginx -- never for the rules without a host (those, and
-  any host no Ingress gives a certificate, get the controller's default certificate, not an
-  Ingress's).  Plain-HTTP requests for a TLS host are redirected to
-  HTTPS (308) unless switched off (ConfigMap ``ssl-redirect``, Ingress annotation
-  ``ingress.agentd.io/ssl-redirect``) -- also when its Secret is missing or unusable (or
-  the entry names none): it is then served with the default certificate, as in ingress-nginx.
+* **TLS.**  An Ingress's ``tls[]`` applies to the hosts of its OWN rules only, as in
+  ingress-nginx (createServers walks an Ingress's rules): a rule host takes the entry naming
+  it, else an entry whose certificate covers it (:func:`covers`: one without ``hosts``, or a
+  wildcard one); a host an entry names that none of its Ingress's rules has is ignored (in
+  ``conflicts``) -- it would take another Ingress's host by SNI.  The rules without a host
+  get the controller's default certificate, never an Ingress's.  A Secret serves a host only
+  if it is usable and its certificate covers the host (Go's ``VerifyHostname``, which
+  ingress-nginx asks); a host named by several Ingresses takes the oldest one's Secret that
+  serves it, else the oldest one's entry (served with the default certificate, in
+  ``uncovered``/tls_errors when the certificate does not cover it).  ingress-nginx differs
+  there: the oldest Ingress's entry keeps the host, with the default certificate.
+  Plain-HTTP requests for a TLS host (its Secret usable or not, or the entry naming none, as
+  in ingress-nginx) are redirected to HTTPS (308) when the Ingress of the path that answers
+  wants it (the matching rule's Ingress, else its virtual host's oldest: ConfigMap
+  ``ssl-redirect``, Ingress annotation ``ingress.agentd.io/ssl-redirect``) -- decided per
+  path, as ingress-nginx decides per location.
 
 A backend is one (Ingress, Service, port): its requests are counted per Ingress.
 """
@@ -118,6 +125,9 @@ class VirtualHost:
     host: str  # exact, "*.parent", or ANY_HOST
     rules: list[Rule] = field(default_factory=list)  # sorted by rank
     default: str | None = None  # backend name
+    # Its oldest Ingress: whose ssl-redirect a request no rule matches follows (ingress-nginx:
+    # a server's default location takes the annotations of the first Ingress of its host).
+    ingress: tuple[str, str] | None = None
 
     def route(self, path: bytes) -> Rule | None:
         for rule in self.rules:
@@ -128,10 +138,10 @@ class VirtualHost:
 
 @dataclass(frozen=True)
 class TlsHost:
-    host: str  # exact or "*.parent" (an entry without hosts: one per rule host of its Ingress its certificate covers)
+    host: str  # a rule host of its Ingress: exact or "*.parent"
     secret: tuple[str, str] | None  # (namespace, name); None: the entry names none (the default certificate)
     ingress: tuple[str, str]
-    redirect: bool
+    serves: bool = True  # the Secret is usable and its certificate covers the host (else: the default certificate)
 
 
 @dataclass
@@ -145,6 +155,11 @@ class RouteTable:
     # Secrets of ``tls[]`` entries without hosts that stand for no host (their Secret unusable,
     # or its certificate naming none of their Ingress's rule hosts): said, not silently dropped.
     hostless: list[tuple[str, str]] = field(default_factory=list)
+    # (Secret, host): a usable Secret a tls[] entry names for a host its certificate does not
+    # cover: not served for it (said in tls_errors, as ingress-nginx logs it).
+    uncovered: list[tuple[tuple[str, str], str]] = field(default_factory=list)
+    # The Ingresses whose plain-HTTP requests for a TLS host are redirected to HTTPS.
+    redirecting: set[tuple[str, str]] = field(default_factory=set)
 
     def vhost_for(self, host: str) -> VirtualHost | None:
         host = normalise_host(host)
@@ -160,25 +175,38 @@ class RouteTable:
         ``path`` (as sent, without the query) goes to; :data:`BAD_REQUEST` for a Host with a
         ``,`` (several values) or a ``/`` (a path in it), or a path :func:`normalise_path`
         refuses."""
+        return self._answer(host, path)[0]
+
+    def _answer(self, host: str, path: str) -> tuple[str, tuple[str, str] | None]:
+        """The backend, and the Ingress whose ssl-redirect applies: the matching rule's, else
+        its virtual host's oldest (None: no virtual host)."""
         if "," in host or "/" in host:
-            return BAD_REQUEST
+            return BAD_REQUEST, None
         normal = normalise_path(path)
         if normal is None:
-            return BAD_REQUEST
+            return BAD_REQUEST, None
         vhost = self.vhost_for(host)
         if vhost is None:
-            return self.default
+            return self.default, None
         rule = vhost.route(normal)
         if rule is not None:
-            return rule.backend
-        return vhost.default or self.default
+            return rule.backend, rule.ingress
+        return vhost.default or self.default, vhost.ingress
 
-    def redirects(self, host: str) -> bool:
-        """Whether a plain-HTTP request for ``host`` is redirected to HTTPS."""
+    def tls_host(self, host: str) -> bool:
+        """Whether ``host`` (normalised) is a TLS host: named, or under a wildcard one (one label)."""
         host = normalise_host(host)
         label, dot, parent = host.partition(".")
         names = {host, f"*.{parent}"} if label and dot else {host}
-        return any(t.redirect and t.host in names for t in self.tls)
+        return any(t.host in names for t in self.tls)
+
+    def redirects(self, host: str, path: str) -> bool:
+        """Whether a plain-HTTP request for ``host`` and ``path`` is redirected to HTTPS: a TLS
+        host (its Secret usable or not), and the Ingress of the path that answers it (the
+        matching rule's, else its virtual host's oldest) wants it -- decided per path, as
+        ingress-nginx decides per location (its ssl-redirect and a certificate for the host)."""
+        backend, ingress = self._answer(host, path)
+        return backend != BAD_REQUEST and ingress in self.redirecting and self.tls_host(host)
 
 
 def normalise_host(host: str) -> str:
@@ -246,15 +274,16 @@ def _backend(ns: str, name: str, spec: Obj) -> Backend:
 
 def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True,
           usable: Callable[[tuple[str, str]], bool] = lambda secret: True,
-          cert_names: Callable[[tuple[str, str]], Collection[str]] = lambda secret: ()) -> RouteTable:
+          cert_names: Callable[[tuple[str, str]], Collection[str] | None] = lambda secret: None) -> RouteTable:
     """The routing table of ``ingresses`` (those this controller serves).  ``usable(secret)``:
-    whether a TLS Secret can serve (it exists, is kubernetes.io/tls, loads): a host's older
-    Ingress whose Secret cannot does not keep a newer one's usable Secret from it.
+    whether a TLS Secret can serve (it exists, is kubernetes.io/tls, loads).
     ``cert_names(secret)``: the DNS names of a usable Secret's certificate (none for one that
-    cannot serve), which a ``tls[]`` entry without hosts is applied by."""
+    cannot serve; None: not known, taken as valid for the hosts an entry names): a Secret serves a host only
+    if its certificate covers it (:func:`covers`), and a host's older Ingress whose Secret
+    cannot serve it does not keep a newer one's that can from it."""
     table = RouteTable()
     seen: dict[tuple[str, bool, str], tuple[str, str]] = {}
-    tls_seen: dict[str, tuple[int, tuple[str, str], bool]] = {}  # host -> (its entry in table.tls, whose, usable)
+    tls_seen: dict[str, tuple[int, tuple[str, str], bool]] = {}  # host -> (its entry in table.tls, whose, serves)
     default_of: dict[str, tuple[str, str]] = {}
     for ing in sorted(ingresses, key=age_key):
         ns, name = ing["metadata"]["namespace"], ing["metadata"]["name"]
@@ -273,7 +302,7 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True,
             default_of.setdefault("", me)
         for rule in spec.get("rules", []):
             host = rule.get("host") or ANY_HOST
-            vhost = table.vhosts.setdefault(host, VirtualHost(host))
+            vhost = table.vhosts.setdefault(host, VirtualHost(host, ingress=me))
             if own_default is not None and vhost.default is None:
                 vhost.default = own_default
             for p in (rule.get("http") or {}).get("paths", []):
@@ -290,42 +319,78 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True,
                     continue
                 seen[key] = me
                 vhost.rules.append(r)
-        redirect = _redirect(ing, ssl_redirect)
-        own_hosts = list(dict.fromkeys(r["host"] for r in spec.get("rules", []) if r.get("host")))
-        named = {h for t in spec.get("tls", []) for h in t.get("hosts") or ()}
-        for t in spec.get("tls", []):
-            # Without a secretName the hosts are still TLS hosts, served with the default
-            # certificate and redirected, as ingress-nginx does.
-            secret = (ns, t["secretName"]) if t.get("secretName") else None
-            ok = secret is not None and usable(secret)
-            hosts = t.get("hosts")
-            if not hosts and secret is not None:
-                # An entry without hosts: this Ingress's own rule hosts (not those it names in
-                # another entry) that its certificate covers, each as if named -- never every
-                # name in the certificate, which would take other Ingresses' hosts by SNI.
-                names = cert_names(secret) if ok else ()
-                hosts = [h for h in own_hosts if h not in named and covers(names, h)]
-                if not hosts and secret not in table.hostless:
-                    table.hostless.append(secret)
-            for host in hosts or []:
-                if host in tls_seen:
-                    index, owner, owner_ok = tls_seen[host]
-                    if owner_ok or not ok:
-                        if owner != me:
-                            table.conflicts.append(f"{ns}/{name}: tls for {host}: already given by {owner[0]}/{owner[1]}")
-                        continue
-                    # The older Ingress's Secret cannot serve: this one's does (as ingress-nginx
-                    # skips an unusable Secret and takes the next Ingress's for the host).
-                    table.conflicts.append(f"{owner[0]}/{owner[1]}: tls for {host}: its Secret cannot serve; "
-                                           f"{ns}/{name}'s does")
-                    table.tls[index] = TlsHost(host, secret, me, table.tls[index].redirect)
-                    tls_seen[host] = (index, me, True)
-                    continue
-                tls_seen[host] = (len(table.tls), me, ok)
-                table.tls.append(TlsHost(host, secret, me, redirect))
+        if _redirect(ing, ssl_redirect):
+            table.redirecting.add(me)
+        _tls(table, me, spec, usable, cert_names, tls_seen)
     for vhost in table.vhosts.values():
         vhost.rules.sort(key=lambda r: r.rank)
     return table
+
+
+def _tls(table: RouteTable, me: tuple[str, str], spec: Obj, usable: Callable[[tuple[str, str]], bool],
+         cert_names: Callable[[tuple[str, str]], Collection[str] | None],
+         tls_seen: dict[str, tuple[int, tuple[str, str], bool]]) -> None:
+    """The ``tls[]`` section of Ingress ``me`` (newer than every one :func:`build` gave here
+    before), as ingress-nginx applies it (createServers, extractTLSSecretName): per host of
+    its OWN rules -- the entry naming the host, else one whose certificate covers it --, never
+    for a host it has no rule for (that would take another Ingress's host by SNI, across
+    namespaces too); the oldest Ingress whose Secret serves a host keeps it."""
+    ns, name = me
+    own = list(dict.fromkeys(r["host"] for r in spec.get("rules", []) if r.get("host")))
+    # Without a secretName the hosts are still TLS hosts, served with the default certificate
+    # and redirected, as ingress-nginx does.
+    entries = [((ns, t["secretName"]) if t.get("secretName") else None, list(t.get("hosts") or ()))
+               for t in spec.get("tls", [])]  # fmt: skip
+    named = {h for _, hosts in entries for h in hosts}
+    for host in dict.fromkeys(h for _, hosts in entries for h in hosts):
+        if host not in own:
+            table.conflicts.append(f"{ns}/{name}: tls for {host}: no rule of {ns}/{name} names this host: not "
+                                   "given its Secret (an Ingress's tls applies to its own rule hosts only)")
+    names: dict[tuple[str, str], Collection[str] | None] = {}
+
+    def serves(secret: tuple[str, str] | None, host: str) -> bool:
+        """Whether ``secret`` can serve ``host``: usable, and its certificate valid for the host
+        (Go's VerifyHostname, which ingress-nginx asks; names not known: valid for the hosts
+        the Ingress names for it, for no other)."""
+        if secret is None or not usable(secret):
+            return False
+        if secret not in names:
+            names[secret] = cert_names(secret)
+        known = names[secret]
+        return host in named if known is None else covers(known, host)
+
+    chosen: set[tuple[str, str]] = set()
+    for host in own:
+        if host in named:
+            candidates = [secret for secret, hosts in entries if host in hosts]
+            for secret in candidates:
+                if secret is not None and usable(secret) and not serves(secret, host):
+                    table.uncovered.append((secret, host))
+        else:  # an entry whose certificate covers it (one without hosts, or a wildcard one)
+            candidates = [secret for secret, _ in entries if secret is not None and serves(secret, host)]
+            if not candidates:
+                continue  # no TLS host
+        secret = next((s for s in candidates if serves(s, host)), candidates[0])
+        ok = serves(secret, host)
+        if secret is not None:
+            chosen.add(secret)
+        if host in tls_seen:
+            index, owner, owner_ok = tls_seen[host]
+            if owner_ok or not ok:
+                table.conflicts.append(f"{ns}/{name}: tls for {host}: already given by {owner[0]}/{owner[1]}")
+                continue
+            # The older Ingress's Secret cannot serve the host: this one's does (agentd's
+            # choice: ingress-nginx gives the host the default certificate then).
+            table.conflicts.append(f"{owner[0]}/{owner[1]}: tls for {host}: its Secret cannot serve it; "
+                                   f"{ns}/{name}'s does")
+            table.tls[index] = TlsHost(host, secret, me, True)
+            tls_seen[host] = (index, me, True)
+            continue
+        tls_seen[host] = (len(table.tls), me, ok)
+        table.tls.append(TlsHost(host, secret, me, ok))
+    for secret, hosts in entries:
+        if not hosts and secret is not None and secret not in chosen and secret not in table.hostless:
+            table.hostless.append(secret)
 
 
 def covers(names: Iterable[str], host: str) -> bool:

@@ -82,8 +82,12 @@ class IngressViews:
             "default_backend": table.default,
             "hosts": vhosts,
             "backends": backends,
-            "tls": [{"host": t.host, "secret": "/".join(t.secret) if t.secret else None, "redirect": t.redirect}
-                    for t in table.tls],  # fmt: skip
+            # "serves": false -- the host gets the default certificate.  The redirect to HTTPS is
+            # per path: each follows its own Ingress's ssl-redirect ("ssl_redirect_off": those
+            # with it off).
+            "tls": [{"host": t.host, "secret": "/".join(t.secret) if t.secret else None, "ingress": "/".join(t.ingress),
+                     "serves": t.serves} for t in table.tls],  # fmt: skip
+            "ssl_redirect_off": ["/".join(i) for i in table.ingresses if i not in table.redirecting],
             "conflicts": list(table.conflicts),
             "proxy_servers": servers,
         }

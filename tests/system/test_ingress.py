@@ -301,6 +301,83 @@ async def test_host_rules_and_tls_with_sni_and_redirect(world: World):
         await world.delete("Ingress", "hosts")
 
 
+async def test_wildcard_tls_host_redirect_per_path_and_tls_of_own_rule_hosts(world: World):
+    """Review s57/r3: a wildcard TLS host's certificate (SNI) and plain-HTTP redirect for one
+    label under it; the redirect decided per path by each path's own Ingress (ingress-nginx:
+    per location); an Ingress's tls listing a host it has no rule for takes nothing from the
+    Ingress that has its rules; a certificate that does not cover its host is not served for it."""
+    off = {"ingress.agentd.io/ssl-redirect": "false"}
+
+    def annotated(obj: dict[str, Any]) -> dict[str, Any]:
+        obj["metadata"]["annotations"] = dict(off)
+        return obj
+
+    names = ("wild", "wild-health", "pp-a", "pp-b", "aa-grab", "bb-own", "mis")
+    await world.apply(
+        tls_secret("wild-tls", ["*.wild.example"], world.ca_pair), tls_secret("pp-tls", ["pp.example"], world.ca_pair),
+        tls_secret("grab-tls", ["grab.example", "own.example"], world.ca_pair),
+        tls_secret("own-tls", ["own.example"], world.ca_pair), tls_secret("mis-tls", ["other.example"], world.ca_pair),
+        ingress("wild", [rule("*.wild.example", path("/", "Prefix", "web"))],
+                tls=[{"hosts": ["*.wild.example"], "secretName": "wild-tls"}]),
+        annotated(ingress("wild-health", [rule("a.wild.example", path("/healthz", "Exact", "foo"))])),
+        annotated(ingress("pp-a", [rule("pp.example", path("/a", "Prefix", "foo"))],
+                          tls=[{"hosts": ["pp.example"], "secretName": "pp-tls"}])),
+        ingress("pp-b", [rule("pp.example", path("/login", "Prefix", "bar"))]),
+        ingress("aa-grab", [rule("grab.example", path("/", "Prefix", "foo"))],
+                tls=[{"hosts": ["grab.example", "own.example"], "secretName": "grab-tls"}]),
+        ingress("bb-own", [rule("own.example", path("/", "Prefix", "bar"))], tls=[{"hosts": ["own.example"], "secretName": "own-tls"}]),
+        ingress("mis", [rule("mis.example", path("/", "Prefix", "foo"))], tls=[{"hosts": ["mis.example"], "secretName": "mis-tls"}]),
+    )  # fmt: skip
+
+    async def subject(host: str) -> str:
+        """The subject of the certificate the proxy serves for SNI ``host``."""
+        rc, _, err = await world.lab.underlay.aexec(
+            "curl", "-sSvk", "--max-time", "10", "-o", "/dev/null", "--resolve", f"{host}:443:{world.node_ips[0]}",
+            f"https://{host}/", check=False, timeout=30)  # fmt: skip
+        m = re.search(r"subject: (.*)", err.decode(errors="replace"))
+        assert rc == 0 and m, err
+        return m.group(1).strip()
+
+    try:
+        # The wildcard TLS host: one label under it redirected, and served with its
+        # certificate (curl checks it against the test CA).
+        status, _, headers = await world.curl("http://b.wild.example/x?y=1")
+        assert status == 308 and headers["location"] == "https://b.wild.example/x?y=1", (status, headers)
+        status, _, headers = await world.curl("http://B.Wild.example./")
+        assert status == 308, (status, headers)
+        assert await world.served_by("https://b.wild.example/") in WEBS
+        assert await world.served_by("http://x.b.wild.example/") == 404  # two labels under it: no TLS host, no rule
+        # a.wild.example has rules of its own (an Ingress with the redirect off): its paths are
+        # not redirected, and over HTTPS it gets the wildcard's certificate by SNI.
+        assert await world.served_by("http://a.wild.example/healthz") == "foo-1"
+        assert await world.served_by("http://a.wild.example/") == 404
+        assert await world.served_by("https://a.wild.example/healthz") == "foo-1"
+        # Per path: pp-a owns the TLS with the redirect off, pp-b keeps it on.
+        status, _, headers = await world.curl("http://pp.example/login/x")
+        assert status == 308 and headers["location"] == "https://pp.example/login/x", (status, headers)
+        assert await world.served_by("http://pp.example/a") == "foo-1"
+        assert await world.served_by("https://pp.example/login") == "bar-1"
+        # aa-grab (older) lists own.example in its tls without a rule for it: bb-own keeps it.
+        assert await world.served_by("https://own.example/") == "bar-1"
+        assert await subject("own.example") == "CN=own.example"
+        assert await subject("grab.example") == "CN=grab.example"
+        view = world.proxy()
+        assert any(c.startswith(f"{NS}/aa-grab: tls for own.example: no rule of") for c in view["conflicts"]), view["conflicts"]
+        # mis-tls is for other.example: the default certificate for mis.example, and said.
+        assert await subject("mis.example") != "CN=other.example"
+        rc, _, err = await world.lab.underlay.aexec("curl", "-sS", "--cacert", str(world.ca), "--resolve",
+                                                    f"mis.example:443:{world.node_ips[0]}", "https://mis.example/", check=False)  # fmt: skip
+        assert rc != 0, err
+        why = view["tls_errors"].get(f"{NS}/mis-tls", "")
+        assert "does not cover mis.example" in why and "default certificate" in why, view["tls_errors"]
+        status, _, _ = await world.curl("http://mis.example/")
+        assert status == 308  # a TLS host all the same
+        assert view["error"] is None
+    finally:
+        for name in names:
+            await world.delete("Ingress", name)
+
+
 async def test_path_rules(world: World):
     """Conformance path_rules: Exact, Prefix element by element, longest match, Exact over Prefix."""
     await world.apply(ingress("paths", [

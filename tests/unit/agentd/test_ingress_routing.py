@@ -83,9 +83,9 @@ def test_conformance_host_rules_and_redirect():
     table = routing.build([HOST_RULES])
     for (host, path), want in HOST_CASES.items():
         assert svc_of(table, table.route(host, path)) == want, (host, path)
-    assert table.redirects("foo.bar.com") and not table.redirects("bar.foo.com")
+    assert table.redirects("foo.bar.com", "/") and not table.redirects("bar.foo.com", "/")
     off = routing.build([HOST_RULES], ssl_redirect=False)
-    assert not off.redirects("foo.bar.com")
+    assert not off.redirects("foo.bar.com", "/")
 
 
 def test_the_docs_examples_of_path_matching():
@@ -149,33 +149,181 @@ def fetch(sample: str, host: str) -> str:
     return host.rsplit(",", 1)[-1].strip()
 
 
-def lookup(files: dict[str, str], table: routing.RouteTable, host: str, path: str) -> str:
-    """What the rendered frontend does with the map files (haproxy.cfg's http-request rules),
-    the Host header read with the fetches the configuration names."""
+REDIRECT = "308"  # lookup's answer for a request redirected to HTTPS
 
-    def kv(name: str) -> list[tuple[str, str]]:
-        return [tuple(line.split(" ", 1)) for line in files[name].splitlines()]  # type: ignore[misc]
 
-    cfg = files["haproxy.cfg"]
-    for sample, sub in re.findall(r"http-request deny deny_status 400 if \{ (req\.f?hdr\(host\)) -m sub (\S+) \}", cfg):
-        if sub in fetch(sample, host):
-            return routing.BAD_REQUEST
-    m = re.search(r"set-var\(txn\.host\) '(req\.f?hdr\(host\)),field\(1,:\),lower,", cfg)
-    assert m, cfg
-    hosts = dict(kv("hosts.map"))
-    h = routing.normalise_host(fetch(m.group(1), host))
-    label, dot, parent = h.partition(".")
-    vhost = hosts.get(h) or (hosts.get("*." + parent) if label and dot else None) or routing.ANY_HOST
-    normal = routing.normalise_path(path)
-    if normal is None:
-        return routing.BAD_REQUEST
-    key = haproxy.key(vhost, normal)
-    backend = dict(kv("exact.map")).get(key)
-    if backend is None:
-        backend = next((b for k, b in kv("prefix.map") if key.startswith(k)), None)  # map_beg: first in file order
-    if backend is None:
-        backend = dict(kv("defaults.map")).get(vhost)
-    return backend or table.default
+def _split(text: str) -> list[str]:
+    """``text`` cut at its commas outside parentheses and double quotes (a converter chain,
+    or a converter's arguments)."""
+    parts, depth, quoted, cur = [], 0, False, ""
+    for ch in text:
+        if ch == '"':
+            quoted = not quoted
+        elif not quoted and ch == "(":
+            depth += 1
+        elif not quoted and ch == ")":
+            depth -= 1
+        elif not quoted and depth == 0 and ch == ",":
+            parts.append(cur)
+            cur = ""
+            continue
+        cur += ch
+    return [*parts, cur]
+
+
+def _url_dec(raw: str) -> str | None:
+    data = raw.encode("utf-8", "surrogatepass")
+    if data.count(b"%") != len(re.findall(rb"%[0-9A-Fa-f]{2}", data)):
+        return None  # HAProxy's url_dec fails on a bad escape
+    return re.sub(rb"%([0-9A-Fa-f]{2})", lambda m: bytes([int(m.group(1), 16)]), data).decode("latin-1")
+
+
+def lookup(files: dict[str, str], table: routing.RouteTable, host: str, path: str, *, https: bool = False) -> str:
+    """What the rendered frontend does with a request: its ``http-request`` rules, ACLs,
+    ``use_backend`` and ``default_backend`` run in order by a small interpreter of the sample
+    fetches, converters and matches they use (an unknown one fails the test), on the map files
+    -- not a restatement of them.  The backend, :data:`routing.BAD_REQUEST`, or
+    :data:`REDIRECT` (plain HTTP redirected to HTTPS)."""
+    import shlex
+
+    def lines(name: str) -> list[str]:
+        return files[Path(name).name].splitlines()
+
+    txn: dict[str, str] = {}
+
+    def evaluate(expr: str) -> str | bool | None:
+        fetch_, *convs = _split(expr)
+        m = re.fullmatch(r"([\w.]+)(?:\((.*)\))?", fetch_)
+        assert m, expr
+        name, arg = m.groups()
+        value: str | bool | None
+        if name in ("req.fhdr", "req.hdr"):
+            assert arg == "host", expr
+            value = fetch(f"{name}(host)", host)
+        elif name == "var":
+            value = txn.get(arg)
+        elif name == "str":
+            value = arg
+        elif name == "path":
+            value = path.encode("utf-8", "surrogatepass").decode("latin-1")
+        elif name == "ssl_fc":
+            value = https
+        elif name == "req.hdr_val":
+            value = None  # no Content-Length: a GET
+        else:
+            raise AssertionError(f"fetch {name} not emulated: {expr}")
+        for conv in convs:
+            if value is None:
+                return None
+            m = re.fullmatch(r"(\w+)(?:\((.*)\))?", conv)
+            assert m and isinstance(value, str), (conv, expr)
+            cname, cargs = m.group(1), [a.strip('"') for a in _split(m.group(2))] if m.group(2) is not None else []
+            if cname == "field":
+                value = value.split(cargs[1])[int(cargs[0]) - 1]
+            elif cname == "lower":
+                value = value.lower()
+            elif cname == "regsub":
+                value = re.sub(cargs[0], cargs[1], value, count=0 if "g" in cargs[2:] else 1)
+            elif cname == "map_str":
+                value = dict(line.split(" ", 1) for line in lines(cargs[0])).get(value)  # type: ignore[misc]
+            elif cname == "map_beg":  # the first line, in file order, whose key starts the value
+                value = next((v for k, v in (line.split(" ", 1) for line in lines(cargs[0])) if value.startswith(k)), None)
+            elif cname == "url_dec":
+                value = _url_dec(value)
+            elif cname == "hex":
+                value = value.encode("latin-1").hex().upper()
+            else:
+                raise AssertionError(f"converter {cname} not emulated: {expr}")
+        return value
+
+    def matches(expr: str, how: list[str]) -> bool:
+        value = evaluate(expr)
+        if not how:
+            return value is True
+        if value is None:
+            return False  # a fetch or converter that fails matches nothing
+        assert isinstance(value, str), (expr, how)
+        if how == ["-m", "found"]:
+            return True
+        if how[:2] == ["-m", "sub"]:
+            return how[2] in value
+        if how[:2] == ["-m", "reg"]:
+            return re.search(how[2], value) is not None
+        if how[:3] == ["-m", "str", "-f"]:
+            return value in lines(how[3])
+        raise AssertionError(f"match {how} not emulated")
+
+    acls: dict[str, list[tuple[str, list[str]]]] = {}
+
+    def condition(words: list[str]) -> bool:
+        """``if`` and what follows: terms ANDed, ``||`` between ORed groups."""
+        if not words:
+            return True
+        assert words[0] == "if", words
+        groups: list[list[bool]] = [[]]
+        i = 1
+        while i < len(words):
+            word = words[i]
+            if word == "||":
+                groups.append([])
+                i += 1
+                continue
+            negate = word.startswith("!")
+            word = word.removeprefix("!")
+            if word == "{":
+                close = words.index("}", i)
+                term = matches(words[i + 1], words[i + 2:close])
+                i = close + 1
+            else:
+                assert word in acls, (word, words)
+                term = any(matches(e, how) for e, how in acls[word])
+                i += 1
+            groups[-1].append(term != negate)
+        return any(all(g) for g in groups)
+
+    frontend = files["haproxy.cfg"].split("\nfrontend ingress\n", 1)[1].split("\n\n", 1)[0]
+    for line in frontend.splitlines():
+        words = shlex.split(line)
+        if words[0] == "bind":
+            continue
+        if words[0] == "acl":
+            acls.setdefault(words[1], []).append((words[2], words[3:]))
+        elif words[0] == "default_backend":
+            return words[1]
+        elif words[0] == "use_backend":
+            assert words[1] == "%[var(txn.backend)]", line
+            if condition(words[2:]):
+                return txn["txn.backend"]
+        elif words[:2] == ["http-request", "deny"]:
+            assert words[2] == "deny_status", line
+            if condition(words[4:]):
+                return words[3]
+        elif words[:2] == ["http-request", "redirect"]:
+            if condition(words[words.index("if"):]):
+                return REDIRECT
+        elif words[0] == "http-request" and words[1].startswith("set-var("):
+            var = words[1][len("set-var("):-1]
+            if condition(words[3:]):
+                value = evaluate(words[2])
+                if value is not None:  # a sample that fails sets nothing
+                    assert isinstance(value, str)
+                    txn[var] = value
+        elif words[0] == "http-request" and words[1].startswith("set-var-fmt("):
+            var = words[1][len("set-var-fmt("):-1]
+            pieces = re.split(r"%\[([^\]]*)\]", words[2])  # text, expression, text, ...
+            values = [piece if i % 2 == 0 else evaluate(piece) for i, piece in enumerate(pieces)]
+            if all(isinstance(value, str) for value in values):
+                txn[var] = "".join(values)  # type: ignore[arg-type]
+        elif words[:2] == ["http-request", "set-header"]:
+            continue
+        else:
+            raise AssertionError(f"frontend line not emulated: {line}")
+    raise AssertionError("no default_backend")
+
+
+def expected(table: routing.RouteTable, host: str, path: str) -> str:
+    """The reference's answer to a plain-HTTP request, as :func:`lookup` gives it."""
+    return REDIRECT if table.redirects(host, path) else table.route(host, path)
 
 
 def render(table: routing.RouteTable) -> dict[str, str]:
@@ -188,7 +336,8 @@ def test_the_maps_answer_as_the_table_on_the_conformance_cases():
         table = routing.build([ingress])
         files = render(table)
         for host, path in cases:
-            assert lookup(files, table, host, path) == table.route(host, path), (host, path)
+            assert lookup(files, table, host, path) == expected(table, host, path), (host, path)
+            assert lookup(files, table, host, path, https=True) == table.route(host, path), (host, path)
 
 
 SEGMENTS = st.sampled_from(["a", "b", "ab", "aa"])
@@ -324,9 +473,9 @@ def test_a_tls_host_is_redirected_whatever_its_secret():
     table = routing.build([ing("t", [{"host": h, "http": {"paths": [p("/", "Prefix", "s")]}}
                                      for h in ("ok.example", "gone.example", "unnamed.example")], tls=tls)])  # fmt: skip
     files = haproxy.maps(table, {("default", "ok"): Path("/run/x/certs/default.ok.pem")})
-    assert files["redirect.lst"].split() == ["gone.example", "ok.example", "unnamed.example"]
+    assert files["tls-hosts.lst"].split() == ["gone.example", "ok.example", "unnamed.example"]
     assert files["crt-list"] == "/run/x/certs/default.ok.pem ok.example\n"  # the others: the default certificate
-    assert all(table.redirects(h) for h in ("ok.example", "gone.example", "unnamed.example"))
+    assert all(table.redirects(h, "/") for h in ("ok.example", "gone.example", "unnamed.example"))
 
 
 def test_a_host_with_a_final_dot_is_the_same_host():
@@ -418,7 +567,7 @@ def test_a_tls_entry_without_hosts_takes_only_its_own_ingresses_hosts_its_certif
     assert all(len(line.split()) == 2 for line in lines)  # every line filtered by SNI
     # other.example (its certificate does not cover it) and the rules without a host: the
     # controller's default certificate, and plain HTTP is not redirected for them.
-    assert not table.redirects("other.example") and table.redirects("evil.example")
+    assert not table.redirects("other.example", "/") and table.redirects("evil.example", "/")
     # A Secret that cannot serve names nothing: the entry covers no host.
     table = routing.build([evil], usable=lambda s: False, cert_names=lambda s: names[s])
     assert table.tls == [] and haproxy.maps(table, {})["crt-list"] == ""
@@ -429,7 +578,7 @@ def test_a_tls_entry_without_hosts_leaves_the_hosts_another_entry_names_to_it():
     rules = [{"host": h, "http": {"paths": [p("/", "Prefix", "x")]}} for h in ("a.example", "b.example")]
     i = ing("i", rules, tls=[{"secretName": "any"}, {"hosts": ["a.example"], "secretName": "a"}])
     table = routing.build([i], cert_names=lambda s: ("a.example", "b.example"))
-    assert [(t.host, t.secret[1]) for t in table.tls] == [("b.example", "any"), ("a.example", "a")]
+    assert [(t.host, t.secret[1]) for t in table.tls] == [("a.example", "a"), ("b.example", "any")]
     assert table.conflicts == []
 
 
@@ -498,3 +647,141 @@ def test_the_ingress_user_setting_takes_a_user_name():
     for bad in ("Bad", "a b", "0day", "x" * 33, "hap\nroxy"):
         with pytest.raises(ConfigError, match=r"\[ingress\] user: must be a user name"):
             load_config(None, env={}, overrides={**base, "ingress.user": bad})
+
+
+def _rules(host: str, *paths: tuple[str, str, str]) -> dict:
+    return {"host": host, "http": {"paths": [p(path, kind, svc) for path, kind, svc in paths]}}
+
+
+def _annotated(obj: dict, **annotations: str) -> dict:
+    obj["metadata"]["annotations"] = {f"ingress.agentd.io/{k.replace('_', '-')}": v for k, v in annotations.items()}
+    return obj
+
+
+def test_a_tls_entry_applies_only_to_its_own_ingresses_rule_hosts():
+    """team-a's Ingress, the older, has rules for a.example only but lists b.example in its tls
+    too: that took b.example's certificate (SNI) from team-b's Ingress, which holds all of
+    b.example's rules.  As in ingress-nginx (createServers walks an Ingress's rules), an
+    Ingress's tls applies to its own rule hosts: b.example keeps team-b's certificate, and
+    team-a's listing is said in the conflicts."""
+    a = ing("a", [_rules("a.example", ("/", "Prefix", "a"))], ns="team-a",
+            tls=[{"hosts": ["a.example", "b.example"], "secretName": "a-cert"}])
+    b = ing("b", [_rules("b.example", ("/", "Prefix", "b"))], ns="team-b", created="2024-02-01T00:00:00Z",
+            tls=[{"hosts": ["b.example"], "secretName": "b-cert"}])
+    for order in ([a, b], [b, a]):
+        table = routing.build(order)
+        assert [(t.host, t.secret) for t in table.tls] == [("a.example", ("team-a", "a-cert")), ("b.example", ("team-b", "b-cert"))]
+        assert not any("already given" in c for c in table.conflicts), table.conflicts
+        assert any(c.startswith("team-a/a: tls for b.example: no rule of team-a/a names this host") for c in table.conflicts)
+        files = haproxy.maps(table, {("team-a", "a-cert"): Path("/c/a.pem"), ("team-b", "b-cert"): Path("/c/b.pem")})
+        assert files["crt-list"].splitlines() == ["/c/a.pem a.example", "/c/b.pem b.example"]
+    # Alone, team-a's Ingress gives b.example nothing: b.example is no TLS host of its.
+    alone = routing.build([a])
+    assert [t.host for t in alone.tls] == ["a.example"] and not alone.tls_host("b.example")
+    # A rule host that no entry names takes an entry whose certificate covers it, a wildcard
+    # one too (ingress-nginx: VerifyHostname); the wildcard itself, no rule host, is no SNI name.
+    w = ing("w", [_rules("shop.wild.example", ("/", "Prefix", "s"))], tls=[{"hosts": ["*.wild.example"], "secretName": "wild"}])
+    table = routing.build([w], cert_names=lambda s: ("*.wild.example",))
+    assert [(t.host, t.secret, t.serves) for t in table.tls] == [("shop.wild.example", ("default", "wild"), True)]
+    assert table.redirects("shop.wild.example", "/")
+    assert haproxy.maps(table, {("default", "wild"): Path("/c/w.pem")})["crt-list"] == "/c/w.pem shop.wild.example\n"
+
+
+def test_a_secret_whose_certificate_does_not_cover_the_host_does_not_serve_it():
+    """A tls entry naming shop.example with a certificate for other.example only: that
+    certificate was served for shop.example (a client refuses it), silently, and kept a newer
+    Ingress's certificate for shop.example from the host.  Now the host falls through to the
+    newer Ingress's Secret, or to the default certificate, and it is said (routing:
+    ``uncovered``, the controller's tls_errors)."""
+    a = ing("a", [_rules("shop.example", ("/", "Prefix", "web"))], tls=[{"hosts": ["shop.example"], "secretName": "s"}])
+    b = ing("b", [_rules("shop.example", ("/b", "Prefix", "b"))], created="2024-02-01T00:00:00Z",
+            tls=[{"hosts": ["shop.example"], "secretName": "good"}])
+    names = {("default", "s"): ("other.example",), ("default", "good"): ("shop.example",)}
+    pems = {("default", "s"): Path("/c/s.pem"), ("default", "good"): Path("/c/good.pem")}
+    alone = routing.build([a], cert_names=names.get)
+    assert [(t.host, t.secret, t.serves) for t in alone.tls] == [("shop.example", ("default", "s"), False)]
+    assert alone.uncovered == [(("default", "s"), "shop.example")]
+    assert haproxy.maps(alone, pems)["crt-list"] == ""  # the default certificate
+    assert alone.redirects("shop.example", "/")  # a TLS host all the same, as with a missing Secret
+    both = routing.build([b, a], cert_names=names.get)
+    assert [(t.host, t.secret, t.ingress) for t in both.tls] == [("shop.example", ("default", "good"), ("default", "b"))]
+    assert "default/a: tls for shop.example: its Secret cannot serve it; default/b's does" in both.conflicts
+    assert haproxy.maps(both, pems)["crt-list"] == "/c/good.pem shop.example\n"
+    # Both covering: the older keeps the host, as before.
+    assert [t.secret for t in routing.build([a, b], cert_names=lambda s: ("shop.example",)).tls] == [("default", "s")]
+
+
+def test_the_redirect_to_https_follows_the_ingress_of_the_path():
+    """ingress-nginx decides per location: the location's ssl-redirect and a certificate for
+    the host.  It was decided per host by the Ingress owning the tls entry: B's "false" on
+    /healthz was ignored, and A's "false" served B's /login over plain HTTP."""
+    a = ing("a", [_rules("shop.example", ("/", "Prefix", "web"), ("/a", "Prefix", "web"))],
+            tls=[{"hosts": ["shop.example"], "secretName": "s"}])
+    b = _annotated(ing("b", [_rules("shop.example", ("/healthz", "Exact", "health"))], created="2024-02-01T00:00:00Z"),
+                   ssl_redirect="false")
+    table = routing.build([a, b])
+    files = render(table)
+    for path, redirected in (("/", True), ("/x", True), ("/healthz", False), ("/healthz/x", True), ("/a", True)):
+        assert table.redirects("shop.example", path) == redirected, path
+        assert lookup(files, table, "shop.example", path) == expected(table, "shop.example", path), path
+        assert lookup(files, table, "shop.example", path, https=True) == table.route("shop.example", path), path
+    # The reverse: the tls entry's Ingress says "false", the other keeps the default.
+    a = _annotated(ing("a", [_rules("shop.example", ("/a", "Prefix", "web"))], tls=[{"hosts": ["shop.example"], "secretName": "s"}]),
+                   ssl_redirect="false")
+    b = ing("b", [_rules("shop.example", ("/login", "Prefix", "login"))], created="2024-02-01T00:00:00Z")
+    table = routing.build([a, b])
+    files = render(table)
+    # A path no rule matches follows the host's oldest Ingress (ingress-nginx's default location).
+    for path, redirected in (("/login", True), ("/login/x", True), ("/a", False), ("/elsewhere", False)):
+        assert table.redirects("shop.example", path) == redirected, path
+        assert lookup(files, table, "shop.example", path) == expected(table, "shop.example", path), path
+    # No TLS for the host: never redirected, whatever the Ingress wants.
+    table = routing.build([b])
+    assert not table.redirects("shop.example", "/login") and lookup(render(table), table, "shop.example", "/login") != REDIRECT
+
+
+def test_a_wildcard_tls_host_redirects_the_one_label_under_it():
+    """A wildcard TLS host (a wildcard rule host in its Ingress's tls) covers one label: its
+    plain-HTTP requests are redirected -- also for a host with rules of its own under it
+    (its certificate is the wildcard's by SNI) -- and two labels under it are not."""
+    w = ing("w", [_rules("*.foo.com", ("/", "Prefix", "wild"))], tls=[{"hosts": ["*.foo.com"], "secretName": "wild"}])
+    other = ing("other", [_rules("x.foo.com", ("/", "Prefix", "x")), _rules("a.b.foo.com", ("/", "Prefix", "ab"))],
+                created="2024-02-01T00:00:00Z")
+    table = routing.build([w, other])
+    files = render(table)
+    assert files["tls-hosts.lst"] == "*.foo.com\n"
+    assert "    acl tls_host var(txn.host),regsub(^[^.]+,*) -m str -f /run/x/tls-hosts.lst" in files["haproxy.cfg"].splitlines()
+    for host, redirected in (("a.foo.com", True), ("A.Foo.com:80", True), ("a.foo.com.", True), ("x.foo.com", True),
+                             ("a.b.foo.com", False), ("foo.com", False), ("foo.bar.com", False)):  # fmt: skip
+        assert table.redirects(host, "/") == redirected, host
+        assert (lookup(files, table, host, "/") == REDIRECT) == redirected, host
+        assert lookup(files, table, host, "/", https=True) == table.route(host, "/"), host
+
+
+TLS_HOSTS = st.sampled_from(["x.io", "y.x.io", "*.x.io"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(HOSTS, st.lists(RULE_PATHS, min_size=1, max_size=3)), min_size=1, max_size=3),
+       st.lists(st.tuples(HOSTS, st.lists(RULE_PATHS, min_size=1, max_size=3)), min_size=1, max_size=3),
+       st.lists(TLS_HOSTS, max_size=2), st.lists(TLS_HOSTS, max_size=2), st.booleans(), st.booleans(),
+       st.sampled_from(["x.io", "y.x.io", "z.x.io", "q.y.x.io", "Y.x.io:80", "other"]), REQUEST_PATHS)  # fmt: skip
+def test_the_rendered_frontend_redirects_as_the_table_on_any_rules(rules_a, rules_b, tls_a, tls_b, off_a, off_b, host, path):
+    """Two Ingresses with any rules, tls hosts and ssl-redirect: the rendered frontend (its
+    rules run by lookup) answers every plain-HTTP and HTTPS request as the reference."""
+    ings = []
+    for name, rules, tls, off, created in (("a", rules_a, tls_a, off_a, "2024-01-01T00:00:00Z"),
+                                           ("b", rules_b, tls_b, off_b, "2024-02-01T00:00:00Z")):  # fmt: skip
+        spec_rules = []
+        for i, (h, paths) in enumerate(rules):
+            r = {"http": {"paths": [p(rp + ("/" if trail and rp != "/" else ""), kind, f"{name}{i}{j}")
+                                    for j, (rp, trail, kind) in enumerate(paths)]}}  # fmt: skip
+            if h:
+                r["host"] = h
+            spec_rules.append(r)
+        obj = ing(name, spec_rules, created=created, **({"tls": [{"hosts": sorted(set(tls)), "secretName": name}]} if tls else {}))
+        ings.append(_annotated(obj, ssl_redirect="false") if off else obj)
+    table = routing.build(ings)
+    files = render(table)
+    assert lookup(files, table, host, path) == expected(table, host, path)
+    assert lookup(files, table, host, path, https=True) == table.route(host, path)

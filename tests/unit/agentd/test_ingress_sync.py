@@ -562,3 +562,44 @@ def test_a_value_error_the_checks_missed_keeps_the_settings_in_use(tmp_path, mon
     monkeypatch.setattr(controller_module.settings, "parse", parse)
     assert ctl._parse_settings() is ctl.settings
     assert ctl.settings_error == "ConfigMap kube-system/agentd-ingress: data: invalid literal for int() with base 10: '\u00b2'"
+
+
+def test_a_certificate_that_does_not_cover_its_host_is_not_served_for_it_and_is_said(tmp_path):
+    """A tls entry naming shop.example with a certificate for other.example only: not written
+    to the crt-list for shop.example (a client would refuse it), said in tls_errors; a newer
+    Ingress's Secret whose certificate covers shop.example serves it (ingress-nginx checks
+    VerifyHostname alike, then serves the default certificate)."""
+    import base64
+
+    from agentd.ingress import certs
+
+    def secret(*names: str) -> dict:
+        pem = certs.self_signed(names[0], names)
+        crt, key = pem.split(b"-----BEGIN PRIVATE KEY-----")
+        return {"type": "kubernetes.io/tls", "data": {"tls.crt": base64.b64encode(crt).decode(),
+                                                      "tls.key": base64.b64encode(b"-----BEGIN PRIVATE KEY-----" + key).decode()}}
+
+    ctl, _ = controller(tmp_path)
+    ctl.objects["IngressClass"][("", "agentd")] = CLASS
+    a = shop_ingress("shop")
+    a["spec"]["tls"] = [{"hosts": ["shop.example"], "secretName": "s"}]
+    ctl.objects["Ingress"][("shop", "a")] = {**a, "metadata": {**a["metadata"], "name": "a"}}
+    ctl.objects["Secret"][("shop", "s")] = secret("other.example")
+    ctl.objects["Secret"][("shop", "good")] = secret("shop.example")
+
+    async def main():
+        files, _ = await ctl._render()
+        assert files["crt-list"] == b""
+        assert ctl.tls_errors == {"shop/s": "its certificate does not cover shop.example (no subjectAltName for it): "
+                                            "shop.example served with the default certificate"}
+        b = shop_ingress("shop")
+        b["metadata"] = {**b["metadata"], "name": "b", "creationTimestamp": "2024-02-01T00:00:00Z"}
+        b["spec"]["tls"] = [{"hosts": ["shop.example"], "secretName": "good"}]
+        ctl.objects["Ingress"][("shop", "b")] = b
+        files, _ = await ctl._render()
+        assert files["crt-list"].decode() == f"{ctl.paths.certs}/shop.good.pem shop.example\n"
+        assert ctl.tls_errors == {"shop/s": "its certificate does not cover shop.example (no subjectAltName for it): "
+                                            "shop.example served with shop/good's certificate"}
+        assert "shop/a: tls for shop.example: its Secret cannot serve it; shop/b's does" in ctl.table.conflicts
+
+    asyncio.run(main())

@@ -33,7 +33,8 @@ def test_request_counters_have_a_series_per_service_port():
 def test_an_ipv6_server_is_named_in_brackets():
     b = Backend("shop", "web", "api", 80)
     controller = SimpleNamespace(proxy=SimpleNamespace(running=True, reloads=0), restarts=0, runtime_changes=0, info={}, served=None,
-                                 table=SimpleNamespace(backends={b.name: b}, vhosts={}, default=None, tls=[], conflicts=[]),
+                                 table=SimpleNamespace(backends={b.name: b}, vhosts={}, default=None, tls=[], conflicts=[],
+                                                      ingresses=[], redirecting=set()),
                                  servers={b.name: {("fd00:10:244:1::5", 8080), ("10.244.1.5", 8080)}}, stats=[],
                                  applied_revision=1, last_change=None, error=None, settings_error=None, tls_errors={},
                                  counter=lambda name, key: 0)  # fmt: skip
