@@ -1763,3 +1763,32 @@ def test_a_timed_out_delegate_is_killed_with_what_it_started(tmp_path):
     assert time.monotonic() - start < 15
     assert code == 1 and out["code"] == 999 and out["msg"] == "delegate bridge did not finish ADD within 0.2 s", out
     assert all(_gone(int(pid)) for pid in pids.read_text().split())  # the shell and its background child
+
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize(("command", "env", "conf", "word"), [
+    ("ADD", {"CNI_COMMAND": "X" * MB}, {}, "unknown CNI_COMMAND"),
+    ("ADD", {"CNI_CONTAINERID": "-" * MB}, {}, "invalid characters in CNI_CONTAINERID"),
+    ("DEL", {"CNI_CONTAINERID": "-" * MB}, {}, "invalid characters in CNI_CONTAINERID"),
+    ("ADD", {"CNI_CONTAINERID": "a" * MB}, {}, "is longer than 200 bytes"),
+    ("ADD", {"CNI_IFNAME": "x" * MB}, {}, "invalid CNI_IFNAME"),
+    ("DEL", {"CNI_IFNAME": "x" * MB}, {}, "invalid CNI_IFNAME"),
+    ("ADD", {}, {"name": "-" * MB}, "invalid characters in network name"),
+    ("ADD", {}, {"cniVersion": ["x" * MB]}, "cniVersion must be a string"),
+    ("ADD", {}, {"cniVersion": "x" * MB}, "incompatible CNI versions"),
+    ("ADD", {}, {"delegate": {"type": "/" * MB}}, "'delegate.type' must be a plugin name"),
+    ("ADD", {}, {"ipam": {"type": "/" * MB}}, "'ipam.type' must be a plugin name"),
+    ("ADD", {}, {"dataDir": "x" * MB}, "'dataDir' must be an absolute path"),
+    ("DEL", {}, {"subnetFile": "x" * MB}, "'subnetFile' must be an absolute path"),
+    ("ADD", {}, {"delegate": {"type": "b" * MB}}, "not found in CNI_PATH"),
+    ("ADD", {}, {"binDir": ["/" + "d" * MB]}, "not found in CNI_PATH"),
+])
+def test_error_messages_are_bounded_whatever_the_value(tmp_path, command, env, conf, word):
+    """A CNI error is one line the runtime logs and shows (kubelet's events): a megabyte of a bad
+    value in the environment or the config is cut, never repeated whole."""
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    outcome = _run(_env(command, **env), _conf(tmp_path, policyTimeout=0, **conf))
+    out = _assert_error(outcome, outcome[1]["code"], word, version="1.0.0")
+    assert len(out["msg"]) < 300 and len(out["details"]) < 300, (len(out["msg"]), len(out["details"]))
