@@ -1792,3 +1792,18 @@ def test_error_messages_are_bounded_whatever_the_value(tmp_path, command, env, c
     outcome = _run(_env(command, **env), _conf(tmp_path, policyTimeout=0, **conf))
     out = _assert_error(outcome, outcome[1]["code"], word, version="1.0.0")
     assert len(out["msg"]) < 300 and len(out["details"]) < 300, (len(out["msg"]), len(out["details"]))
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--key", "not a name"], "--key 'not a name' is not a variable name"),
+    (["--individual", "--format", "json"], "--individual writes variables: it goes with --format env, not json"),
+    (["--output", ""], "--output: empty path"),
+])
+def test_docker_opts_names_a_bad_argument_before_it_reads_the_subnet_file(tmp_path, capsys, args, said):
+    """A unit's ExecStartPre runs before the agent has written the subnet file: a bad flag is
+    named then (exit 2), not reported as the missing file (exit 1)."""
+    from agentd.cli import main
+
+    assert main(["docker-opts", "--subnet-file", str(tmp_path / "none.env"), *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"agentd docker-opts: {said}") and "subnet file" not in err, err
