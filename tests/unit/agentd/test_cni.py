@@ -716,6 +716,7 @@ def test_conflist_is_written_with_per_node_dirs(tmp_path):
         "plugins": [
             {
                 "type": "agentd-cni",
+                "capabilities": {"labels": True, "containerPorts": True, "mac": True},
                 "subnetFile": "/run/ad/n1/subnet.env",
                 "dataDir": "/var/lib/ad/n1/cni",
                 "ipam": {"dataDir": "/var/lib/ad/n1/ipam"},
@@ -1807,3 +1808,60 @@ def test_docker_opts_names_a_bad_argument_before_it_reads_the_subnet_file(tmp_pa
     assert main(["docker-opts", "--subnet-file", str(tmp_path / "none.env"), *args]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"agentd docker-opts: {said}") and "subnet file" not in err, err
+
+
+def _as_libcni_hands_it(doc: dict, index: int, capability_args: dict) -> dict:
+    """The conflist entry ``index`` as libcni gives it to its plugin (buildOneConfig and
+    injectRuntimeConfig, libcni/api.go): name and cniVersion of the list, and in runtimeConfig
+    only the runtime's capability arguments the entry declares."""
+    entry = doc["plugins"][index]
+    conf = {**entry, "name": doc["name"], "cniVersion": doc["cniVersion"]}
+    runtime = {k: v for k, v in capability_args.items() if (entry.get("capabilities") or {}).get(k) is True}
+    if runtime:
+        conf["runtimeConfig"] = runtime
+    return conf
+
+
+def test_the_conflist_declares_the_capabilities_agentd_cni_reads(tmp_path, monkeypatch):
+    """libcni passes a runtimeConfig key only to a plugin whose conflist entry declares it as a
+    capability: agentd-cni's entry declares the keys it reads (labels, containerPorts, mac), so
+    a runtime's labels, named ports and MAC reach the endpoint file (and the MAC the bridge
+    delegate, which sets it), and none of the others' (portmap's, bandwidth's; ipRanges would
+    have host-local put the runtime's ranges before the node's subnet)."""
+    from agentd.cni import endpoints
+
+    path = cni_config.write_conflist(str(tmp_path / "net.d"), subnet_file=str(tmp_path / "subnet.env"),
+                                     data_dir=str(tmp_path / "state"), ipam_data_dir=str(tmp_path / "ipam"))
+    doc = json.loads(pathlib.Path(path).read_text())
+    assert doc["plugins"][0]["capabilities"] == {"labels": True, "containerPorts": True, "mac": True}
+    mac = "02:42:0a:f4:03:07"
+    capability_args = {  # what containerd, CRI-O, podman or Multus may pass
+        "portMappings": [{"hostPort": 8080, "containerPort": 80, "protocol": "tcp"}],
+        "bandwidth": {"ingressRate": 10_000_000, "ingressBurst": 1_000_000},
+        "ipRanges": [[{"subnet": "10.1.0.0/24"}]],
+        "dns": {"servers": ["10.96.0.10"]},
+        "io.kubernetes.cri.pod-annotations": {"a": "b"},
+        "labels": {"app": "web"},
+        "containerPorts": [{"name": "http", "containerPort": 80, "protocol": "TCP"}],
+        "mac": mac,
+    }
+    confs = [_as_libcni_hands_it(doc, i, capability_args) for i in range(len(doc["plugins"]))]
+    assert [c.get("runtimeConfig") for c in confs[1:]] == [{"portMappings": capability_args["portMappings"]},
+                                                           {"bandwidth": capability_args["bandwidth"]}]
+    seen = []
+
+    def invoke(conf, args, env, timeout):
+        seen.append(conf)
+        return {"cniVersion": "1.0.0", "interfaces": [{"name": "cni0"}, {"name": "veth1", "mac": "bb"},
+                                                      {"name": "eth0", "sandbox": args.netns, "mac": mac}],
+                "ips": [{"address": "10.244.3.7/24", "interface": 2}]}  # fmt: skip
+
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    code, result = _run(_env(CNI_ARGS=POD_ARGS), dict(confs[0], policyTimeout=0))
+    assert code == 0, result
+    assert seen[0]["runtimeConfig"] == {k: capability_args[k] for k in ("labels", "containerPorts", "mac")}
+    assert seen[0]["ipam"]["subnet"] == "10.244.3.0/24" and "ranges" not in seen[0]["ipam"]
+    ep = endpoints.read(str(tmp_path / "state"), "c0ffee01")
+    assert (ep.labels, [p["name"] for p in ep.ports], ep.pod_mac) == ({"app": "web"}, ["http"], mac)
