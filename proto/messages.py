@@ -9,7 +9,7 @@ RFC 4271 §6.1; :func:`decode_message` decodes one body by type via :data:`MESSA
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from ipaddress import IPv4Address
 from typing import ClassVar, Union
 
@@ -218,6 +218,11 @@ class Update:
 
     ``errors`` records RFC 7606 outcomes that did not reset the session.  When any is
     treat-as-withdraw, the receiver treats ``nlri`` and ``mp_reach.nlri`` as withdrawn.
+
+    ``other_attributes`` (set by :meth:`decode`) says the UPDATE as received carried a path
+    attribute besides MP_UNREACH_NLRI, kept or not: decoding drops an unrecognized optional
+    non-transitive one (RFC 4271 §5) and may discard a malformed one (RFC 7606), and such an
+    UPDATE is still no End-of-RIB.  A fact about the wire, not the content: not compared.
     """
 
     type: ClassVar[int] = MessageType.UPDATE
@@ -227,6 +232,7 @@ class Update:
     mp_reach: MpReachNlri | None = None
     mp_unreach: MpUnreachNlri | None = None
     errors: tuple[UpdateError, ...] = ()
+    other_attributes: bool = field(default=False, compare=False)
 
     @property
     def treat_as_withdraw(self) -> bool:
@@ -234,8 +240,17 @@ class Update:
 
     @property
     def end_of_rib(self) -> tuple[int, int] | None:
-        """The family this End-of-RIB marker is for (RFC 4724 §2), else None."""
-        if self.withdrawn or self.nlri or self.mp_reach is not None or len(self.attributes) or self.errors:
+        """The family this End-of-RIB marker is for (RFC 4724 §2), else None: an UPDATE with
+        no withdrawn routes, NLRI or path attributes (IPv4 unicast), or one whose only path
+        attribute is an MP_UNREACH_NLRI without withdrawn routes (any family), as received."""
+        if (
+            self.withdrawn
+            or self.nlri
+            or self.mp_reach is not None
+            or self.other_attributes
+            or len(self.attributes)
+            or self.errors
+        ):
             return None
         if self.mp_unreach is None:
             return (1, 1)
@@ -285,7 +300,7 @@ class Update:
         if shared.seen != 7 or shared.errors or shared.next_hop_errors:
             return None
         # RFC 7606 §3 i, §5.3: the NLRI field must be syntactically correct.
-        return cls((), shared.attributes, tuple(decode_prefixes_at(body, aend, len(body), 1)))
+        return cls((), shared.attributes, tuple(decode_prefixes_at(body, aend, len(body), 1)), other_attributes=True)
 
     @classmethod
     def decode(cls, body: bytes, ctx: CodecContext = DEFAULT_CONTEXT, cache: dict | None = None) -> Update:
@@ -395,7 +410,7 @@ class Update:
             raise DecodeError(
                 first.code, first.subcode, first.data, f"{first.message}; and the UPDATE has no reachable NLRI"
             )
-        return cls(withdrawn, shared.attributes, nlri, mp_reach, mp_unreach, tuple(errors))
+        return cls(withdrawn, shared.attributes, nlri, mp_reach, mp_unreach, tuple(errors), other_attrs)
 
 
 def _malformed_list(message: str) -> DecodeError:

@@ -484,6 +484,53 @@ def test_end_of_rib() -> None:
     assert Update(attributes=PathAttributes.of(Origin(0)), mp_unreach=MpUnreachNlri(2, 1)).end_of_rib is None
 
 
+# RFC 4724 §2: the IPv4 unicast End-of-RIB is an UPDATE with no withdrawn routes and no path
+# attributes (Total Path Attribute Length 0); another family's is an UPDATE whose only
+# attribute is an MP_UNREACH_NLRI with no withdrawn routes.  Whatever decoding keeps of an
+# attribute, one on the wire makes the UPDATE no End-of-RIB.
+EMPTY_MP_UNREACH = attr(0x80, 15, b"\x00\x02\x01")
+NOT_END_OF_RIB = [
+    # An unrecognized optional non-transitive attribute, dropped silently (RFC 4271 §5).
+    pytest.param(attr(0x80, 99, b"\x00"), id="unknown-optional-non-transitive-only"),
+    pytest.param(EMPTY_MP_UNREACH + attr(0x80, 99, b"\x00"), id="empty-mp-unreach-and-unknown-optional-non-transitive"),
+    pytest.param(attr(0x80, 99, b"\x00") + EMPTY_MP_UNREACH, id="unknown-optional-non-transitive-and-empty-mp-unreach"),
+    # A malformed ATOMIC_AGGREGATE, attribute-discarded (RFC 7606 §7.6).
+    pytest.param(attr(0x40, 6, b"\x01"), id="discarded-atomic-aggregate-only"),
+    pytest.param(EMPTY_MP_UNREACH + attr(0x40, 6, b"\x01"), id="empty-mp-unreach-and-discarded-atomic-aggregate"),
+    # The only attribute an MP_UNREACH_NLRI, but one that was not kept as an empty one: an
+    # unsupported family's with withdrawn routes (attribute-discard, RFC 4760 §8) ...
+    pytest.param(attr(0x80, 15, b"\x00\x19\x46\x01\x02\x03\x04"), id="unsupported-family-mp-unreach-with-withdrawals"),
+    # ... or an empty one whose flags are wrong (treat-as-withdraw, RFC 7606 §3 c).
+    pytest.param(attr(0xC0, 15, b"\x00\x02\x01"), id="empty-mp-unreach-with-transitive-bit"),
+]
+
+
+@pytest.mark.parametrize("attrs", NOT_END_OF_RIB)
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
+def test_an_update_with_another_attribute_on_the_wire_is_no_end_of_rib(attrs: bytes, cached: bool) -> None:
+    cache: dict | None = {} if cached else None
+    for _ in range(2 if cached else 1):  # with a cache, the second decode finds the attributes there
+        assert Update.decode(update_body(attrs, b""), NEW, cache).end_of_rib is None
+
+
+@pytest.mark.parametrize(
+    ("attrs", "family"),
+    [
+        pytest.param(b"", (1, 1), id="ipv4-no-attributes"),
+        pytest.param(EMPTY_MP_UNREACH, (2, 1), id="ipv6-empty-mp-unreach"),
+        pytest.param(attr(0x90, 15, b"\x00\x02\x01"), (2, 1), id="ipv6-empty-mp-unreach-extended-length"),
+        pytest.param(attr(0x80, 15, b"\x00\x01\x01"), (1, 1), id="ipv4-empty-mp-unreach"),
+    ],
+)
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
+def test_an_end_of_rib_is_recognized(attrs: bytes, family: tuple[int, int], cached: bool) -> None:
+    cache: dict | None = {} if cached else None
+    for _ in range(2 if cached else 1):
+        u = Update.decode(update_body(attrs, b""), NEW, cache)
+        assert u.end_of_rib == family and u.errors == ()
+    assert Update.decode(body(Update.end_of_rib_marker(*family).encode())).end_of_rib == family
+
+
 def test_notification_and_shutdown_communication() -> None:
     n = Notification(4, 0)
     assert n.encode() == message(3, b"\x04\x00") and str(n) == "Hold Timer Expired"
