@@ -300,7 +300,7 @@ class Update:
         if shared.seen != 7 or shared.errors or shared.next_hop_errors:
             return None
         # RFC 7606 §3 i, §5.3: the NLRI field must be syntactically correct.
-        return cls((), shared.attributes, tuple(decode_prefixes_at(body, aend, len(body), 1)), other_attributes=True)
+        return cls((), shared.attributes, tuple(decode_prefixes_at(body, aend, len(body), 1)), None, None, (), True)
 
     @classmethod
     def decode(cls, body: bytes, ctx: CodecContext = DEFAULT_CONTEXT, cache: dict | None = None) -> Update:
