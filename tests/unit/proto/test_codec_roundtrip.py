@@ -398,6 +398,24 @@ def test_received_partial_bit_stays_set_on_known_optional_transitive() -> None:
     assert u.attributes.get(8) == Communities((0x00010002,), partial=True)
 
 
+@pytest.mark.parametrize(
+    ("code", "value", "decoded"),
+    [
+        pytest.param(7, b"\x00\x00\xfd\xe9\x0a\x00\x00\x01", Aggregator(65001, A("10.0.0.1"), partial=True), id="aggregator"),
+        pytest.param(32, struct.pack("!III", 65001, 1, 2), LargeCommunities(((65001, 1, 2),), partial=True), id="large-community"),
+    ],
+)
+def test_received_partial_bit_stays_set_on_other_known_optional_transitive(code: int, value: bytes, decoded: object) -> None:
+    # RFC 4271 §5: once set, Partial stays set as the attribute is passed on.
+    # (COMMUNITIES keeps it in its own decode_value; these rely on decode_shared.)
+    for cache in (None, {}):
+        u = Update.decode(update_body(MANDATORY + attr(0xE0, code, value)), NEW, cache)
+        got = u.attributes.get(code)
+        assert got == decoded and got.partial  # type: ignore[union-attr]
+        assert got.encode(NEW) == attr(0xE0, code, value)  # type: ignore[union-attr]
+        assert u.attributes.encode(NEW).endswith(attr(0xE0, code, value))
+
+
 def test_mp_reach_alone_needs_no_next_hop_and_ignores_a_bad_one() -> None:
     mp = MpReachNlri(2, 1, (IPv6Address("2001:db8::1"), IPv6Address("fe80::1")), (b"\x00",))
     u = Update.decode(update_body(mp.encode(NEW) + ORIGIN + AS_PATH + attr(0x40, 3, bytes(4)), b""))
