@@ -102,21 +102,17 @@ class Open:
         return cls(asn if asn <= 0xFFFF else AS_TRANS, hold_time, IPv4Address(router_id), tuple(caps))
 
     def encode(self, ctx: CodecContext = DEFAULT_CONTEXT) -> bytes:
-        caps = [c.encode() for c in self.capabilities]
-        params = bytearray()
-        chunk = b""
-        for cap in caps:
-            if len(chunk) + len(cap) > 255:
-                params += bytes((2, len(chunk))) + chunk
-                chunk = b""
-            chunk += cap
-        if chunk:
-            params += bytes((2, len(chunk))) + chunk
-        if len(params) <= 255:
-            opt = bytes((len(params),)) + params
+        joined = b"".join(c.encode() for c in self.capabilities)
+        if not joined:
+            opt = b"\x00"
+        elif 2 + len(joined) <= 255:
+            # One Capabilities parameter (RFC 5492 §4).  Splitting them over several would
+            # not help: Optional Parameters Length would still exceed 255.
+            opt = bytes((2 + len(joined), 2, len(joined))) + joined
         else:
             # RFC 9072 §2: extended format, one Capabilities parameter with a 2-octet length.
-            joined = b"".join(caps)
+            # Also what carries a single capability of 254 or 255 octets of value, whose
+            # 256 or 257 octets no parameter with a 1-octet length can hold.
             ext = bytes((2,)) + len(joined).to_bytes(2, "big") + joined
             opt = b"\xff\xff" + len(ext).to_bytes(2, "big") + ext
         body = (

@@ -471,6 +471,44 @@ def test_open_rfc9072_extended_optional_parameters() -> None:
     assert Open.decode(raw) == msg
 
 
+@pytest.mark.parametrize(
+    "caps",
+    [
+        pytest.param((UnknownCapability(70, bytes(255)),), id="one-257-octet-capability"),
+        pytest.param((UnknownCapability(70, bytes(254)),), id="one-256-octet-capability"),
+        pytest.param((UnknownCapability(70, bytes(253)),), id="one-255-octet-capability-alone-too-long-a-parameter"),
+        pytest.param((MultiProtocol(1, 1), UnknownCapability(70, bytes(255)), FourOctetAs(65001)), id="long-one-between-short-ones"),
+    ],
+)
+def test_open_with_a_capability_no_parameter_can_hold_uses_rfc9072(caps: tuple) -> None:
+    # A capability TLV of 256 or 257 octets (RFC 5492 allows a 255-octet value) fits no
+    # 1-octet-length parameter: RFC 9072 §2's extended format carries it, never an empty
+    # Capabilities parameter ahead of it.
+    msg = Open(65001, 90, A("10.0.0.1"), caps)
+    wire = msg.encode()
+    joined = b"".join(c.encode() for c in caps)
+    ext = b"\x02" + struct.pack("!H", len(joined)) + joined
+    assert wire[19:] == struct.pack("!BHH", 4, 65001, 90) + b"\x0a\x00\x00\x01\xff\xff" + struct.pack("!H", len(ext)) + ext
+    assert Open.decode(body(wire)) == msg
+    # As a peer may send it, decoded and encoded again.
+    assert Open.decode(body(Open.decode(body(wire)).encode())) == msg
+
+
+@pytest.mark.parametrize(("size", "extended"), [(253, False), (254, True)])
+def test_open_is_extended_exactly_when_one_parameter_cannot_hold_the_capabilities(size: int, extended: bool) -> None:
+    # One Capabilities parameter of at most 255 octets, or RFC 9072's format.
+    caps = (UnknownCapability(70, bytes(200)), UnknownCapability(71, bytes(size - 210)), FourOctetAs(65001))
+    msg = Open(65001, 90, A("10.0.0.1"), caps)
+    wire = msg.encode()
+    joined = b"".join(c.encode() for c in caps)
+    assert len(joined) == size
+    if extended:
+        assert wire[28:] == b"\xff\xff" + struct.pack("!HBH", size + 3, 2, size) + joined
+    else:
+        assert wire[28:] == bytes((size + 2, 2, size)) + joined
+    assert Open.decode(body(wire)) == msg
+
+
 def test_update_round_trip_with_every_attribute() -> None:
     attrs = PathAttributes.of(
         Origin(1), AsPath((AsPathSegment(AS_SEQUENCE, (65001, 4200000001)),)), NextHop(A("192.0.2.1")),
