@@ -532,7 +532,12 @@ class RouteRefresh:
     @classmethod
     def decode(cls, body: bytes, ctx: CodecContext = DEFAULT_CONTEXT) -> RouteRefresh:
         if len(body) != 4:
-            # RFC 7313 §5: the data is the complete ROUTE-REFRESH message.
+            # RFC 7313 §5: ROUTE-REFRESH Message Error / Invalid Message Length, the data the
+            # complete message.  §5 names it for subtypes 1 and 2; RFC 2918 and RFC 4271 §6.1
+            # define no length error for a ROUTE-REFRESH of subtype 0 (ORF, RFC 5291, which
+            # lengthens it, is not advertised), so the one error defined for it answers every
+            # subtype, as BIRD's bgp_rx_route_refresh does.  A shorter one never gets here:
+            # MessageReader answers a length below 23 with Bad Message Length (1/2).
             length = min(HEADER_LEN + len(body), 0xFFFF)
             raise DecodeError(
                 ErrorCode.ROUTE_REFRESH,

@@ -96,6 +96,12 @@ CASES = [
         Reset(7, 1, message(5, b"\x00\x01\x01\x01\x00")),
         id="rfc7313-5-route-refresh-length-24",
     ),
+    # Subtype 0 (a plain RFC 2918 request) too: RFC 2918 / RFC 4271 §6.1 define no other error.
+    pytest.param(
+        message(5, b"\x00\x01\x00\x01\x00"),
+        Reset(7, 1, message(5, b"\x00\x01\x00\x01\x00")),
+        id="rfc7313-5-route-refresh-subtype-0-length-24",
+    ),
     # ---------------------------------------------------------------- OPEN, RFC 4271 §6.2
     pytest.param(open_msg(version=3), Reset(2, 1, b"\x00\x04"), id="rfc4271-6.2-version-3-unsupported"),
     pytest.param(open_msg(version=5), Reset(2, 1, b"\x00\x04"), id="rfc4271-6.2-version-5-unsupported"),
