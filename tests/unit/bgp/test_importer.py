@@ -94,3 +94,18 @@ def test_ibgp_routes_without_our_as_are_taken(as_path):
     assert str(best.attributes.originator_id) == "10.0.0.7"
     assert counters["routes ignored"] == 0
 
+
+def test_an_external_peer_cannot_set_local_pref_or_reflection_attributes():
+    # RFC 4271 §5.1.5: LOCAL_PREF from an external peer is ignored; RFC 4456 §8: ORIGINATOR_ID
+    # and CLUSTER_LIST belong inside the AS.  Dropped on import, so a high LOCAL_PREF sent by
+    # one eBGP peer does not beat another eBGP peer's shorter AS_PATH.
+    rib, importer, counters = importer_with(("192.0.2.1", 65001), ("192.0.2.2", 65002))
+    sneaky = attributes((65001, 9, 9), "192.0.2.1", local_pref=500, originator="1.1.1.1", clusters=("2.2.2.2",))
+    importer.update("192.0.2.1", update(sneaky, "10.9.0.0/16"), 0.0)
+    prefix = prefix_from_str("10.9.0.0/16")[1]
+    got = rib.best(IPV4_UNICAST, prefix).attributes
+    assert got.local_pref is None and got.originator_id is None and not got.cluster_list
+    assert [a.code for a in got] == [1, 2, 3]  # ORIGIN, AS_PATH, NEXT_HOP: nothing else kept
+    importer.update("192.0.2.2", update(attributes((65002,), "192.0.2.2"), "10.9.0.0/16"), 0.0)
+    assert rib.best(IPV4_UNICAST, prefix).source.key == "192.0.2.2"
+    assert counters["routes ignored"] == 0
