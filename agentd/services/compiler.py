@@ -6,7 +6,7 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
     map service-nodeports { inet_proto . inet_service : verdict }                proto . node port -> goto np-pick/N
     chain prerouting   { type nat hook prerouting priority dstnat; jump services }
     chain output       { type nat hook output priority dstnat; jump services }
-    map nodeport-short-circuit { inet_proto . inet_service : verdict }          Local node ports -> goto np-local/N (every endpoint)
+    map nodeport-short-circuit { inet_proto . inet_service : verdict }          Local node ports -> goto np-local/N (every usable endpoint)
     chain services     { ip daddr . meta l4proto . th dport vmap @service-ips
                          fib daddr type local ip daddr != 127.0.0.0/8 goto nodeports }
     chain nodeports    { ip saddr <this node's pod subnet> meta l4proto . th dport vmap @nodeport-short-circuit
@@ -38,7 +38,10 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
     np-local/N (Local: client address kept; the node's own traffic marked), np-slot/i with the
     maps np-addr/i and np-port/i keyed by proto . node port.  A Local node port's slots hold
     this node's endpoints first, then the others: from outside, np-local/L picks among the L
-    of this node; from this node or its pods, kube-proxy's short-circuit, np-local/N among all.
+    of this node; from this node or its pods, kube-proxy's short-circuit, np-local/N among all
+    N usable ones -- but while this node's are all terminating and others ready (which the
+    short-circuit takes alone), a chain of the Service's own (short-circuit/...) picks among
+    the slots after this node's.
 
 So 10,000 services are one map lookup, not a chain walk, and a Service's endpoints are map
 elements, not rules: an endpoint appearing, leaving or becoming ready changes elements only,
@@ -48,7 +51,8 @@ and their slots are prepared at start; above that, there are slots up to the lar
 in use and pick chains for the counts in use only (a chain for each count up to the largest
 would be ~1.5 N^2 vmap entries: 1,000 endpoints, 60 MB of rules), so the table grows linearly
 with the endpoints.  Rules change when a Service above ``SLOTS_MIN`` reaches a count whose
-chains are not there, or for ClientIP affinity.  A count no longer used keeps its chains
+chains are not there, for ClientIP affinity, and for a Local node port's own
+short-circuit chain (coming, going, or its counts changing).  A count no longer used keeps its chains
 while it is near one in use (within a quarter, the ``RETAIN`` most recent): a rolling update
 going back and forth between counts changes rules once per count, then elements only.
 
@@ -73,11 +77,12 @@ refused (ICMP port unreachable, as kube-proxy does), or dropped where a Local tr
 keeps it off other nodes' endpoints.
 
 externalTrafficPolicy Local is for traffic from outside the node.  A node port reached from
-the node itself or from one of its pods is short-circuited to every endpoint of the Service,
-as kube-proxy does (pkg/proxy/nftables/proxier.go and pkg/proxy/iptables/proxier.go, the
-"external" chain: pod traffic to the cluster policy's endpoints, the node's own traffic
+the node itself or from one of its pods is short-circuited to every usable endpoint of the
+Service, as kube-proxy does (pkg/proxy/nftables/proxier.go and pkg/proxy/iptables/proxier.go,
+the "external" chain: pod traffic to the cluster policy's endpoints, the node's own traffic
 masqueraded and to them too), so such a node without endpoints of its own still reaches the
-Service.  "From this node" is ``fib saddr type local``; "one of its pods" is a source in the
+Service; the cluster policy's endpoints are the ready ones wherever they are (the terminating
+ones only when none is ready anywhere), as for the cluster IP.  "From this node" is ``fib saddr type local``; "one of its pods" is a source in the
 node's pod subnet of the family (kube-proxy's ``--detect-local-mode=NodeCIDR``).
 
 Services with ClientIP affinity keep a chain of their own, one chain per endpoint and a
@@ -117,7 +122,7 @@ SERVICE_IPS = "service-ips"
 NODE_PORTS = "service-nodeports"
 HAIRPIN = "hairpin-self"  # address . address: this node's endpoints E as E . E (a DNATed flow from E to E: masqueraded)
 CLUSTER_IPS = "cluster-ips"  # every cluster IP translated here (a new connection still to one: a port it lacks, refused)
-NP_SHORT_CIRCUIT = "nodeport-short-circuit"  # proto . node port : goto the choice among every endpoint (Local node ports)
+NP_SHORT_CIRCUIT = "nodeport-short-circuit"  # proto . node port : goto the choice among every usable endpoint (Local node ports)
 SVC_COUNTERS = "service-counters"  # VIP . proto . port : the service's counter
 NP_COUNTERS = "nodeport-counters"  # proto . node port : the service's counter
 UNAVAILABLE = "service-unavailable"  # VIP . proto . port : goto reject or drop (no usable endpoint)
@@ -210,11 +215,13 @@ def np_pick_chain(n: int, local: bool) -> str:
     return f"np-local/{n}" if local else f"np-pick/{n}"
 
 
-def _numgen(n: int, slot: str) -> str:
+def _numgen(n: int, slot: str, first: int = 0) -> str:
+    """The rule choosing one of ``n`` slots at random, from slot ``first`` on."""
     if n == 1:
-        return rule_text([goto(f"{slot}/0")])
-    pick = {"numgen": {"mode": "random", "mod": n, "offset": 0}}
-    return rule_text([{"vmap": {"key": pick, "data": {"set": [[i, goto(f"{slot}/{i}")] for i in range(n)]}}}])
+        return rule_text([goto(f"{slot}/{first}")])
+    pick = {"numgen": {"mode": "random", "mod": n, "offset": first}}
+    choices = [[i, goto(f"{slot}/{i}")] for i in range(first, first + n)]
+    return rule_text([{"vmap": {"key": pick, "data": {"set": choices}}}])
 
 
 def slot_objects(i: int, fam: AddressFamily = IPV4) -> list[Any]:
@@ -255,14 +262,24 @@ def pick_objects(n: int, fam: AddressFamily = IPV4, pod_subnet: str | None = Non
     Local node ports (the node's own traffic reaches those short-circuited only, masqueraded as
     by kube-proxy: the node port's address, one of the node's, is its source)."""
     count = rule_text([{"counter": {"map": {"key": vip_key(fam), "data": "@" + SVC_COUNTERS}}}])
-    np_count = rule_text([{"counter": {"map": {"key": NP_KEY, "data": "@" + NP_COUNTERS}}}])
     t = fam.proto
     return [
         NftChain(t, TABLE, pick_chain(n), (rule_text([*not_from_pods(fam, pod_subnet), MARK_MASQ]), count, _numgen(n, "slot"))),
-        NftChain(t, TABLE, np_pick_chain(n, False), (rule_text([MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
-        NftChain(t, TABLE, np_pick_chain(n, True), (
-            rule_text([FROM_NODE, MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
+        NftChain(t, TABLE, np_pick_chain(n, False), (rule_text([MARK_MASQ]), NP_COUNT, _numgen(n, "np-slot"))),
+        NftChain(t, TABLE, np_pick_chain(n, True), (rule_text([FROM_NODE, MARK_MASQ]), NP_COUNT, _numgen(n, "np-slot"))),
     ]
+
+
+NP_COUNT = rule_text([{"counter": {"map": {"key": NP_KEY, "data": "@" + NP_COUNTERS}}}])  # a node port's counter
+
+
+def own_short_circuit(sp: ServicePort, fam: AddressFamily, first: int, n: int) -> NftChain:
+    """A Local node port's short-circuit of its own (``short-circuit/...``): the choice among
+    the ``n`` node port slots from ``first`` on, as the shared ``np-local/N`` chooses among the
+    first N (the node's own traffic masqueraded).  For the one case the shared slots cannot
+    serve: this node's endpoints all terminating while others are ready (compile_port)."""
+    return NftChain(fam.proto, TABLE, short_circuit_chain(sp), (
+        rule_text([FROM_NODE, MARK_MASQ]), NP_COUNT, _numgen(n, "np-slot", first)))  # fmt: skip
 
 
 def base_objects(
@@ -296,8 +313,8 @@ def base_objects(
             rule_text([local, not_loopback, goto("nodeports")]),
         )),
         # A node port from this node's pods or from the node itself: a Local one goes to every
-        # endpoint (kube-proxy's short-circuit); anything else, and traffic from outside, as the
-        # node port's policy says.
+        # usable endpoint (kube-proxy's short-circuit); anything else, and traffic from outside,
+        # as the node port's policy says.
         NftChain(t, TABLE, "nodeports", (
             *([rule_text([match(payload(t, "saddr"), prefix(pod_subnet)), short_circuit])] if pod_subnet else []),
             rule_text([FROM_NODE, short_circuit]),
@@ -378,7 +395,8 @@ MapKey = tuple[str, str]  # (table family, map or set name)
 
 class Compiled:
     """What one service port compiles to: objects of its own (affinity chains, its counter),
-    elements in the shared maps, and the endpoint counts whose pick chains it uses."""
+    elements in the shared maps, and the endpoint counts whose pick chains it uses (a
+    negative one -N: the slots up to N only, which its own chain picks from)."""
 
     __slots__ = ("objects", "elements", "sizes")
 
@@ -422,13 +440,18 @@ def compile_port(sp: ServicePort, node: str, pod_subnets: Mapping[int, str] | No
             put(UNAVAILABLE, ((sp.cluster_ip, sp.l4, sp.port), _unavailable(every)))
     if sp.node_port is not None:
         key = (sp.l4, sp.node_port)
+        # The short-circuit (externalTrafficPolicy Local, from this node or its pods) chooses
+        # among every usable endpoint, kube-proxy's cluster policy chain: the ready ones
+        # wherever they are (sp.short_circuit_endpoints).  The slots hold this node's
+        # endpoints first, the others after them: from outside the choice is among the first
+        # L (np-local/L).  Where this node's are among every usable one (ready, or none ready
+        # anywhere), the short-circuit is the shared np-local/N over the first N.  Only while
+        # this node's are all terminating and others ready are they not: the N ready ones
+        # follow the L terminating ones in the slots, and the short-circuit is a chain of the
+        # Service's own choosing among slots L to L+N-1, none of this node's.
+        shared = not sp.external_local or set(local) <= set(every)
         if sp.external_local:
-            # This node's endpoints in the first slots, the others after them: from outside
-            # the choice is among the first (np-local/L), from this node or its pods among all
-            # (the short-circuit).  Only while this node's endpoints are all terminating and
-            # others are ready do the two lists differ by more than that; the short-circuit
-            # then takes this node's terminating ones too.
-            chosen, outside = sp.short_circuit_endpoints(node), len(local)
+            chosen, outside = local + tuple(e for e in every if e not in local), len(local)
         else:
             chosen, outside = every, len(every)
         for i, e in enumerate(chosen):
@@ -441,9 +464,14 @@ def compile_port(sp: ServicePort, node: str, pod_subnets: Mapping[int, str] | No
             sizes.add(outside)
         else:
             put(NP_UNAVAILABLE, (key, _unavailable(every)))
-        if sp.external_local and chosen:
-            put(NP_SHORT_CIRCUIT, (key, ("goto", np_pick_chain(len(chosen), True))))
-            sizes.add(len(chosen))
+        if sp.external_local and every:
+            if shared:
+                put(NP_SHORT_CIRCUIT, (key, ("goto", np_pick_chain(len(every), True))))
+                sizes.add(len(every))
+            else:
+                objs.append(own_short_circuit(sp, fam, len(local), len(every)))
+                put(NP_SHORT_CIRCUIT, (key, ("goto", short_circuit_chain(sp))))
+                sizes.add(-len(chosen))  # slots up to there, no pick chain of that count
     # This node's endpoints (and those of no known node: maybe this one's) among the chosen:
     # one reaching itself through the Service is masqueraded in postrouting.  An element only
     # matches on the endpoint's own node (the client is the endpoint), others are left out.
@@ -785,12 +813,13 @@ class Table:
         the counts in use (those up to SLOTS_MIN always), and for a few no longer used near
         one in use: linear in the endpoints, not a chain for every count up to the largest."""
         in_use = {n for n, uses in self.sizes.items() if uses > 0 and n > SLOTS_MIN}
+        slots_only = [-n for n, uses in self.sizes.items() if uses > 0 and n < 0]  # own chains' slots
         self._unused = [n for n in self._unused if n not in in_use] + sorted(self.picks - in_use - set(self._unused))
         near = [n for n in self._unused if any(abs(n - m) * 4 <= m for m in in_use)]
         kept = set(near[-RETAIN:])
         self._unused = [n for n in self._unused if n in kept]
         picks = in_use | kept
-        slots = max([SLOTS_MIN, *picks])
+        slots = max([SLOTS_MIN, *picks, *slots_only])
         if picks == self.picks and slots == self.slots:
             return set()
         added: list[Any] = []
