@@ -109,7 +109,7 @@ from typing import Any
 from agentd.nft.expr import (
     IPV4, SUPPRESSED, AddressFamily, DropLog, FAMILIES, families as rows, goto, match, meta, object_name, payload, prefix,
 )  # fmt: skip
-from agentd.nft.ruleset import NftChain, NftCounter, NftSet, Ruleset, rule_text
+from agentd.nft.ruleset import Elements, NftChain, NftCounter, NftSet, Ruleset, rule_text
 
 from .model import Endpoint, ServicePort
 
@@ -585,6 +585,80 @@ def _owner(holders: Mapping[ServiceKey, tuple[Any, ...]]) -> ServiceKey:
     return min(holders, key=lambda k: holders[k])
 
 
+class _Log:
+    """One shared map of a :class:`Table`: every Service's elements (``have``, the Table's
+    own set, changed in place), what came and went since :attr:`Table.rs` last handed out a
+    version of it (``added``, ``removed``: net, what came and went in between cancels), and
+    that version (``latest``)."""
+
+    __slots__ = ("added", "have", "latest", "removed")
+
+    def __init__(self, have: set[Any]) -> None:
+        self.have = have
+        self.added: set[Any] = set()
+        self.removed: set[Any] = set()
+        self.latest: _Version | None = None
+
+    def note(self, gone: set[Any], new: set[Any]) -> None:
+        self.removed |= gone - self.added
+        self.added -= gone
+        self.added |= new - self.removed
+        self.removed -= new
+
+    def read(self) -> tuple[frozenset[Any], frozenset[Any]]:
+        """A new version of the map (``latest``); its difference from the one before."""
+        added, removed = frozenset(self.added), frozenset(self.removed)
+        self.added, self.removed = set(), set()
+        version = _Version(self)
+        if self.latest is not None:
+            self.latest.followed(version, added, removed)
+        self.latest = version
+        return added, removed
+
+
+class _Version(Elements):
+    """A version of a shared map's elements as :attr:`Table.rs` handed it out, made only when
+    looked at: the latest from the map's elements now less what changed since, an older one
+    from the next version less the difference between them.  An older one holds the next
+    (and the differences), never the one before: a version nobody holds goes."""
+
+    __slots__ = ("_added", "_log", "_next", "_removed")
+
+    def __init__(self, log: _Log) -> None:
+        super().__init__()
+        self._log: _Log | None = log
+        self._next: _Version | None = None
+        self._added: frozenset[Any] = frozenset()
+        self._removed: frozenset[Any] = frozenset()
+
+    def followed(self, version: _Version, added: frozenset[Any], removed: frozenset[Any]) -> None:
+        """``version`` came after this one, ``added`` and ``removed`` from it."""
+        self._log = None
+        if not self.made:
+            self._next, self._added, self._removed = version, added, removed
+
+    def _build(self) -> set[Any]:
+        # Forward to the latest (or to one already made), then back, undoing each difference:
+        # iterative, a chain of versions never read by plan() may be long.
+        chain: list[_Version] = []
+        v = self
+        while not v.made and v._next is not None:
+            chain.append(v)
+            v = v._next
+        if v.made:
+            out = set(v.frozen())
+        else:
+            assert v._log is not None
+            out = (v._log.have - v._log.added) | v._log.removed
+        for older in reversed(chain):
+            out -= older._added
+            out |= older._removed
+        return out
+
+    def _forget(self) -> None:
+        self._log, self._next, self._added, self._removed = None, None, frozenset(), frozenset()
+
+
 class Table:
     """The table kept up to date service by service: a change costs that service's objects
     and elements.
@@ -592,9 +666,10 @@ class Table:
     :meth:`update` replaces what one Service compiles to and returns the keys of the objects
     that changed (for :meth:`agentd.nft.programmer.NftProgrammer.sync`).  The shared maps
     change by exact differences: each update adds and removes that Service's elements, and
-    reading :attr:`rs` rebuilds each changed map once, carrying its net difference since the
-    last read (``NftSet.delta``), so that neither a batch of many Services nor the plan of one
-    change costs a pass over 10,000 elements per map.  ``rs`` is the whole wanted ruleset.
+    reading :attr:`rs` makes each changed map a new version once, carrying its net difference
+    since the last read (``NftSet.delta``), its elements made only if the plan looks at them
+    (:class:`_Version`), so that neither a batch of many Services nor the plan of one change
+    costs a pass over 10,000 elements per map.  ``rs`` is the whole wanted ruleset.
     ``pod_subnets``: this node's pod subnet per IP version (whose traffic to a Local node port
     is short-circuited, as the node's own is); ``service_ranges``: the cluster IPs' range per
     IP version (an address of it no Service has: dropped)."""
@@ -615,8 +690,9 @@ class Table:
             for obj in base_objects(self.slots, log, fam=fam, pod_subnet=(pod_subnets or {}).get(fam.version),
                                     service_range=(service_ranges or {}).get(fam.version)):  # fmt: skip
                 self._rs.add(obj)
-        # (family, map name) -> (elements added, elements removed) since rs was last read
-        self._pending: dict[MapKey, tuple[set[Any], set[Any]]] = {}
+        # (family, map name) -> its elements and their difference since rs last handed it out
+        self._logs: dict[MapKey, _Log] = {}
+        self._pending: dict[MapKey, _Log] = {}  # those changed since rs was last read
         # per service: its ports, its own objects by key, its elements by map, its pick sizes
         self.services: dict[ServiceKey, tuple[tuple[ServicePort, ...], dict[Any, Any], dict[MapKey, set[Any]], list[int]]] = {}
         self.elements: dict[MapKey, set[Any]] = {}  # (family, map or set name) -> every service's elements
@@ -756,12 +832,11 @@ class Table:
             gone, new = self._unshared(name, have, before - after, after - before)
             have -= gone
             have |= new
-            # The net difference since rs was last read: what came and went in between cancels.
-            added, removed = self._pending.setdefault(name, (set(), set()))
-            removed |= gone - added
-            added -= gone
-            added |= new - removed
-            removed -= new
+            changes = self._logs.get(name)
+            if changes is None:
+                changes = self._logs[name] = _Log(have)
+            changes.note(gone, new)
+            self._pending[name] = changes
             touched.add(obj_key)
         return touched
 
@@ -792,19 +867,20 @@ class Table:
 
     @property
     def rs(self) -> Ruleset:
-        """The whole wanted ruleset (changed maps rebuilt here, once per read)."""
-        for name, (added, removed) in self._pending.items():
+        """The whole wanted ruleset (a changed map is a new version of it, once per read,
+        carrying its difference: its elements are made only if plan() looks at them)."""
+        for name, changes in self._pending.items():
             base = self._rs.objects.get((name[0], TABLE, "set", name[1]))
             if not isinstance(base, NftSet):
-                continue
+                continue  # (its difference stays in the log, the next version's)
             # Only one step back: plan() takes the delta when the kernel holds ``base`` itself
             # (the object, as applied() keeps it), never an older version -- so ``base`` lets go
             # of its own, or every version of a set that keeps changing would stay reachable.
             if base.delta is not None:
                 object.__setattr__(base, "delta", None)
+            added, removed = changes.read()
             self._rs.add(NftSet(base.family, base.table, base.name, base.type, map=base.map,
-                                elements=frozenset(self.elements.get(name, ())),
-                                delta=(base, frozenset(added), frozenset(removed))))  # fmt: skip
+                                elements=changes.latest, delta=(base, added, removed)))  # fmt: skip
         self._pending.clear()
         return self._rs
 
@@ -837,6 +913,9 @@ class Table:
             self._rs.objects.pop(obj.key, None)
             self.elements.pop((obj.family, obj.name), None)
             self._pending.pop((obj.family, obj.name), None)
+            changes = self._logs.pop((obj.family, obj.name), None)
+            if changes is not None and changes.latest is not None:
+                changes.latest.frozen()  # the kernel may hold it: made before its elements go
             self._uses.pop((obj.family, obj.name), None)
             touched.add(obj.key)
         self.slots, self.picks = slots, picks
