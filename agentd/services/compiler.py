@@ -51,8 +51,8 @@ and their slots are prepared at start; above that, there are slots up to the lar
 in use and pick chains for the counts in use only (a chain for each count up to the largest
 would be ~1.5 N^2 vmap entries: 1,000 endpoints, 60 MB of rules), so the table grows linearly
 with the endpoints.  Rules change when a Service above ``SLOTS_MIN`` reaches a count whose
-chains are not there, for ClientIP affinity, and for a Local node port's own
-short-circuit chain (coming, going, or its counts changing).  A count no longer used keeps its chains
+chains are not there, for ClientIP affinity, and for a Local node port's own short-circuit
+chain (coming, going, or its counts changing).  A count no longer used keeps its chains
 while it is near one in use (within a quarter, the ``RETAIN`` most recent): a rolling update
 going back and forth between counts changes rules once per count, then elements only.
 
@@ -82,8 +82,9 @@ Service, as kube-proxy does (pkg/proxy/nftables/proxier.go and pkg/proxy/iptable
 the "external" chain: pod traffic to the cluster policy's endpoints, the node's own traffic
 masqueraded and to them too), so such a node without endpoints of its own still reaches the
 Service; the cluster policy's endpoints are the ready ones wherever they are (the terminating
-ones only when none is ready anywhere), as for the cluster IP.  "From this node" is ``fib saddr type local``; "one of its pods" is a source in the
-node's pod subnet of the family (kube-proxy's ``--detect-local-mode=NodeCIDR``).
+ones only when none is ready anywhere), as for the cluster IP.  "From this node" is ``fib
+saddr type local``; "one of its pods" is a source in the node's pod subnet of the family
+(kube-proxy's ``--detect-local-mode=NodeCIDR``).
 
 Services with ClientIP affinity keep a chain of their own, one chain per endpoint and a
 timeout set per endpoint (``svc/...``, ``ext/...``, ``ep/...``, ``aff/.../TIMEOUT``): the affinity
