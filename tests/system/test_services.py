@@ -267,7 +267,7 @@ async def test_a_local_node_ports_short_circuit_sends_no_new_connection_to_a_ter
     fallback, KEP-1669); from node1's pod and node1 itself, the short-circuit goes to the
     cluster policy's endpoints, web-2 only -- never the terminating one while another is
     ready, as through the cluster IP (review s57/r2: it took web-1 one time in two)."""
-    node1, node3 = world.lab.nodes[0], world.lab.nodes[2]
+    node1 = world.lab.nodes[0]
     eps = _eps(world, ["web-1"], ready=False, serving=True, terminating=True) + _eps(world, ["web-2"])
     await world.apply(service("drain", {"type": "NodePort", "externalTrafficPolicy": "Local",
                                         "ports": [{"name": "http", "port": 80, "nodePort": 30083}]}),
