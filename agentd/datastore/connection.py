@@ -227,11 +227,16 @@ class EtcdConnection:
         while True:
             client = self.client()
             remaining = None if deadline is None else deadline - self.clock()
+            if remaining is not None and remaining <= 0:
+                # Not tried now (the deadline was spent before: waiting for the lock, earlier
+                # calls of the same operation, the backoff's sleep): says nothing of etcd, so
+                # neither its state nor the endpoint changes.
+                if problem:
+                    raise DatastoreUnavailable(f"etcd at {', '.join(self.urls)} unreachable ({what}): {problem}")
+                raise DatastoreUnavailable(f"{what}: deadline passed before etcd was asked")
             try:
                 if remaining is None:
                     result = await op(client)
-                elif remaining <= 0:
-                    raise asyncio.TimeoutError()
                 else:
                     result = await cancel_kept(asyncio.wait_for(op(client), remaining))
             except asyncio.CancelledError:

@@ -70,19 +70,53 @@ def test_an_unanswered_keepalive_ping_ends_the_channel_within_seconds():
     assert options["grpc.http2.ping_timeout_ms"] <= 5000
 
 
-async def test_a_call_past_its_deadline_is_one_clear_error_and_marks_etcd_unreachable():
+async def test_a_call_whose_deadline_passed_before_etcd_was_asked_changes_nothing(caplog):
+    """The second call of one operation, its deadline used up by the first (or by the wait for
+    the lock): it raised asyncio.TimeoutError before asking etcd, taken for a transient
+    failure -- "etcd unreachable" logged, on_state_change(False), failover to the next member
+    -- while etcd was fine.  Now: one clear error, and etcd's state and endpoint as they were."""
     clock = Clock()
     changes: list[bool] = []
-    conn = connection(clock=clock, changes=changes)
+    conn = connection("http://10.0.0.1:2379", "http://10.0.0.2:2379", clock=clock, changes=changes)
+    calls = []
+
+    async def op(client):
+        calls.append(client)
+        return "value"
+
+    assert await conn.call("read", op, conn.deadline(5)) == "value"
+    index, endpoint = conn.index, conn.endpoint
+    caplog.set_level(logging.INFO, logger="agentd.datastore")
+    with pytest.raises(DatastoreUnavailable, match=r"^read again: deadline passed before etcd was asked$"):
+        await conn.call("read again", op, clock.now)
+    assert len(calls) == 1  # not even tried
+    assert (conn.state, conn.index, conn.endpoint, changes) == (True, index, endpoint, [True])
+    assert caplog.records == []
+    conn.closed = True
+    await conn.shut()
+
+
+async def test_a_call_failing_until_its_deadline_is_one_clear_error_and_marks_etcd_unreachable():
+    """A call tried and failing until its deadline: etcd unreachable, said once, with the
+    failure -- also where the deadline runs out in the backoff's sleep (the next attempt is not
+    made, and moves to no further endpoint)."""
+    from agentd.datastore.records import Backoff
+
+    times = iter([100.0, 100.5, 100.9, 101.0])  # deadline(1.0); attempt; after its failure; after the sleep
+    changes: list[bool] = []
+    conn = connection("http://10.0.0.1:2379", "http://10.0.0.2:2379", clock=lambda: next(times), changes=changes)
+    conn.backoff = lambda cap=5.0: Backoff(initial=1e-6, cap=1e-6, rng=random.Random(1))
+    index = conn.index
     calls = []
 
     async def op(client):
         calls.append(client)
         raise aetcd.ConnectionFailedError("refused")
 
-    with pytest.raises(DatastoreUnavailable, match=r"etcd at http://127.0.0.1:2379 unreachable \(list\)"):
-        await conn.call("list", op, conn.deadline(0.0))
-    assert calls == []  # the deadline had passed: not even tried
+    with pytest.raises(DatastoreUnavailable,
+                       match=r"^etcd at http://10.0.0.1:2379, http://10.0.0.2:2379 unreachable \(list\): .*refused"):
+        await conn.call("list", op, conn.deadline(1.0))
+    assert len(calls) == 1 and conn.index == index + 1
     assert changes == [False] and conn.state is False
     conn.set_connected(False, "again")  # no change: no callback
     conn.set_connected(True)
