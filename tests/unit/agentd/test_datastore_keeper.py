@@ -1049,3 +1049,68 @@ def test_free_subnets_leave_out_leases_of_every_prefix_length():
     huge = IPv4Network("10.0.0.0/8")  # probed: a stray /9 takes half of it
     picks = {pick_free_subnet(huge, 28, [IPv4Network("10.0.0.0/9")], random.Random(s)) for s in range(30)}
     assert all(p is not None and not p.overlaps(IPv4Network("10.0.0.0/9")) for p in picks) and len(picks) == 30
+
+
+# --- racing claims, a lease lost mid-acquire ----------------------------------------------------
+
+CLUSTER_16 = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
+
+
+class RacingClaim(FakeEtcd):
+    """Another node's claim of the same subnet lands between our read and our claim (its key
+    put just before our first subnet transaction reaches etcd)."""
+
+    raced: KV | None = None
+
+    async def transaction(self, compare, success=None, failure=None):
+        puts = [o for o in (success or []) if isinstance(o, tx.Put) and b"/subnets/" in o.key]
+        if puts and self.raced is None:
+            self.next_lease += 1
+            self.leases.add(self.next_lease)
+            subnet = IPv4Network(puts[0].key.decode().rsplit("/", 1)[1].replace("-", "/"))
+            self._put(puts[0].key, SubnetLease(subnet, "n2", "192.0.2.20", "vxlan").to_json(), self.next_lease)
+            self.raced = dataclasses.replace(self.kvs[puts[0].key])
+        return await super().transaction(compare, success, failure)
+
+
+async def test_two_nodes_racing_for_one_free_subnet_never_both_hold_it():
+    """The claim of a free subnet puts its key only if it is still absent (Version == 0): n2's
+    claim, landing between n1's read and n1's claim, wins; n1 takes another subnet and n2's key
+    is left as n2 wrote it (without the compare both believed they held it: review mutant M4)."""
+    etcd = RacingClaim()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    got = await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(3)).acquire_subnet(
+        "n1", "192.0.2.10", "vxlan", {}, cluster=CLUSTER_16)
+    await keeper.stop()
+    assert etcd.raced is not None
+    assert etcd.kvs[etcd.raced.key] == etcd.raced  # n2's, untouched
+    assert subnet_key(PREFIX, got.subnet) != etcd.raced.key
+    mine = etcd.kvs[subnet_key(PREFIX, got.subnet)]
+    assert (mine.value, mine.lease) == (SubnetLease(got.subnet, "n1", "192.0.2.10", "vxlan").to_json(), got.lease_id)
+
+
+class LeaseExpiresBeforeTheClaim(FakeEtcd):
+    """The lease expires just before the first subnet claim reaches etcd (an outage longer than
+    lease_ttl while the agent starts)."""
+
+    expired: int | None = None
+
+    async def transaction(self, compare, success=None, failure=None):
+        puts = [o for o in (success or []) if isinstance(o, tx.Put) and b"/subnets/" in o.key]
+        if puts and self.expired is None:
+            self.expired = puts[0].lease
+            self.expire(puts[0].lease)
+        return await super().transaction(compare, success, failure)
+
+
+async def test_a_lease_lost_in_the_middle_of_acquire_subnet_is_granted_again_and_the_subnet_taken():
+    """The claim finds the lease gone (etcd: lease not found): the allocation carries on under a
+    new lease instead of failing (the agent would not start: review mutant M12)."""
+    etcd = LeaseExpiresBeforeTheClaim()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    got = await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(3)).acquire_subnet(
+        "n1", "192.0.2.10", "vxlan", {}, cluster=CLUSTER_16)
+    await keeper.stop()
+    assert etcd.expired is not None and got.lease_id not in (None, etcd.expired)
+    assert keeper.lease_id == got.lease_id and got.lease_id in etcd.leases
+    assert etcd.kvs[subnet_key(PREFIX, got.subnet)].lease == got.lease_id
