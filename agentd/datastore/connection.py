@@ -298,6 +298,8 @@ async def cancel_kept(awaitable: Awaitable[T]) -> T:
 
 
 async def close_quietly(client: EtcdClient) -> None:
-    """Close an aetcd client; a client whose streams already failed may complain, ignore it."""
+    """Close an aetcd client; a client whose streams already failed may complain, ignore it.
+    A cancel landing as the close ends is kept (cancel_kept): a watch closing its failed
+    client when its consumer cancelled it went on watching."""
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(client.close(), 5.0)
+        await cancel_kept(asyncio.wait_for(client.close(), 5.0))

@@ -567,3 +567,26 @@ async def test_a_watch_resumes_after_its_last_revision_and_re_lists_after_a_comp
     assert out == [("snapshot", 10), ("put", 11), ("put", 12), ("snapshot", 20), ("snapshot", 30)]
     conn.closed = True
     await conn.shut()
+
+
+async def test_a_cancel_landing_as_a_client_closes_is_kept():
+    """close_quietly's wait_for (Python 3.11) returned normally when the close ended in the
+    same loop step as its task was cancelled (CPython gh-86296): a watch cancelled by its
+    consumer while closing its failed client went on re-creating watches for ever."""
+    import asyncio
+
+    from agentd.datastore.connection import close_quietly
+
+    gate = asyncio.get_running_loop().create_future()
+
+    class Client:
+        async def close(self):
+            await gate
+
+    task = asyncio.ensure_future(close_quietly(Client()))  # type: ignore[arg-type]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    gate.set_result(None)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
