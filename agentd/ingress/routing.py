@@ -32,21 +32,24 @@ features):
   oldest Ingress of its virtual host that has one, else to the ``defaultBackend`` of the
   oldest Ingress of ours that has one, else to the built-in default backend: 404.
 * **TLS.**  An Ingress's ``tls[]`` applies to the hosts of its OWN rules only, as in
-  ingress-nginx (createServers walks an Ingress's rules): a rule host takes the entry naming
-  it, else an entry whose certificate covers it (:func:`covers`: one without ``hosts``, or a
-  wildcard one); a host an entry names that none of its Ingress's rules has is ignored (in
-  ``conflicts``) -- it would take another Ingress's host by SNI.  The rules without a host
-  get the controller's default certificate, never an Ingress's.  A Secret serves a host only
-  if it is usable and its certificate covers the host (Go's ``VerifyHostname``, which
-  ingress-nginx asks); a host named by several Ingresses takes the oldest one's Secret that
-  serves it, else the oldest one's entry (served with the default certificate, in
-  ``uncovered``/tls_errors when the certificate does not cover it).  ingress-nginx differs
-  there: the oldest Ingress's entry keeps the host, with the default certificate.
-  Plain-HTTP requests for a TLS host (its Secret usable or not, or the entry naming none, as
-  in ingress-nginx) are redirected to HTTPS (308) when the Ingress of the path that answers
-  wants it (the matching rule's Ingress, else its virtual host's oldest: ConfigMap
-  ``ssl-redirect``, Ingress annotation ``ingress.agentd.io/ssl-redirect``) -- decided per
-  path, as ingress-nginx decides per location.
+  ingress-nginx (createServers walks an Ingress's rules, extractTLSSecretName): a rule host
+  takes the FIRST entry naming it (its Secret serving or not: a later entry naming it is not
+  looked at), else the first entry whose certificate covers it (:func:`covers`: one without
+  ``hosts``, or a wildcard one), else -- the Ingress has a tls section -- the default
+  certificate (with the Secret of a wildcard entry covering it, said in tls_errors).  A host
+  an entry names that covers none of its Ingress's rule hosts is ignored (in ``conflicts``)
+  -- it would take another Ingress's host by SNI.  The rules without a host get the
+  controller's default certificate, never an Ingress's, and are never redirected.  A Secret
+  serves a host only if it is usable and its certificate covers the host (Go's
+  ``VerifyHostname``, which ingress-nginx asks); a host several Ingresses give TLS takes the
+  oldest one's Secret that serves it, else the oldest one's (served with the default
+  certificate, in ``uncovered``/tls_errors when the certificate does not cover it).
+  ingress-nginx differs there: the oldest Ingress keeps the host, with the default certificate.
+  Plain-HTTP requests for a TLS host (its Secret usable or not, or none, as in ingress-nginx)
+  are redirected to HTTPS (308) when the Ingress of the path that answers wants it (the
+  matching rule's Ingress, else its virtual host's oldest: ConfigMap ``ssl-redirect``, Ingress
+  annotation ``ingress.agentd.io/ssl-redirect``) -- decided per path, as ingress-nginx decides
+  per location.
 
 A backend is one (Ingress, Service, port): its requests are counted per Ingress.
 """
