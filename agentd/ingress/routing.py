@@ -398,17 +398,18 @@ def _tls(table: RouteTable, me: tuple[str, str], spec: Obj, usable: Callable[[tu
             if not ok and secret is not None and usable(secret):
                 table.uncovered.append((secret, host))
             if not ok and (better := next((s for s in named[host][1:] if s != secret and serves(s, host)), None)):
-                table.conflicts.append(
-                    f"{ns}/{name}: tls for {host}: the first entry naming it gives it its Secret, "
-                    f"{secret[0] + '/' + secret[1] if secret else 'none'}, which cannot serve it; "
-                    f"not {better[0]}/{better[1]} of a later entry")  # fmt: skip
+                first = (f"gives it its Secret, {secret[0]}/{secret[1]}, which cannot serve it" if secret is not None
+                         else "has no secretName")  # fmt: skip
+                table.conflicts.append(f"{ns}/{name}: tls for {host}: the first entry naming it {first}; "
+                                       f"not {better[0]}/{better[1]} of a later entry")  # fmt: skip
         elif (secret := first_covering(host)) is not None:
             ok = True
         else:  # the default certificate (ingress-nginx), a wildcard entry covering it named
             label, dot, parent = host.partition(".")
             wildcard = named.get(f"*.{parent}") if label and dot else None
-            secret, ok, given = (wildcard[0], False, True) if wildcard else (None, False, False)
-            if secret is not None and usable(secret):
+            secret, given = (wildcard[0], True) if wildcard else (None, False)
+            ok = serves(secret, host)  # its certificate's names not known: it does
+            if not ok and secret is not None and usable(secret):
                 table.uncovered.append((secret, host))
         if secret is not None:
             chosen.add(secret)

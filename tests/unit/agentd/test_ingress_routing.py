@@ -810,9 +810,11 @@ def test_a_rule_host_of_an_ingress_with_tls_that_no_secret_serves_is_a_tls_host_
         assert haproxy.maps(table, pems)["crt-list"] == ""  # the default certificate
         assert table.uncovered == uncovered  # the controller's tls_errors ("no such Secret" and the like: its own check)
         assert table.conflicts == []  # the wildcard entry covers a rule host: nothing "not given"
-    # Served: the rule host, not the wildcard, is the SNI name.
-    table = routing.build([w], cert_names=lambda s: ("*.x",))
-    assert table.tls == [routing.TlsHost("a.x", ("default", "wild"), ("default", "w"), True)]
+    # Served: the rule host, not the wildcard, is the SNI name.  The certificate's names not
+    # known (cert_names None): it serves the hosts named for it and one label under its wildcards.
+    for cert_names in (lambda s: ("*.x",), lambda s: None):
+        table = routing.build([w], cert_names=cert_names)
+        assert table.tls == [routing.TlsHost("a.x", ("default", "wild"), ("default", "w"), True)] and table.uncovered == []
     # A rule host no entry names, in an Ingress with tls: the default certificate, redirected
     # (ingress-nginx: extractTLSSecretName finds nothing -> the default certificate).
     two = ing("two", [_rules("a.example", ("/", "Prefix", "a")), _rules("b.example", ("/", "Prefix", "b")),
@@ -864,7 +866,9 @@ def test_the_first_tls_entry_naming_a_host_gives_it_its_secret():
     assert table.uncovered == [] and table.conflicts == []
     # An entry without a secretName first: the default certificate too (ingress-nginx: "secretName is empty").
     none_first = ing("i", rules, tls=[{"hosts": ["shop.example"]}, {"hosts": ["shop.example"], "secretName": "good"}])
-    assert routing.build([none_first], cert_names=names.get).tls == [routing.TlsHost("shop.example", None, ("default", "i"), False)]
+    table = routing.build([none_first], cert_names=names.get)
+    assert table.tls == [routing.TlsHost("shop.example", None, ("default", "i"), False)]
+    assert table.conflicts == ["default/i: tls for shop.example: the first entry naming it has no secretName; not default/good of a later entry"]
 
 
 class _Host(str):
