@@ -421,7 +421,7 @@ def _tls(table: RouteTable, me: tuple[str, str], spec: Obj, usable: Callable[[tu
                 continue
             # The older Ingress's Secret cannot serve the host: this one's does (agentd's
             # choice: ingress-nginx gives the host the default certificate then).
-            why = "its Secret cannot serve it" if table.tls[index].secret is not None else "no Secret of its is for it"
+            why = "its Secret cannot serve it" if table.tls[index].secret is not None else "its tls gives it no Secret"
             table.conflicts.append(f"{owner[0]}/{owner[1]}: tls for {host}: {why}; {ns}/{name}'s does")
             table.tls[index] = TlsHost(host, secret, me, True)
             tls_seen[host] = (index, me, True)

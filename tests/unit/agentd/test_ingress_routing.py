@@ -830,6 +830,16 @@ def test_a_rule_host_of_an_ingress_with_tls_that_no_secret_serves_is_a_tls_host_
     table = routing.build([two, plain], cert_names=lambda s: ("a.example",))
     assert [t.host for t in table.tls] == ["a.example", "b.example"] and not table.redirects("c.example", "/")
     assert table.conflicts == []
+    # A newer Ingress whose tls is for other hosts takes nothing and says nothing of them; one
+    # whose Secret serves b.example takes it from the older one's default certificate.
+    other = ing("other", [_rules("a.example", ("/o", "Prefix", "o")), _rules("b.example", ("/o", "Prefix", "o")),
+                          _rules("o.example", ("/", "Prefix", "o"))],
+                created="2024-02-01T00:00:00Z", tls=[{"hosts": ["o.example", "b.example"], "secretName": "o"}])  # fmt: skip
+    table = routing.build([two, other], cert_names=lambda s: ("a.example",) if s[1] == "a" else ("o.example", "b.example"))
+    assert [(t.host, t.secret, t.ingress) for t in table.tls] == [
+        ("a.example", ("default", "a"), ("default", "two")), ("b.example", ("default", "o"), ("default", "other")),
+        ("o.example", ("default", "o"), ("default", "other"))]
+    assert table.conflicts == ["default/two: tls for b.example: its tls gives it no Secret; default/other's does"]
 
 
 def test_a_wildcard_tls_host_that_serves_a_rule_host_is_no_conflict():
