@@ -2,8 +2,11 @@
 
 :class:`KernelRoutes` follows the speaker's Loc-RIB (best-path changes), and is told when
 the node registry or a backend's paths change; each time (coalesced to one pass per loop
-turn) it computes the wanted routes with the pure :func:`agentd.kernel.forwarding.desired_routes`,
-hands the backends their peer plans and the programmer its routes.
+turn, or after a slow pass to one per as long again) it computes the wanted routes with the
+pure :func:`agentd.kernel.forwarding.desired_routes` -- its node-dependent part
+(:func:`~agentd.kernel.forwarding.node_context`) again only when the nodes or backends changed
+-- hands the backends their peer plans and the programmer its routes.  A pass that fails is
+tried again (0.5 s, doubling up to 30 s).
 
 Graceful restart (RFC 4724): the routes a previous run left are adopted at start and stay
 installed until every peer is Established with End-of-RIB received (or ``restart_time``,
