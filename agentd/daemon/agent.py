@@ -511,7 +511,13 @@ class Agent:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _shutdown(self) -> None:
-        graceful = self.cfg.bgp.graceful_restart and not self._leaving
+        # A lost subnet is no restart: the prefix we advertised is another node's now, and the
+        # forwarding state kept for it would be wrong (RFC 4724 §4 keeps only state still valid).
+        # A graceful stop would have every peer keep our route to it as stale (restart_time, and
+        # past our restart until our End-of-RIB) and leave its blackhole for the next run to
+        # adopt: the stop is a withdrawing one (Cease, our routes and devices removed), which the
+        # next run, with another subnet, builds again.
+        graceful = self.cfg.bgp.graceful_restart and not self._leaving and not self._subnet_taken
         # A start that stops before BGP started (SIGTERM while etcd is unreachable, a failed
         # start) leaves the kernel as it found it: the routes adopted from the previous run
         # and the devices stay, whatever graceful_restart says (docs/operations.md).

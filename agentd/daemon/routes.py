@@ -2,8 +2,11 @@
 
 :class:`KernelRoutes` follows the speaker's Loc-RIB (best-path changes), and is told when
 the node registry or a backend's paths change; each time (coalesced to one pass per loop
-turn) it computes the wanted routes with the pure :func:`agentd.kernel.forwarding.desired_routes`,
-hands the backends their peer plans and the programmer its routes.
+turn, or after a slow pass to one per as long again) it computes the wanted routes with the
+pure :func:`agentd.kernel.forwarding.desired_routes` -- its node-dependent part
+(:func:`~agentd.kernel.forwarding.node_context`) again only when the nodes or backends changed
+-- hands the backends their peer plans and the programmer its routes.  A pass that fails is
+tried again (0.5 s, doubling up to 30 s).
 
 Graceful restart (RFC 4724): the routes a previous run left are adopted at start and stay
 installed until every peer is Established with End-of-RIB received (or ``restart_time``,
@@ -32,7 +35,7 @@ from agentd.digits import whole_number
 from agentd.daemon.mesh import Peering
 from agentd.dataplane.backends import Tunnels
 from agentd.datastore.store import ClusterConfig, SubnetLease
-from agentd.kernel.forwarding import PeerPlan, desired_routes
+from agentd.kernel.forwarding import NodeContext, PeerPlan, desired_routes, node_context
 from agentd.kernel.netinfo import Underlay
 from agentd.kernel.netlink import NetlinkDecodeError
 from agentd.kernel.route_model import RTPROT_AGENTD, InvalidRoute, Route, canonical_dst, same_route
@@ -45,6 +48,8 @@ BLACKHOLE_METRIC = 4000  # above the connected route of the CNI bridge, which mu
 INITIAL_SYNC_MAX = 60.0  # never wait longer than this for peers' End-of-RIB after a restart
 REFUSAL_MEMORY = 3600.0  # a refused route back within this is a flap: its lines paced per peer
 PROTOCOL_FILE = "route-protocol"  # in [agent] state_dir: the route protocol the agent last used
+COALESCE_MIN = 0.001  # a recompute cheaper than this runs at the next loop turn, not later
+RETRY_FIRST, RETRY_MAX = 0.5, 30.0  # a failed recompute is tried again after this, doubling up to RETRY_MAX
 
 
 async def drop_previous_protocol(
@@ -156,6 +161,16 @@ class KernelRoutes:
         self._wanted: dict[str, Route] = {}  # the routes of ``rows``, by dst
         self._adopted: list[Route] = []
         self._handle: asyncio.Handle | None = None
+        self._retry: asyncio.TimerHandle | None = None  # a failed recompute tried again (backoff)
+        self._retry_delay = RETRY_FIRST
+        self._cost = 0.0  # how long the last recompute took (self.clock)
+        self._done_at = float("-inf")  # when it ended
+        # What the routes take from the registry, the underlay and the backends (every peer's
+        # plan, next-hop owners, held subnets): kept while none of that changed (``schedule``
+        # says it may have; a best-path change alone does not), with the inputs it came from.
+        self._context: NodeContext | None = None
+        self._context_key: tuple[Any, ...] | None = None
+        self._nodes_changed = True
         self._tick: asyncio.TimerHandle | None = None  # the initial sync's re-check, one at a time
         # When the refusals held back in a minute are logged though no refusal followed.
         self._refusal_flush: asyncio.TimerHandle | None = None
@@ -184,25 +199,43 @@ class KernelRoutes:
         self.schedule()
 
     def on_best_paths(self, changes: list[BestPathChange]) -> None:
-        """The speaker's Loc-RIB listener."""
+        """The speaker's Loc-RIB listener: only the best paths changed."""
         for ch in changes:
             key = (ch.family[0], ch.prefix)
             if ch.new is None:
                 self._bests.pop(key, None)
             else:
                 self._bests[key] = ch.new
-        self.schedule()
+        self._schedule()
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.loop if self.loop is not None else asyncio.get_running_loop()
 
     def schedule(self) -> None:
-        """Recompute at the next loop turn (once, however often this is called before)."""
-        if self._handle is None:
+        """The node registry, a backend's paths or anything else besides the best paths may
+        have changed: recompute everything (once, however often this is called before)."""
+        self._nodes_changed = True
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Recompute soon: at the next loop turn, or -- the last recompute took long (a large
+        table) -- once as long again has passed since it ended, so that recomputes keep the
+        loop at most about half busy however fast the best paths change (a speaker hands one
+        batch per UPDATE): the changes meanwhile go in one pass."""
+        if self._handle is not None:
+            return
+        delay = self._done_at + self._cost - self.clock()
+        if self._cost < COALESCE_MIN or delay < COALESCE_MIN:
             self._handle = self._loop().call_soon(self._recompute)
+        else:
+            self._handle = self._loop().call_later(min(delay, self._cost), self._recompute)
 
     def _on_tick(self) -> None:
         self._tick = None
+        self.schedule()
+
+    def _on_retry(self) -> None:
+        self._retry = None
         self.schedule()
 
     def _recompute(self) -> None:
@@ -215,18 +248,30 @@ class KernelRoutes:
         i = self.inputs
         if i.stopping or self.programmer is None or i.underlay is None or i.tunnels is None or i.lease is None:
             return
+        started = self.clock()
         try:
             self._program(i)
         except Exception as err:
+            self._nodes_changed = True  # whatever failed: all of it again
             if repr(err) != self._failing:
-                log.error("routes not recomputed (%s: %s): the routes programmed stay as they are until the next "
-                          "change", type(err).__name__, err)
+                log.error("routes not recomputed (%s: %s): the routes programmed stay as they are; tried again in "
+                          "%.1f s", type(err).__name__, err, self._retry_delay)
                 log.debug("the failed route recompute", exc_info=err)
                 self._failing = repr(err)
+            if self._retry is None:
+                self._retry = self._loop().call_later(self._retry_delay, self._on_retry)
+                self._retry_delay = min(RETRY_MAX, self._retry_delay * 2)
         else:
             if self._failing is not None:
                 log.info("routes recomputed again")
             self._failing = None
+            self._retry_delay = RETRY_FIRST
+            if self._retry is not None:
+                self._retry.cancel()
+                self._retry = None
+        finally:
+            self._done_at = self.clock()
+            self._cost = max(0.0, self._done_at - started)
 
     def _bests_as_text(self) -> list[tuple[str, Any, bool, bool]]:
         """The Loc-RIB bests as (prefix, next hop, local, iBGP); one the speaker gave in a form
@@ -249,14 +294,24 @@ class KernelRoutes:
         others = [n for n in i.peering.nodes.values() if n.name != i.name]
         bests = self._bests_as_text()
         cluster = i.cluster
-        plan = desired_routes(
-            bests, others, i.underlay, i.tunnels.paths(),
-            own_subnets=[str(lease.subnet) for _v, lease in sorted(i.leases.items())],
-            blackhole_metric=BLACKHOLE_METRIC, own_backend=i.cfg.network.backend, encap=i.cfg.network.encap,
-            available=i.tunnels.available, versions=tuple(sorted(i.leases)),
-            pod_networks=None if cluster is None else [cluster.pool(v)[0] for v in cluster.versions],
-            subnet_lens=None if cluster is None else {v: cluster.pool(v)[1] for v in cluster.versions},
-        )  # fmt: skip
+        paths = i.tunnels.paths()
+        args: dict[str, Any] = {
+            "own_subnets": [str(lease.subnet) for _v, lease in sorted(i.leases.items())],
+            "own_backend": i.cfg.network.backend, "encap": i.cfg.network.encap,
+            "available": i.tunnels.available, "versions": tuple(sorted(i.leases)),
+            "pod_networks": None if cluster is None else [cluster.pool(v)[0] for v in cluster.versions],
+            "subnet_lens": None if cluster is None else {v: cluster.pool(v)[1] for v in cluster.versions},
+        }  # fmt: skip
+        # The node context again only when something it is made of changed: the records (a new
+        # object per put), the underlay, the backends' paths, our subnets, the cluster's pools,
+        # or whatever ``schedule`` was told of (a backend's availability).
+        key = (tuple(others), i.underlay, paths, *(repr(args[k]) for k in sorted(args) if k != "available"))
+        if self._nodes_changed or self._context is None or key != self._context_key:
+            self._context = node_context(others, i.underlay, paths, **args)
+            self._context_key = key
+            self._nodes_changed = False
+        plan = desired_routes(bests, others, i.underlay, paths, blackhole_metric=BLACKHOLE_METRIC,
+                              context=self._context, **args)
         routes = plan.routes
         self.plans = plan.plans
         self.plans_v6 = plan.plans_v6
@@ -265,20 +320,19 @@ class KernelRoutes:
         self._log_untrusted(plan.untrusted)
         self._log_untrusted_hops(plan.untrusted_next_hops)
         self._wanted = {r.dst: r for r in routes}
-        if not self.initial_sync_done and self._initial_sync_complete():
-            self.initial_sync_done = True
-            self.synced_after = self.programmer.reconciles_begun  # the routes set below: in the next one
-            if self.restarting:
-                log.info("initial BGP sync complete: routes from the previous run no longer pinned")
+        # The initial sync counts as done (readiness) only once this pass has handed its routes
+        # to the programmer: one that fails before that leaves it pending, and is retried.
+        synced = self.initial_sync_done or self._initial_sync_complete()
         i.tunnels.apply(
-            plan.plans, plan.next_hops, i.peering.nodes, members_known=i.peering.known, prune=self.initial_sync_done,
+            plan.plans, plan.next_hops, i.peering.nodes, members_known=i.peering.known, prune=synced,
             plans_v6=plan.plans_v6, next_hops_v6=plan.next_hops_v6,
         )
         masq = getattr(i, "masq", None)
         if masq is not None and i.peering.known:
             masq.set_members(member_addresses(i.peering.nodes.values()))
         wanted = {r.dst for r in routes}
-        if self.initial_sync_done and self._adopted:
+        adopted = self._adopted
+        if synced and adopted:
             # Re-learned, but its data path not up here yet (a backend a peer needs is still
             # being brought up when the sync completes, a BPF next hop not resolved yet): the
             # previous run's route stays until this run has one to put in its place -- a
@@ -286,11 +340,11 @@ class KernelRoutes:
             # unreachable".  Once this run routes it (or no longer has a best path for it) the
             # adopted route is forgotten for good.
             pending = set(plan.pending)
-            self._adopted = [r for r in self._adopted if r.dst in pending and r.dst not in wanted]
-            routes += self._adopted
-        if not self.initial_sync_done:
+            adopted = [r for r in adopted if r.dst in pending and r.dst not in wanted]
+            routes += adopted
+        if not synced:
             # Keep what a previous run left until BGP has re-learned it (or given up waiting).
-            routes += [r for r in self._adopted if r.dst not in wanted]
+            routes += [r for r in adopted if r.dst not in wanted]
             # Re-check every 0.5 s until the sync is complete: one timer, however many
             # recomputes (each best-path change) happen meanwhile.
             if self._tick is None:
@@ -299,6 +353,12 @@ class KernelRoutes:
             self._tick.cancel()
             self._tick = None
         self.programmer.set_desired(routes)
+        self._adopted = adopted
+        if synced and not self.initial_sync_done:
+            self.initial_sync_done = True
+            self.synced_after = self.programmer.reconciles_begun  # the routes just set: in the next one
+            if self.restarting:
+                log.info("initial BGP sync complete: routes from the previous run no longer pinned")
 
     def _log_untrusted(self, untrusted: list[dict[str, str]]) -> None:
         """Each node record subnet not held against other nodes' routes logged once while it

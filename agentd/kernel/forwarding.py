@@ -598,41 +598,44 @@ def _plan_or_none(node: NodeRecord, underlay: Underlay, **kwargs: Any) -> PeerPl
                         node.name, {}, kwargs.get("version", 4))
 
 
-def desired_routes(
-    bests: Iterable[tuple[str, IPv4Address | IPv6Address | None, bool] | tuple[str, IPv4Address | IPv6Address | None, bool, bool]],
+@dataclass(frozen=True)
+class NodeContext:
+    """What :func:`desired_routes` takes from the node registry, the underlay and the backends
+    alone -- every peer's plan, who holds which subnet, who owns which next hop -- whatever the
+    best paths are: computed once by :func:`node_context` and given again while none of that
+    changed, so that a best-path change costs the work of the best paths only."""
+
+    own_nets: list[Network]
+    pools: list[Network] | None
+    trusted: dict[Network, str]
+    untrusted: list[dict[str, str]]
+    held: HeldSubnets
+    plans_by: dict[int, dict[str, PeerPlan]]
+    owner: dict[str, NodeRecord]
+    ownerless: dict[str, str]
+    untrusted_hops: list[dict[str, str]]
+
+
+def node_context(
     nodes: Iterable[NodeRecord],
     underlay: Underlay,
     paths: LocalPaths,
     *,
     own_subnets: Iterable[str],
-    blackhole_metric: int,
     own_backend: str,
     encap: str,
     available: Callable[[str], str | None] = lambda b: None,
     versions: tuple[int, ...] = (4,),
     pod_networks: Iterable[str | Network] | None = None,
     subnet_lens: Mapping[int, int] | None = None,
-) -> RoutePlan:
-    """The routes for ``bests`` (destination, next hop, originated here[, learned over iBGP]) through the peers of
-    ``nodes`` (other nodes; any other next hop is an external router on the underlay), plus
-    the blackholes of this node's own subnets.  ``versions``: the cluster's pod families;
-    ``pod_networks``: the cluster's pod network of each family, which a route through a node
-    must lie in (None: not checked); ``subnet_lens``: the cluster's subnet length of each
-    family (None: not checked).  A node record's subnet is held against other nodes' routes
-    only as :func:`held_subnets` trusts it (the others listed in ``untrusted``).  A best path :func:`refusal` refuses is left out, with a
-    row in ``refused``; so is a link-local next hop learned over iBGP (RFC 2545 §3: it is
-    on-link only where an external peer sent it).  A best path whose route cannot be formed yet
-    (the data path that carries it is not up here yet) is left out too, its destination listed
-    in ``pending``.  Pure: the agent applies the result."""
+) -> NodeContext:
+    """The node-dependent part of :func:`desired_routes` (same arguments)."""
     nodes = list(nodes)
-    own_subnets = list(own_subnets)
     own_nets = [ip_network(s, strict=False) for s in own_subnets]
     pools = None if pod_networks is None else [ip_network(n, strict=False) for n in pod_networks]
     trusted, untrusted = held_subnets(
         nodes, None if pools is None else {p.version: (p, (subnet_lens or {}).get(p.version)) for p in pools})
     held = HeldSubnets(trusted)  # asked of every best path: indexed once
-    refused: list[dict[str, Any]] = []
-    pending: list[str] = []
     plans_by = {v: {str(n.peer_address): _plan_or_none(n, underlay, own_backend=own_backend, encap=encap,
                                                         available=available, version=v, paths=paths) for n in nodes}
                 for v in versions}  # fmt: skip
@@ -654,8 +657,49 @@ def desired_routes(
             drop = {_VTEP_KEYS[f] for f in (4, 6) if f in why or f not in routed}
             if drop & p.extra.keys():
                 plans_by[v][addr] = replace(p, extra={k: x for k, x in p.extra.items() if k not in drop})
-    primary = versions[0]
     owner, ownerless, untrusted_hops = next_hop_owners(nodes)
+    return NodeContext(own_nets, pools, trusted, untrusted, held, plans_by, owner, ownerless, untrusted_hops)
+
+
+def desired_routes(
+    bests: Iterable[tuple[str, IPv4Address | IPv6Address | None, bool] | tuple[str, IPv4Address | IPv6Address | None, bool, bool]],
+    nodes: Iterable[NodeRecord],
+    underlay: Underlay,
+    paths: LocalPaths,
+    *,
+    own_subnets: Iterable[str],
+    blackhole_metric: int,
+    own_backend: str,
+    encap: str,
+    available: Callable[[str], str | None] = lambda b: None,
+    versions: tuple[int, ...] = (4,),
+    pod_networks: Iterable[str | Network] | None = None,
+    subnet_lens: Mapping[int, int] | None = None,
+    context: NodeContext | None = None,
+) -> RoutePlan:
+    """The routes for ``bests`` (destination, next hop, originated here[, learned over iBGP]) through the peers of
+    ``nodes`` (other nodes; any other next hop is an external router on the underlay), plus
+    the blackholes of this node's own subnets.  ``versions``: the cluster's pod families;
+    ``pod_networks``: the cluster's pod network of each family, which a route through a node
+    must lie in (None: not checked); ``subnet_lens``: the cluster's subnet length of each
+    family (None: not checked).  A node record's subnet is held against other nodes' routes
+    only as :func:`held_subnets` trusts it (the others listed in ``untrusted``).  A best path :func:`refusal` refuses is left out, with a
+    row in ``refused``; so is a link-local next hop learned over iBGP (RFC 2545 §3: it is
+    on-link only where an external peer sent it).  A best path whose route cannot be formed yet
+    (the data path that carries it is not up here yet) is left out too, its destination listed
+    in ``pending``.  ``context``: :func:`node_context` of the same arguments, computed earlier (None: computed
+    here).  Pure: the agent applies the result."""
+    own_subnets = list(own_subnets)
+    if context is None:
+        context = node_context(nodes, underlay, paths, own_subnets=own_subnets, own_backend=own_backend, encap=encap,
+                               available=available, versions=versions, pod_networks=pod_networks,
+                               subnet_lens=subnet_lens)  # fmt: skip
+    own_nets, pools, held, plans_by = context.own_nets, context.pools, context.held, context.plans_by
+    owner, ownerless = context.owner, context.ownerless
+    untrusted, untrusted_hops = context.untrusted, context.untrusted_hops
+    refused: list[dict[str, Any]] = []
+    pending: list[str] = []
+    primary = versions[0]
     routes: list[Route] = []
     rows: list[dict[str, Any]] = []
     for own in own_subnets:
@@ -713,5 +757,5 @@ def desired_routes(
                      "datapath": paths.label(plan)})  # fmt: skip
     plans = {**plans_by.get(primary, {}), **external}
     dual = primary == 4 and 6 in plans_by
-    return RoutePlan(routes, rows, plans, next_hops, plans_by[6] if dual else {}, next_hops_v6 if dual else {},
+    return RoutePlan(routes, rows, plans, next_hops, dict(plans_by[6]) if dual else {}, next_hops_v6 if dual else {},
                      refused, pending, untrusted, untrusted_hops)

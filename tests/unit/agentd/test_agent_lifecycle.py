@@ -483,3 +483,33 @@ def test_a_reload_gives_the_sessions_with_other_nodes_the_new_bfd_timers(tmp_pat
         assert "applied only by a restart" not in caplog.text
 
     asyncio.run(main())
+
+
+def test_a_lost_subnet_stops_bgp_withdrawing_not_gracefully(tmp_path):
+    """graceful_restart (the default) keeps forwarding state that is still valid: a subnet
+    another node took is not.  Stopped gracefully, every peer kept our route to it as stale
+    (external routers sending its traffic here) and its blackhole stayed for the next run to
+    adopt; the stop withdraws instead: a Cease, our routes and devices removed."""
+    calls: list[tuple] = []
+
+    class Part:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getattr__(self, method: str):
+            async def call(*_a, **kw):
+                calls.append((self.name, method, kw))
+            return call
+
+    async def main():
+        agent = Agent(_cfg(tmp_path))
+        assert agent.cfg.bgp.graceful_restart
+        agent.started_bgp = True
+        agent.service, agent.programmer, agent.tunnels = Part("bgp"), Part("routes"), Part("tunnels")
+        agent._subnet_lost(SubnetLease(IPv4Network("10.244.7.0/24"), "n1", IPv4Address("10.1.1.1"), "host-gw"))
+        await agent._shutdown()
+
+    asyncio.run(main())
+    stops = [c for c in calls if c[1] == "stop" and c[0] in ("bgp", "routes", "tunnels")]
+    assert stops == [("bgp", "stop", {"graceful": False}), ("routes", "stop", {"remove_routes": True}),
+                     ("tunnels", "stop", {"remove": True})]

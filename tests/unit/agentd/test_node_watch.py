@@ -112,3 +112,50 @@ def test_node_events_apart_are_each_applied():
         await asyncio.gather(watch, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_a_node_event_recomputes_the_routes_with_the_new_record():
+    """A node record arriving after that node's route (common behind route reflectors), or a
+    changed one: the routes are recomputed, node plans included -- not left as planned for an
+    external router until some unrelated best-path change."""
+    x = _node("x", "10.1.1.2", "10.244.2.0/24")
+    recomputes: list[bool] = []
+
+    class Datastore:
+        async def watch_nodes(self):
+            yield NodeEvent("snapshot", nodes={})
+            yield NodeEvent("put", name="x", record=x)
+
+    async def main():
+        agent = Agent(CFG)
+        agent.datastore = Datastore()
+        agent.routes._recompute = lambda: recomputes.append(agent.routes._nodes_changed)
+        await agent._watch_nodes()
+        await asyncio.sleep(0)
+        assert "x" in agent.peering.nodes
+        assert recomputes == [True]  # one pass for the batch, the node plans made again
+
+    asyncio.run(main())
+
+
+def test_no_peer_change_is_applied_while_the_agent_stops():
+    """A node event during a (graceful) stop must not reconfigure the sessions being closed."""
+    x = _node("x", "10.1.1.2", "10.244.2.0/24")
+
+    class Datastore:
+        async def watch_nodes(self):
+            yield NodeEvent("snapshot", nodes={"x": x})
+
+    async def main():
+        agent = Agent(CFG)
+        speaker = make_speaker("10.1.1.1", 64512, peers_known=False)
+        speaker.start(0.0)
+        agent.service = _Service(speaker)
+        agent.datastore = Datastore()
+        agent.stopping = True
+        await agent._watch_nodes()
+        for _ in range(2):
+            await asyncio.sleep(0)
+        assert agent.service.set_peers_calls == 0 and list(speaker.peers) == []
+
+    asyncio.run(main())

@@ -32,7 +32,7 @@ def routes(monkeypatch):
         rows = [{"dst": r.dst, "via": r.gateway, "dev": r.dev, "backend": "host-gw", "peer": r.gateway}
                 for r in (WANT, WANT6)]
         return SimpleNamespace(routes=[WANT, WANT6], plans={}, plans_v6={}, rows=rows, next_hops={}, next_hops_v6={},
-                               refused=[], untrusted=[], untrusted_next_hops=[])
+                               refused=[], untrusted=[], untrusted_next_hops=[], pending=[])
 
     monkeypatch.setattr(R, "desired_routes", fake_desired)
     tunnels = SimpleNamespace(paths=lambda: None, available=None, apply=lambda *a, **k: None)
@@ -187,6 +187,7 @@ def test_a_recompute_that_fails_keeps_the_routes_and_is_one_log_line_until_it_ch
         peering=SimpleNamespace(nodes={}, known=True), underlay=object(), lease=object(), leases={},
         tunnels=tunnels, speaker=None, started_bgp=False, stopping=False, cluster=None)
     r = KernelRoutes(inputs)
+    r.loop = TimerLoop([0.0])
     r.adopt(programmer)
     r.initial_sync_done = True
     calls.clear()
@@ -195,7 +196,8 @@ def test_a_recompute_that_fails_keeps_the_routes_and_is_one_log_line_until_it_ch
     assert calls == []  # the routes programmed stay
     errors = [m for m in caplog.messages if "routes not recomputed" in m]
     assert errors == [("routes not recomputed (RuntimeError: no route shape for datapath 'x'): the routes programmed "
-                       "stay as they are until the next change")]
+                       "stay as they are; tried again in 0.5 s")]
+    assert len(r.loop.timers) == 1  # one retry, however many passes failed
 
     seen = []
 
