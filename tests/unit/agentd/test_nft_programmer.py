@@ -218,3 +218,37 @@ async def test_a_sync_cancelled_before_its_transaction_commits_nothing_is_lost()
     thread.hold = False
     result = await prog.sync(_policy("np-in/ns/p/0/pods", "ipv4_addr", {"10.0.0.1"}))
     assert result.full and kernel.elements("np-in/ns/p/0/pods") == {"10.0.0.1"}
+
+
+def _sets(members: dict[str, set[str]]) -> Ruleset:
+    rs = Ruleset(TABLES, {})
+    for name, addresses in members.items():
+        rs.add(NftSet("inet", "agentd-policy", name, ("ipv4_addr",), elements=frozenset(addresses)))
+    return rs
+
+
+async def test_the_rewrite_after_a_cancelled_sync_covers_every_object_whatever_keys_say():
+    """After a sync cancelled mid-transaction the tables are adopted again (every object's
+    contents unknown).  The caller's ``keys`` (Services always pass theirs) name only what it
+    changed since: a rewrite of those alone would leave the others as the cancelled
+    transaction left them, believed to be as wanted, for good."""
+    kernel = Kernel()
+    nft, thread = _nft(kernel)
+    prog = NftProgrammer(nft, TABLES, "policy")
+    await prog.sync(_sets({"a": {"10.0.0.1"}, "b": {"10.0.0.1"}}))
+    thread.hold = True
+    task = asyncio.create_task(prog.sync(_sets({"a": {"10.0.0.1", "10.0.0.2"}, "b": {"10.0.0.1", "10.0.0.3"}})))
+    for _ in range(10):
+        if thread.held:
+            break
+        await asyncio.sleep(0)
+    assert thread.held, "the element batch never reached the nft thread"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    thread.release()  # committed all the same
+    assert kernel.elements("b") == {"10.0.0.1", "10.0.0.3"}
+    desired = _sets({"a": {"10.0.0.1"}, "b": {"10.0.0.1"}})
+    result = await prog.sync(desired, keys={("inet", "agentd-policy", "set", "a")})
+    assert result.full
+    assert kernel.elements("a") == kernel.elements("b") == {"10.0.0.1"}
