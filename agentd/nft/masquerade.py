@@ -4,9 +4,10 @@ Pods (CNI's or a Docker daemon's containers on ``agentd docker-opts``' bridge) h
 the cluster network, which nothing outside the cluster routes back to.  With ``ip_masq = true``
 the agent keeps one nftables table per pod family in the node's network namespace,
 ``ip agentd-masq`` for IPv4 pods and ``ip6 agentd-masq`` for IPv6 ones (a dual-stack node has
-both), each with flannel's four rules (flannel's ``pkg/ip/iptables.go`` / ``MasqRules`` and
+both), each with flannel's rules (flannel's ``pkg/ip/iptables.go`` / ``MasqRules`` and
 ``MasqIP6Rules``), in this order::
 
+    meta mark & 0x4000 == 0x4000        return                     Services' to masquerade: theirs
     ip saddr CIDR  ip daddr CIDR         return                     pod to pod, any node: never
     ip saddr CIDR  ip daddr != 224.0.0.0/4  masquerade fully-random  pods to the outside world
     ip saddr != CIDR  ip daddr SUBNET    return                     to this node's pods: untouched
@@ -15,6 +16,14 @@ both), each with flannel's four rules (flannel's ``pkg/ip/iptables.go`` / ``Masq
 
 and the same with ``ip6`` and the IPv6 cluster network, subnet and multicast (ff00::/8,
 RFC 4291 §2.7).  So traffic between pods or containers is never masqueraded, on any backend.
+
+The first rule is flannel's "avoid double NAT" one: a packet kube-proxy's bit (0x4000, as
+``agentd.services.compiler.MASQ_MARK``) marks for masquerading is the Services table's to
+masquerade, which clears the bit first (kubernetes#92035: vxlan and ipip keep the mark on the
+encapsulated packet, whose outer header would be masqueraded too).  The chain's priority is
+srcnat + 10, after the Services table's postrouting chain (srcnat): which of two nat chains
+of one priority runs first depends on the order their tables were made (a restart, a table
+made again), and once one masquerades, the connection's later nat chains are skipped.
 
 Masqueraded, a pod's packet to another node's underlay address comes from this node's address:
 the other node's BGP listener, udp worker, VXLAN device and IPIP tunnel take a cluster member by
@@ -73,7 +82,9 @@ FAMILIES = {4: "ip", 6: "ip6"}  # the table's nftables family per IP version
 TABLES = frozenset((family, TABLE) for family in FAMILIES.values())
 MULTICAST = {4: IPv4Network("224.0.0.0/4"), 6: IPv6Network("ff00::/8")}
 MASQUERADE = {"masquerade": {"flags": ["fully-random"]}}
-SRCNAT = ("nat", "postrouting", 100, "accept")  # type, hook, priority (srcnat), policy
+# type, hook, priority, policy: after the Services table's postrouting chain (srcnat, 100)
+SRCNAT = ("nat", "postrouting", 110, "accept")
+MASQ_MARK = 0x4000  # kube-proxy's masquerade bit (agentd.services.compiler.MASQ_MARK)
 GUARD_CHAIN, MEMBERS = "forward", "members"
 FORWARD = ("filter", "forward", 0, "accept")
 IPPROTO_IPIP = 4
@@ -99,7 +110,7 @@ def member_addresses(nodes: Iterable[Any]) -> frozenset[str]:
 def ruleset(networks: Mapping[int, tuple[Network, Network]], members: Iterable[str] = (),
             guarded: Guarded = Guarded(), members_known: bool = True) -> Ruleset:  # fmt: skip
     """The tables for ``networks``: IP version -> (cluster network, this node's subnet); one
-    table per version, the four masquerading rules above and the forward chain that keeps pods
+    table per version, the masquerading rules above and the forward chain that keeps pods
     from the agent's ports on ``members`` (the nodes' underlay addresses; those of the version
     go in its table's set).  ``members_known`` False (a start, before the node list is read):
     the sets keep what a previous run's hold (plan), as the tunnels' member filters do."""
@@ -108,6 +119,7 @@ def ruleset(networks: Mapping[int, tuple[Network, Network]], members: Iterable[s
         family = FAMILIES[version]
         saddr, daddr = payload(family, "saddr"), payload(family, "daddr")
         rules = [
+            [match({"&": [meta("mark"), MASQ_MARK]}, MASQ_MARK), RETURN],
             [match(saddr, prefix(cluster)), match(daddr, prefix(cluster)), RETURN],
             [match(saddr, prefix(cluster)), match(daddr, prefix(MULTICAST[version]), "!="), MASQUERADE],
             [match(saddr, prefix(cluster), "!="), match(daddr, prefix(subnet)), RETURN],

@@ -42,8 +42,27 @@ def test_pods_cannot_reach_the_members_agent_ports_as_their_node():
         assert guard[1][2]["match"] == {"op": "==", "left": {"payload": {"protocol": "udp", "field": "dport"}},
                                         "right": {"set": [4789, 8285]}}  # fmt: skip
         assert guard[2][2]["match"] == {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": 4}
-        # Masquerading itself is flannel's four rules, unchanged: pods still reach nodes' host services.
-        assert len(rules(rs, family, m.CHAIN)) == 4
+        # Masquerading itself is flannel's five rules, unchanged: pods still reach nodes' host services.
+        assert len(rules(rs, family, m.CHAIN)) == 5
+
+
+def test_what_services_mark_for_masquerading_is_left_to_them_and_their_chain_runs_first():
+    # A node port's client from outside DNATed to a pod on another node: its source is outside
+    # the cluster network, its destination in it (rule "saddr != CIDR daddr CIDR masquerade").
+    # Masqueraded here, the Services table's postrouting chain (which clears kube-proxy's
+    # mark before it masquerades: kubernetes#92035) is skipped, and the packet leaves marked:
+    # on vxlan or ipip its encapsulation inherits the mark and is masqueraded too.  flannel's
+    # first rule returns what the mark says is kube-proxy's; and the chain runs after theirs,
+    # whichever table was made first (same priority: registration order).
+    from agentd.services import compiler as services
+
+    rs = m.ruleset(NETWORKS, [], GUARDED)
+    for family in ("ip", "ip6"):
+        first = rules(rs, family, m.CHAIN)[0]
+        assert first == [{"match": {"op": "==", "left": {"&": [{"meta": {"key": "mark"}}, services.MASQ_MARK]},
+                                    "right": services.MASQ_MARK}}, {"return": None}]
+        kind, hook, priority, _policy = rs.objects[(family, m.TABLE, "chain", m.CHAIN)].hook
+        assert (kind, hook) == ("nat", "postrouting") and priority > services.SRCNAT
 
 
 def test_member_addresses_are_every_nodes_underlay_addresses():
@@ -206,3 +225,4 @@ async def test_the_agents_problems_show_the_masquerading_tables_refused():
     assert agent.problems() == []
     agent.masq.error = "Could not process rule: Device or resource busy"
     assert agent.problems() == ["ip_masq tables not up to date: Could not process rule: Device or resource busy (trying again)"]
+
