@@ -47,6 +47,11 @@ That is why the bridge's own masquerading stays off (the subnet file's ``AGENTD_
 Docker's ``--ip-masq=false`` from ``agentd docker-opts``): both masquerade everything leaving
 the node's subnet, pod-to-pod traffic to other nodes included.
 
+Tables someone else deletes (``nft flush ruleset``, a firewall's restart) come back: every
+CHECK_INTERVAL seconds (flannel re-ensures its rules every ``iptables-resync``, 5 s) the agent
+asks the kernel for each table's counters (one netlink request, no listing), and a table it
+wrote that is not there is written again, the whole ruleset in one transaction.
+
 A transaction the kernel refuses (at start, or a member update) is tried again after
 RETRY_INITIAL seconds, doubling up to RETRY_MAX, until it applies -- with the latest members --
 and :meth:`Masquerade.problems` (the agent's /status) says why meanwhile: a member missing from
@@ -72,6 +77,7 @@ from typing import Any
 
 from .expr import DROP, RETURN, match, meta, payload, prefix, ref
 from .libnftables import Nft, NftError
+from .nfnetlink import TableAbsent
 from .programmer import NftProgrammer
 from .ruleset import NftChain, NftSet, Ruleset, rule_text
 
@@ -89,6 +95,7 @@ GUARD_CHAIN, MEMBERS = "forward", "members"
 FORWARD = ("filter", "forward", 0, "accept")
 IPPROTO_IPIP = 4
 RETRY_INITIAL, RETRY_MAX = 1.0, 30.0  # seconds between tries of a refused transaction
+CHECK_INTERVAL = 5.0  # seconds between looks for tables deleted by someone else
 
 Network = IPv4Network | IPv6Network
 
@@ -147,7 +154,8 @@ class Masquerade:
     and go (in the background, coalesced, one transaction each)."""
 
     def __init__(self, networks: Mapping[int, tuple[Network, Network]], guarded: Guarded = Guarded(),
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:  # fmt: skip
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 check_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:  # fmt: skip
         self.networks = dict(networks)
         self.guarded = guarded
         self.members: frozenset[str] = frozenset()
@@ -157,6 +165,8 @@ class Masquerade:
         self._task: asyncio.Task[None] | None = None
         self._again = False
         self._sleep = sleep  # the wait between tries (tests pass their own)
+        self._check_sleep = check_sleep  # the wait between looks for deleted tables (CHECK_INTERVAL)
+        self._watch: asyncio.Task[None] | None = None
         self._announced = False
 
     def ruleset(self) -> Ruleset:
@@ -171,7 +181,8 @@ class Masquerade:
         """Install the tables in this network namespace, or bring a previous run's to these
         rules (adopted and rewritten in one transaction: NftProgrammer); a family not in
         ``networks`` loses its table.  ``retry`` (the agent): a transaction the kernel refuses
-        is tried again in the background (:attr:`error` says why meanwhile) instead of raising;
+        is tried again in the background (:attr:`error` says why meanwhile) instead of raising,
+        and tables someone else deletes are written again (:meth:`check`, every CHECK_INTERVAL);
         without libnftables there is nothing to try with, and NftError is raised all the same."""
         try:
             await self._sync()
@@ -180,8 +191,38 @@ class Masquerade:
                 raise
             self._failed(err, RETRY_INITIAL)
             self._start(RETRY_INITIAL)
+            self._watching()
             return
         self._announce()
+        if retry:
+            self._watching()
+
+    def _watching(self) -> None:
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._watch_tables())
+
+    async def _watch_tables(self) -> None:
+        while True:
+            await self._check_sleep(CHECK_INTERVAL)
+            try:
+                await self.check()
+            except NftError as err:  # (the netlink socket failing: looked at again next time)
+                log.debug("could not look for the masquerading tables: %s", err)
+
+    async def check(self) -> bool:
+        """Whether a table the programmer wrote is gone (someone deleted it): if so, the tables
+        are written again (in the background, as a member update)."""
+        programmer = self._programmer
+        if programmer is None or programmer.current is None:
+            return False
+        gone = False
+        for family, table in sorted(programmer.current.tables):
+            counts = await programmer.nft.acounters(family, table)
+            if isinstance(counts, TableAbsent) and programmer.table_absent(family, table):
+                gone = True
+        if gone:
+            self._start()
+        return gone
 
     def _announce(self) -> None:
         """Once the tables are first in place."""
@@ -239,6 +280,10 @@ class Masquerade:
         await self._programmer.sync(self.ruleset())
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

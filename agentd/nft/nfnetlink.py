@@ -233,6 +233,12 @@ def decode_counter(buf: bytes, start: int, end: int) -> tuple[str, int, int]:
 # ------------------------------------------------------------------ the socket
 
 
+class TableAbsent(dict):  # type: ignore[type-arg]
+    """The counters of a table that is not there (the kernel's ENOENT): no counters, as an empty
+    dict, and saying so -- a table the agent wrote, found gone, was deleted by someone else
+    (``nft flush ruleset``, a firewall's restart), and :class:`NftProgrammer` writes it again."""
+
+
 class ElementWriter:
     """A NETLINK_NETFILTER socket (in the calling thread's network namespace) for element
     batches and counter reads; blocking (callers run it off the event loop)."""
@@ -257,13 +263,14 @@ class ElementWriter:
 
     def counters(self, family: str, table: str) -> dict[str, tuple[int, int]]:
         """(packets, bytes) of every named counter of ``table``: an NFT_MSG_GETOBJ dump filtered
-        by table and type (libnftables would first fetch the whole ruleset to list them)."""
+        by table and type (libnftables would first fetch the whole ruleset to list them); a
+        :class:`TableAbsent` if there is no such table."""
         self.seq += 1
         try:
             answers = self.sock.request(getobj_counters(family, table, self.seq), what="reading counters", dump=True)
         except nl.NetlinkError as err:
             if err.errno == errno.ENOENT:  # no such table
-                return {}
+                return TableAbsent()
             raise
         out: dict[str, tuple[int, int]] = {}
         for mtype, buf, start, end in answers:

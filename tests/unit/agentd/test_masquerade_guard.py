@@ -226,3 +226,77 @@ async def test_the_agents_problems_show_the_masquerading_tables_refused():
     agent.masq.error = "Could not process rule: Device or resource busy"
     assert agent.problems() == ["ip_masq tables not up to date: Could not process rule: Device or resource busy (trying again)"]
 
+
+class TablesNft:
+    """An Nft whose kernel keeps which tables there are (what is in them is not modelled)."""
+
+    def __init__(self) -> None:
+        self.tables: set[tuple[str, str]] = set()
+        self.transactions = 0
+
+    encode = staticmethod(m.Nft.encode)
+
+    async def alist(self, what):
+        family, name = what["table"]["family"], what["table"]["name"]
+        return [{"table": {"family": family, "name": name}}] if (family, name) in self.tables else None
+
+    async def arun(self, commands):
+        return await self.arun_text(self.encode(commands))
+
+    async def arun_text(self, text):
+        self.transactions += 1
+        for command in json.loads(text)["nftables"]:
+            (verb, body), = command.items()
+            if "table" in body:
+                table = (body["table"]["family"], body["table"]["name"])
+                (self.tables.add if verb == "add" else self.tables.discard)(table)
+
+    async def arun_elements(self, ops):
+        self.transactions += 1
+
+    def close(self) -> None:
+        pass
+
+    async def acounters(self, family, table):
+        from agentd.nft.nfnetlink import TableAbsent
+
+        return {} if (family, table) in self.tables else TableAbsent()  # (the kernel's ENOENT)
+
+
+async def test_a_table_deleted_by_someone_else_is_written_again():
+    """``nft flush ruleset`` (an admin, a firewall's restart): the masquerading tables were
+    only written when the members changed, so pods lost egress masquerading, and the guard
+    that keeps them off the agent's ports on other nodes, until a node joined or left.  Every
+    CHECK_INTERVAL the agent looks for its tables (flannel re-ensures its rules every 5 s),
+    and writes a gone one again, whole."""
+    from agentd.nft.programmer import NftProgrammer
+
+    tick = asyncio.Event()
+    looks: list[float] = []
+
+    async def check_sleep(delay: float) -> None:
+        looks.append(delay)
+        await tick.wait()
+        tick.clear()
+
+    async def look() -> None:
+        tick.set()
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    nft = TablesNft()
+    masq = m.Masquerade({4: NETWORKS[4]}, GUARDED, check_sleep=check_sleep)
+    masq._programmer = NftProgrammer(nft, m.TABLES, "masquerading")  # type: ignore[arg-type]
+    masq.set_members(["192.0.2.1"])
+    await masq.program(retry=True)
+    assert nft.tables == {("ip", m.TABLE)} and nft.transactions == 1
+    before = masq._task
+    await look()  # there: nothing to do
+    assert nft.transactions == 1 and masq._task is before
+    nft.tables.clear()  # nft flush ruleset
+    await look()
+    assert masq._task is not None and masq._task is not before
+    await masq._task
+    assert nft.tables == {("ip", m.TABLE)} and nft.transactions == 2
+    assert not masq._programmer.in_doubt and looks == [m.CHECK_INTERVAL] * 3
+    await masq.close()

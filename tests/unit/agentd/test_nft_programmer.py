@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import socket
 from collections.abc import Callable
@@ -88,6 +89,15 @@ class Kernel:
                 (_v, ks, ke), = nl.iter_attrs(data, *parts[nf.NFTA_SET_ELEM_KEY])
                 elems.append(socket.inet_ntop(socket.AF_INET if ke - ks == 4 else socket.AF_INET6, data[ks:ke]))
             self._elements("add" if mtype & 0xFF == nf.NFT_MSG_NEWSETELEM else "delete", key, elems)
+
+    # a counters read (ElementWriter.sock.request of a GETOBJ dump): none counted here
+    def request(self, data: bytes, *, what: str, dump: bool) -> list[Any]:
+        (_t, _f, _seq, _pid, ms, me), = nl.iter_messages(data)
+        top = {a: (vs, ve) for a, vs, ve in nl.iter_attrs(data, ms + nl.NFGENMSG_LEN, me)}
+        table = (FAMILY_NAMES[data[ms]], nl.read_string(data, *top[nf.NFTA_OBJ_TABLE]))
+        if table not in self.tables:
+            raise nl.NetlinkError(errno.ENOENT, None, what)  # as the kernel: no such table
+        return []
 
     def elements(self, name: str) -> set[str]:
         return set(self.sets[("inet", "agentd-policy", name)][1])
@@ -252,3 +262,31 @@ async def test_the_rewrite_after_a_cancelled_sync_covers_every_object_whatever_k
     result = await prog.sync(desired, keys={("inet", "agentd-policy", "set", "a")})
     assert result.full
     assert kernel.elements("a") == kernel.elements("b") == {"10.0.0.1"}
+
+
+async def test_a_table_deleted_by_someone_else_is_written_again_by_the_next_sync():
+    """``nft flush ruleset`` or ``nft delete table inet agentd-policy`` (an admin, a firewall's
+    restart): the counters read every 2 s got ENOENT, taken for "no counters"; the programmer
+    kept believing its tables there and a sync with nothing changed sent nothing -- network
+    policy unenforced until some later change failed.  The read finding a table it wrote
+    gone puts it in doubt: the next sync adopts again and writes everything."""
+    kernel = Kernel()
+    nft, _thread = _nft(kernel)
+    prog = NftProgrammer(nft, TABLES, "policy")
+    desired = _policy("np-in/ns/p/0/pods", "ipv4_addr", {"10.0.0.1"})
+    await prog.sync(desired)
+    assert await prog.counters() == {} and not prog.gone and not prog.in_doubt
+    kernel.tables.clear()  # nft flush ruleset
+    kernel.sets.clear()
+    kernel.chains.clear()
+    assert await prog.counters() == {}
+    assert prog.gone and prog.in_doubt  # the caller (the policy agent's counters loop) wakes its sync
+    result = await prog.sync(desired, keys=set())  # nothing changed since
+    assert result.full and result.commands > 0
+    assert kernel.tables == set(TABLES) and kernel.elements("np-in/ns/p/0/pods") == {"10.0.0.1"}
+    assert ("inet", "agentd-policy", "np-in/ns/p") in kernel.chains
+    assert not prog.gone and not prog.in_doubt
+    # A table it never wrote (not there yet) is no news.
+    fresh = NftProgrammer(_nft(Kernel())[0], TABLES, "policy")
+    await fresh.adopt()
+    assert await fresh.counters() == {} and not fresh.gone and not fresh.in_doubt
