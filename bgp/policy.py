@@ -51,6 +51,12 @@ class Rejected:
 
 def import_attributes(attributes: PathAttributes, source: Source, local: LocalSettings) -> PathAttributes | Rejected:
     """Attributes as the Loc-RIB should see them, or why the route is treated as withdrawn."""
+    # RFC 4271 §9.1.2: a route whose AS_PATH holds our own AS is a loop, whatever kind of peer
+    # it came from (BIRD's bgp_decode_attrs and GoBGP's hasOwnASLoop check every peer's routes).
+    # Over iBGP it only arrives when another router of the AS let it in; dropping it here keeps
+    # this speaker, and the clients it reflects to, from using the looping path.
+    if attributes.as_path.contains(local.asn):
+        return Rejected(f"AS_PATH holds our AS {local.asn} (RFC 4271 §9.1.2)")
     if source.ibgp:
         # RFC 4456 §8: a reflector ignores routes it originated or that already passed its cluster.
         if attributes.originator_id == local.router_id:
@@ -58,9 +64,6 @@ def import_attributes(attributes: PathAttributes, source: Source, local: LocalSe
         if local.cluster_id is not None and local.cluster_id in attributes.cluster_list:
             return Rejected("CLUSTER_LIST holds our cluster id (RFC 4456 §8)")
         return attributes
-    # RFC 4271 §9.1.2: a route whose AS_PATH holds our own AS is a loop.
-    if attributes.as_path.contains(local.asn):
-        return Rejected(f"AS_PATH holds our AS {local.asn} (RFC 4271 §9.1.2)")
     # RFC 4271 §5.1.5: LOCAL_PREF from an external peer is ignored; RFC 4456 §8: ORIGINATOR_ID
     # and CLUSTER_LIST only make sense inside the AS.
     return attributes.without(*_INTERNAL_ONLY)  # (itself when it holds none of them)

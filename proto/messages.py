@@ -9,7 +9,7 @@ RFC 4271 §6.1; :func:`decode_message` decodes one body by type via :data:`MESSA
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from ipaddress import IPv4Address
 from typing import ClassVar, Union
 
@@ -102,21 +102,17 @@ class Open:
         return cls(asn if asn <= 0xFFFF else AS_TRANS, hold_time, IPv4Address(router_id), tuple(caps))
 
     def encode(self, ctx: CodecContext = DEFAULT_CONTEXT) -> bytes:
-        caps = [c.encode() for c in self.capabilities]
-        params = bytearray()
-        chunk = b""
-        for cap in caps:
-            if len(chunk) + len(cap) > 255:
-                params += bytes((2, len(chunk))) + chunk
-                chunk = b""
-            chunk += cap
-        if chunk:
-            params += bytes((2, len(chunk))) + chunk
-        if len(params) <= 255:
-            opt = bytes((len(params),)) + params
+        joined = b"".join(c.encode() for c in self.capabilities)
+        if not joined:
+            opt = b"\x00"
+        elif 2 + len(joined) <= 255:
+            # One Capabilities parameter (RFC 5492 §4).  Splitting them over several would
+            # not help: Optional Parameters Length would still exceed 255.
+            opt = bytes((2 + len(joined), 2, len(joined))) + joined
         else:
             # RFC 9072 §2: extended format, one Capabilities parameter with a 2-octet length.
-            joined = b"".join(caps)
+            # Also what carries a single capability of 254 or 255 octets of value, whose
+            # 256 or 257 octets no parameter with a 1-octet length can hold.
             ext = bytes((2,)) + len(joined).to_bytes(2, "big") + joined
             opt = b"\xff\xff" + len(ext).to_bytes(2, "big") + ext
         body = (
@@ -218,6 +214,11 @@ class Update:
 
     ``errors`` records RFC 7606 outcomes that did not reset the session.  When any is
     treat-as-withdraw, the receiver treats ``nlri`` and ``mp_reach.nlri`` as withdrawn.
+
+    ``other_attributes`` (set by :meth:`decode`) says the UPDATE as received carried a path
+    attribute besides MP_UNREACH_NLRI, kept or not: decoding drops an unrecognized optional
+    non-transitive one (RFC 4271 §5) and may discard a malformed one (RFC 7606), and such an
+    UPDATE is still no End-of-RIB.  A fact about the wire, not the content: not compared.
     """
 
     type: ClassVar[int] = MessageType.UPDATE
@@ -227,6 +228,7 @@ class Update:
     mp_reach: MpReachNlri | None = None
     mp_unreach: MpUnreachNlri | None = None
     errors: tuple[UpdateError, ...] = ()
+    other_attributes: bool = field(default=False, compare=False)
 
     @property
     def treat_as_withdraw(self) -> bool:
@@ -234,8 +236,17 @@ class Update:
 
     @property
     def end_of_rib(self) -> tuple[int, int] | None:
-        """The family this End-of-RIB marker is for (RFC 4724 §2), else None."""
-        if self.withdrawn or self.nlri or self.mp_reach is not None or len(self.attributes) or self.errors:
+        """The family this End-of-RIB marker is for (RFC 4724 §2), else None: an UPDATE with
+        no withdrawn routes, NLRI or path attributes (IPv4 unicast), or one whose only path
+        attribute is an MP_UNREACH_NLRI without withdrawn routes (any family), as received."""
+        if (
+            self.withdrawn
+            or self.nlri
+            or self.mp_reach is not None
+            or self.other_attributes
+            or len(self.attributes)
+            or self.errors
+        ):
             return None
         if self.mp_unreach is None:
             return (1, 1)
@@ -285,7 +296,7 @@ class Update:
         if shared.seen != 7 or shared.errors or shared.next_hop_errors:
             return None
         # RFC 7606 §3 i, §5.3: the NLRI field must be syntactically correct.
-        return cls((), shared.attributes, tuple(decode_prefixes_at(body, aend, len(body), 1)))
+        return cls((), shared.attributes, tuple(decode_prefixes_at(body, aend, len(body), 1)), None, None, (), True)
 
     @classmethod
     def decode(cls, body: bytes, ctx: CodecContext = DEFAULT_CONTEXT, cache: dict | None = None) -> Update:
@@ -395,7 +406,7 @@ class Update:
             raise DecodeError(
                 first.code, first.subcode, first.data, f"{first.message}; and the UPDATE has no reachable NLRI"
             )
-        return cls(withdrawn, shared.attributes, nlri, mp_reach, mp_unreach, tuple(errors))
+        return cls(withdrawn, shared.attributes, nlri, mp_reach, mp_unreach, tuple(errors), other_attrs)
 
 
 def _malformed_list(message: str) -> DecodeError:
@@ -521,7 +532,12 @@ class RouteRefresh:
     @classmethod
     def decode(cls, body: bytes, ctx: CodecContext = DEFAULT_CONTEXT) -> RouteRefresh:
         if len(body) != 4:
-            # RFC 7313 §5: the data is the complete ROUTE-REFRESH message.
+            # RFC 7313 §5: ROUTE-REFRESH Message Error / Invalid Message Length, the data the
+            # complete message.  §5 names it for subtypes 1 and 2; RFC 2918 and RFC 4271 §6.1
+            # define no length error for a ROUTE-REFRESH of subtype 0 (ORF, RFC 5291, which
+            # lengthens it, is not advertised), so the one error defined for it answers every
+            # subtype, as BIRD's bgp_rx_route_refresh does.  A shorter one never gets here:
+            # MessageReader answers a length below 23 with Bad Message Length (1/2).
             length = min(HEADER_LEN + len(body), 0xFFFF)
             raise DecodeError(
                 ErrorCode.ROUTE_REFRESH,

@@ -252,6 +252,19 @@ def run(args: argparse.Namespace, agent_masquerades: bool | None = None, cni: An
     and ``cni``, its ``[cni]`` section: a node of agentd-cni's is refused).  Where the subnet
     file says how the agent runs (:func:`agent_settings`), that is taken instead of the
     configuration's ``write_conflist`` and ``ip_masq``."""
+    # The arguments first: a bad one is named (exit 2) whatever the node's state, before the
+    # subnet file is read (a unit's ExecStartPre runs before the agent has written it).
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.key):  # a shell's name (str.isidentifier took é)
+        print(f"agentd docker-opts: --key {args.key!r} is not a variable name (letters A-Z, a-z, digits and _)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.individual and args.format != "env":
+        print(f"agentd docker-opts: --individual writes variables: it goes with --format env, not {args.format}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.output is not None and not args.output.strip():
+        print("agentd docker-opts: --output: empty path (leave it out for standard output)", file=sys.stderr)
+        return 2
     path = args.subnet_file
     try:
         text: str | None = read_subnet_text(path)
@@ -286,17 +299,6 @@ def run(args: argparse.Namespace, agent_masquerades: bool | None = None, cni: An
     except SubnetFileError as err:
         print(f"agentd docker-opts: {err}", file=sys.stderr)
         return 1
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.key):  # a shell's name (str.isidentifier took é)
-        print(f"agentd docker-opts: --key {args.key!r} is not a variable name (letters A-Z, a-z, digits and _)",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    if args.individual and args.format != "env":
-        print(f"agentd docker-opts: --individual writes variables: it goes with --format env, not {args.format}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    if args.output is not None and not args.output.strip():
-        print("agentd docker-opts: --output: empty path (leave it out for standard output)", file=sys.stderr)
-        return 2
     if agent_masquerades is False:
         print(IP_MASQ_OFF, file=sys.stderr)
     options = docker_options(sf, args.allow_direct_routing)

@@ -54,6 +54,13 @@ DEFAULT_DATA_DIR = "/var/lib/agentd/cni"  # agentd.config.settings's [cni] data_
 CONFLIST_NAME = "10-agentd.conflist"
 PLUGIN_TYPE = "agentd-cni"
 CONFLIST_CNI_VERSION = "1.0.0"
+# The runtimeConfig keys agentd-cni reads (agentd/cni/endpoints.py), declared as capabilities in
+# its conflist entry: the runtime (libcni) passes a capability argument only to a plugin whose
+# entry declares it.  ``labels`` and ``containerPorts``: the pod's identity for network policy
+# (agentd's own conventions, docs/policy.md); ``mac``: the pod's MAC (CNI's convention), which
+# the bridge delegate sets (runtimeConfig is handed on) and the endpoint file records.  Not
+# ``ipRanges`` (host-local puts a runtime's ranges before the node's subnet), nor ``ips``.
+PLUGIN_CAPABILITIES = ("labels", "containerPorts", "mac")
 
 # The smallest MTU every IPv4 link must carry (RFC 791, "Fragmentation and Reassembly").
 MIN_MTU = 68
@@ -312,6 +319,9 @@ def conflist(
         delegate.update(extra)
     plugin: dict[str, Any] = {
         "type": PLUGIN_TYPE,
+        # libcni (injectRuntimeConfig) hands a plugin only the capability arguments its entry
+        # declares: without these the runtimeConfig keys agentd-cni reads never arrive.
+        "capabilities": dict.fromkeys(PLUGIN_CAPABILITIES, True),
         "subnetFile": os.fspath(subnet_file),
         "dataDir": os.fspath(data_dir),
     }

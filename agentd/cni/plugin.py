@@ -154,7 +154,7 @@ def handle(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | 
         if command not in ("ADD", "DEL", "CHECK"):
             raise CniError(
                 INVALID_ENVIRONMENT_VARIABLES,
-                f"unknown CNI_COMMAND {command!r}",
+                f"unknown CNI_COMMAND {_short(command)}",
                 "expected ADD, DEL, CHECK or VERSION",
             )
         args = parse_env(command, env)
@@ -212,7 +212,7 @@ def parse_env(command: str, env: Mapping[str, str]) -> CmdArgs:
     if not _ID_RE.fullmatch(container_id):
         raise CniError(
             INVALID_ENVIRONMENT_VARIABLES,
-            f"invalid characters in CNI_CONTAINERID {container_id!r}",
+            f"invalid characters in CNI_CONTAINERID {_short(container_id)}",
             "must match ^[a-zA-Z0-9][a-zA-Z0-9_.-]*$",
         )
     if command != "DEL":
@@ -225,7 +225,7 @@ def parse_env(command: str, env: Mapping[str, str]) -> CmdArgs:
         if container_id in RESERVED_IDS:
             raise CniError(
                 INVALID_ENVIRONMENT_VARIABLES,
-                f"CNI_CONTAINERID {container_id!r} is reserved",
+                f"CNI_CONTAINERID {_short(container_id)} is reserved",
                 "it names a directory of this plugin's dataDir",
             )
     netns = env.get("CNI_NETNS", "")
@@ -239,7 +239,7 @@ def parse_env(command: str, env: Mapping[str, str]) -> CmdArgs:
         raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_IFNAME is not set")
     problem = _ifname_problem(ifname)
     if problem:
-        raise CniError(INVALID_ENVIRONMENT_VARIABLES, f"invalid CNI_IFNAME {ifname!r}: {problem}")
+        raise CniError(INVALID_ENVIRONMENT_VARIABLES, f"invalid CNI_IFNAME {_short(ifname)}: {problem}")
     path = tuple(p for p in env.get("CNI_PATH", "").split(os.pathsep) if p)
     if not path:
         raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_PATH is not set")
@@ -287,25 +287,25 @@ def parse_netconf(stdin: bytes) -> dict[str, Any]:
         )
     version = conf["cniVersion"]
     if not isinstance(version, str):
-        raise CniError(INVALID_NETWORK_CONFIG, f"cniVersion must be a string, not {version!r}")
+        raise CniError(INVALID_NETWORK_CONFIG, f"cniVersion must be a string, not {_short(version)}")
     if version not in SUPPORTED_VERSIONS:
         raise CniError(
             INCOMPATIBLE_CNI_VERSION,
             "incompatible CNI versions",
-            f"config is {version!r}, plugin supports {list(SUPPORTED_VERSIONS)}",
+            f"config is {_short(version)}, plugin supports {list(SUPPORTED_VERSIONS)}",
         )
 
     name = conf.get("name")
     if not isinstance(name, str) or not name:
         raise CniError(INVALID_NETWORK_CONFIG, "network config needs a string 'name'")
     if not _ID_RE.fullmatch(name):
-        raise CniError(INVALID_NETWORK_CONFIG, f"invalid characters in network name {name!r}")
+        raise CniError(INVALID_NETWORK_CONFIG, f"invalid characters in network name {_short(name)}")
     for key in ("type", "subnetFile", "dataDir"):
         if key in conf and (not isinstance(conf[key], str) or not conf[key]):
             raise CniError(INVALID_NETWORK_CONFIG, f"'{key}' must be a non-empty string")
     for key in ("subnetFile", "dataDir"):  # a NUL would fail at the first open(), as "internal error"
         if key in conf and (not os.path.isabs(conf[key]) or "\x00" in conf[key]):
-            raise CniError(INVALID_NETWORK_CONFIG, f"'{key}' must be an absolute path, not {conf[key]!r}")
+            raise CniError(INVALID_NETWORK_CONFIG, f"'{key}' must be an absolute path, not {_short(conf[key], 200)}")
     bin_dir = conf.get("binDir", [])
     if not isinstance(bin_dir, list) or not all(isinstance(d, str) and os.path.isabs(d) and "\x00" not in d for d in bin_dir):
         raise CniError(INVALID_NETWORK_CONFIG, "'binDir' must be an array of absolute directory paths")
@@ -365,7 +365,7 @@ def _short(value: Any, limit: int = 60) -> str:
 def _check_plugin_name(value: Any, what: str) -> str:
     # The spec: a plugin type must not contain characters a file name cannot (/ or \).
     if not isinstance(value, str) or not value or value in (".", "..") or "/" in value or "\\" in value:
-        raise CniError(INVALID_NETWORK_CONFIG, f"{what} must be a plugin name, not {value!r}")
+        raise CniError(INVALID_NETWORK_CONFIG, f"{what} must be a plugin name, not {_short(value)}")
     return value
 
 
@@ -969,7 +969,10 @@ def find_plugin(plugin_type: str, path: tuple[str, ...]) -> str:
         candidate = os.path.join(directory, plugin_type)
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
-    raise DelegateNotFound(INTERNAL, f"delegate plugin {plugin_type!r} not found in CNI_PATH {os.pathsep.join(path)}")
+    searched = os.pathsep.join(path)
+    if len(searched) > 200:
+        searched = searched[:197] + "..."
+    raise DelegateNotFound(INTERNAL, f"delegate plugin {_short(plugin_type)} not found in CNI_PATH {searched}")
 
 
 def invoke_delegate(

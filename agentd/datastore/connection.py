@@ -227,11 +227,16 @@ class EtcdConnection:
         while True:
             client = self.client()
             remaining = None if deadline is None else deadline - self.clock()
+            if remaining is not None and remaining <= 0:
+                # Not tried now (the deadline was spent before: waiting for the lock, earlier
+                # calls of the same operation, the backoff's sleep): says nothing of etcd, so
+                # neither its state nor the endpoint changes.
+                if problem:
+                    raise DatastoreUnavailable(f"etcd at {', '.join(self.urls)} unreachable ({what}): {problem}")
+                raise DatastoreUnavailable(f"{what}: deadline passed before etcd was asked")
             try:
                 if remaining is None:
                     result = await op(client)
-                elif remaining <= 0:
-                    raise asyncio.TimeoutError()
                 else:
                     result = await cancel_kept(asyncio.wait_for(op(client), remaining))
             except asyncio.CancelledError:
@@ -293,6 +298,8 @@ async def cancel_kept(awaitable: Awaitable[T]) -> T:
 
 
 async def close_quietly(client: EtcdClient) -> None:
-    """Close an aetcd client; a client whose streams already failed may complain, ignore it."""
+    """Close an aetcd client; a client whose streams already failed may complain, ignore it.
+    A cancel landing as the close ends is kept (cancel_kept): a watch closing its failed
+    client when its consumer cancelled it went on watching."""
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(client.close(), 5.0)
+        await cancel_kept(asyncio.wait_for(client.close(), 5.0))

@@ -2,9 +2,12 @@
 
 A subnet is taken by ONE etcd transaction that puts the subnet key only if it does not exist
 (agentd.datastore.subnets), under the liveness lease (agentd.datastore.liveness renews it and
-re-takes the subnet after the lease was lost).  Candidates are tried in this order: the
-subnet the node had before, the subnets etcd records for it, the subnet in its node record,
-then a free one picked at random.  A lost race moves on to the next candidate.
+re-takes the subnet after the lease was lost).  Candidates are tried in this order: a
+subnet reserved for the node (a record naming it under no etcd lease, as flannel's
+reservations: taken under no lease, so it never expires), the subnet the node had before,
+the subnets etcd records for it, the subnet in its node record, then a free one picked at
+random.  A lost race moves on to the next candidate.  A reservation is never deleted by
+agentd: not when another subnet is taken, not by ``release`` (flannel never deletes one).
 
 A dual-stack node holds one subnet of each family (``version`` 4 and 6), each taken by its
 own transaction of the same kind, under the same lease; a claim's clean-up of older subnets
@@ -106,7 +109,7 @@ class SubnetLeases:
         deadline = self.connection.deadline(timeout)
         async with self.connection.locked(keeper.lock, deadline, "publish subnet backend data"):
             for version, lease in sorted(keeper.subnets.items()):
-                if lease.lease_id is None or lease.backend_data == backend_data:
+                if lease.backend_data == backend_data:
                     continue
                 new = dataclasses.replace(lease, backend_data=dict(backend_data))
                 ok = await self.connection.call(
@@ -135,7 +138,9 @@ class SubnetLeases:
             lease_id = await self.keeper.ensure_lease(deadline)
             view = await self.connection.call("read subnets", lambda c: self._read_subnets(c, node), deadline)
             ours = view.held_by(node, version)
-            preferred = [previous, *sorted(ours), view.node_subnets.get(version)]
+            reserved = sorted(s for s, e in ours.items() if e.reserved)
+            leased = {s: e for s, e in ours.items() if not e.reserved}  # ours to drop when we take another
+            preferred = [*reserved, previous, *sorted(ours), view.node_subnets.get(version)]
             outcome = Claim.RETRY
             tried: set[Network] = set()
             for candidate in preferred:
@@ -145,10 +150,10 @@ class SubnetLeases:
                 entry = view.entries.get(candidate)
                 if entry is not None and candidate not in ours:
                     continue  # someone else's
-                if any(s != candidate and s not in ours and s.overlaps(candidate)  # type: ignore[arg-type]
+                if any(s != candidate and s not in leased and s.overlaps(candidate)  # type: ignore[arg-type]
                        for s in view.entries):
                     continue  # inside a wider lease of someone else's (or around a narrower one)
-                outcome = await self._claim(template, candidate, entry, ours, lease_id, deadline)
+                outcome = await self._claim(template, candidate, entry, leased, lease_id, deadline)
                 if outcome in (Claim.WON, Claim.LEASE_GONE, Claim.RETRY):
                     break
             else:
@@ -162,13 +167,17 @@ class SubnetLeases:
                                 f"all {subnet_count(cidr, subnet_len)} are leased"
                             )
                         break  # full only in our stale view: read again
-                    outcome = await self._claim(template, candidate, None, ours, lease_id, deadline)
+                    outcome = await self._claim(template, candidate, None, leased, lease_id, deadline)
                     if outcome is not Claim.TAKEN:
                         break
                     taken.add(candidate)
             if outcome is Claim.WON and await self._gave_up(node, candidate, deadline):
                 continue
             if outcome is Claim.WON:
+                if candidate in reserved:
+                    log.info("acquired subnet %s for node %s: reserved for it (its key under no etcd lease, "
+                             "kept so)", candidate, node)
+                    return dataclasses.replace(template, subnet=candidate, lease_id=None)
                 lease = dataclasses.replace(template, subnet=candidate, lease_id=lease_id)
                 how = "re-acquired" if candidate in ours or candidate == previous else "acquired"
                 log.info("%s subnet %s for node %s under lease %x", how, candidate, node, lease_id)
@@ -187,6 +196,8 @@ class SubnetLeases:
         log.warning("subnet %s overlaps %s, leased by another node just before our claim (their cluster's "
                      "subnet length not ours): giving it up", candidate, ", ".join(map(str, earlier)))
         mine = {candidate: after.entries[candidate]}
+        if mine[candidate].reserved:
+            return True  # not used, but left as reserved: an operator's to delete
         await self.connection.call(f"give up subnet {candidate}",
                                    lambda c: subnets.release(c, self.prefix, mine), deadline)
         return True
@@ -200,11 +211,14 @@ class SubnetLeases:
         lease_id: int,
         deadline: float | None,
     ) -> Claim:
+        """Claim ``candidate``, dropping ``ours`` (our other leased subnets) in the same
+        transaction: under ``lease_id``, or under none if it is reserved for us (``entry``)."""
         stale = {s: e for s, e in ours.items() if s != candidate}
         wider = subnets.wider_subnets(candidate)
+        under = 0 if entry is not None and entry.reserved else lease_id
         return await self.connection.call(
             f"claim subnet {candidate}",
-            lambda c: subnets.claim(c, self.prefix, template, candidate, entry, stale, lease_id, wider),
+            lambda c: subnets.claim(c, self.prefix, template, candidate, entry, stale, under, wider),
             deadline,
         )
 
@@ -237,16 +251,20 @@ class SubnetLeases:
     async def release(self, node: str, *, timeout: float | None = None) -> list[Network]:
         """Delete the subnet keys recorded for ``node`` and revoke this instance's lease
         (which removes the node record it registered).  Returns the released subnets.
-        Afterwards this instance holds no lease, node record or subnet."""
+        A subnet reserved for the node (a record naming it under no etcd lease) stays: as
+        flannel's, a reservation is an operator's, and the node takes it again when it joins
+        again.  Afterwards this instance holds no lease, node record or subnet."""
         check_node_name(node, "release", "node")
         call, keeper = self.connection.call, self.keeper
         deadline = self.connection.deadline(timeout)
         # The keepalive does not restore keys while we hold the lock.
         async with self.connection.locked(keeper.lock, deadline, "release subnets"):
             released: list[Network] = []
+            kept: list[Network] = []
             while True:
                 view = await call("read subnets", lambda c: self._read_subnets(c, node), deadline)
-                ours = view.held_by(node)
+                ours = {s: e for s, e in view.held_by(node).items() if not e.reserved}
+                kept = sorted((s for s, e in view.held_by(node).items() if e.reserved), key=lambda n: (n.version, n))
                 if not ours:
                     break
                 ok = await call("release subnets", lambda c: subnets.release(c, self.prefix, ours), deadline)
@@ -265,6 +283,7 @@ class SubnetLeases:
                 except Exception as exc:
                     if not is_lease_not_found(exc):
                         raise
-        log.info("released node %s: subnets %s; revoked lease %s",
-                 node, ", ".join(map(str, released)) or "none", f"{lease_id:x}" if lease_id else "none")
+        log.info("released node %s: subnets %s; revoked lease %s%s",
+                 node, ", ".join(map(str, released)) or "none", f"{lease_id:x}" if lease_id else "none",
+                 f"; kept subnets reserved for it (under no etcd lease): {', '.join(map(str, kept))}" if kept else "")
         return released

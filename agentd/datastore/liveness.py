@@ -13,11 +13,14 @@ run's lease, which nobody refreshes.  Every write is a transaction that compares
 
 A key of ours found under our lease or under none, unreadable or naming this node (other
 addresses, other data), is ours whatever it holds: no agent but this one writes under our
-lease, and none writes under no lease (every agentd key lives under its writer's lease).
-Such a value was put by hand (a plain ``etcdctl put`` detaches the key from its lease,
-``--ignore-lease`` keeps ours), and the round writes ours back under our lease.  A subnet
-record naming another node is that node's, under any lease: an assignment by hand, as
-flannel's reservations name their node.
+lease, and none writes under no lease but a reservation's.  Such a value was put by hand (a
+plain ``etcdctl put`` detaches the key from its lease, ``--ignore-lease`` keeps ours), and
+the round writes ours back under our lease -- except a readable subnet record naming this
+node under no lease: a reservation (flannel's: "removing the TTL from a lease will convert it
+to a reservation"), left under no lease (its value rewritten, still under none, only where
+it is not what we publish), so it never expires with our lease; an unreadable value under no
+lease stays under none where we held it as a reservation.  A subnet record naming another
+node is that node's, under any lease: an assignment by hand, or a reservation for it.
 
 ``LeaseKeeper`` holds what we keep alive (``node``, ``subnets`` by IP version) and the ``lock`` every change
 of our keys takes: agentd.datastore.registration and agentd.datastore.leases change them.
@@ -337,11 +340,25 @@ class LeaseKeeper:
             # gone, or an assignment by hand (as a flannel reservation names its node).
             self._lose(subnet, stored.node)
             return
+        if kv.lease == 0 and (stored is not None or subnet.lease_id is None):
+            # Reserved for us (module docstring): kept under no lease.
+            if subnet.lease_id is not None:
+                subnet = dataclasses.replace(subnet, lease_id=None)
+                self.subnets[subnet.subnet.version] = subnet
+                log.info("subnet %s is reserved for node %s now (its key under no etcd lease): kept so",
+                         subnet.subnet, subnet.node)
+            if stored != subnet and await self._bounded(
+                subnets.put_unchanged(client, self.prefix, subnet, kv.mod_revision)
+            ):
+                log.warning("subnet key %s reserved for node %s %s (put by hand?): rewritten, still under no "
+                            "etcd lease", kv.key.decode(errors="replace"), subnet.node,
+                            "was unreadable" if stored is None else "held another value than ours")
+            return
         if kv.lease in (lease_id, 0):
             # Unreadable or naming us: ours (module docstring).  An unreadable value is no
             # node's claim -- giving the subnet up for it stopped the agent, and a restarted
             # one took another subnet (every pod recreated).
-            if subnet.lease_id != lease_id:  # re-taken by a claim whose reply was lost
+            if subnet.lease_id != lease_id:  # re-taken by a claim whose reply was lost, or no longer reserved
                 subnet = dataclasses.replace(subnet, lease_id=lease_id)
                 self.subnets[subnet.subnet.version] = subnet
             # Ours, but not what we publish -- put back while the new backend data could not be

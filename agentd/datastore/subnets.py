@@ -3,6 +3,11 @@
 Each function is one round trip.  ``claim`` is the only way a subnet key is ever
 created: a transaction that puts it only if it is exactly as we last saw it (absent,
 ``version == 0``; or ours at the revision we read), so two nodes can never both win.
+
+A readable subnet record under no etcd lease is a reservation (flannel's
+Documentation/reservations.md: "removing the TTL from a lease will convert it to a
+reservation"): the node it names holds the subnet for good, and claims it without a lease
+(``Entry.reserved``) -- it never expires with the node's lease.  Only an operator deletes it.
 """
 
 from __future__ import annotations
@@ -59,6 +64,11 @@ class Entry:
     lease: int
     record: SubnetLease | None
     create_revision: int = 0  # when the key was made (kept across rewrites): the earliest of overlapping leases holds
+
+    @property
+    def reserved(self) -> bool:
+        """A reservation for the node it names: a readable record under no etcd lease (module doc)."""
+        return self.lease == 0 and self.record is not None
 
 
 @dataclass(frozen=True)
@@ -151,15 +161,16 @@ async def claim(
     wider: Iterable[Network] = (),
 ) -> Claim:
     """Take ``candidate`` if it is as we saw it (absent, or ours at the revision we
-    read) and, in the same transaction, drop the other subnets recorded for us.  ``wider``:
-    the subnets around ``candidate`` that must not be leased either (a node that leased one
-    meanwhile, its cluster's subnet_len shorter, holds ``candidate``'s addresses)."""
+    read) under ``lease_id`` (0: under none, a reservation of ours) and, in the same
+    transaction, drop the other subnets recorded for us.  ``wider``: the subnets around
+    ``candidate`` that must not be leased either (a node that leased one meanwhile, its
+    cluster's subnet_len shorter, holds ``candidate``'s addresses)."""
     key = subnet_key(prefix, candidate)
     value = dataclasses.replace(template, subnet=candidate).to_json()
     compare = [tx.Version(key) == 0] if entry is None else [tx.Mod(key) == entry.mod_revision]
     compare += [tx.Version(subnet_key(prefix, s)) == 0 for s in wider if s not in stale]
     compare += [tx.Mod(subnet_key(prefix, s)) == e.mod_revision for s, e in stale.items()]
-    success = [tx.Put(key, value, lease=lease_id)] + [tx.Delete(subnet_key(prefix, s)) for s in stale]
+    success = [tx.Put(key, value, lease=lease_id or None)] + [tx.Delete(subnet_key(prefix, s)) for s in stale]
     try:
         ok, responses = await client.transaction(compare=compare, success=success, failure=[tx.Get(key)])
     except Exception as exc:
@@ -178,7 +189,8 @@ async def claim(
 
 
 async def rewrite(client: EtcdClient, prefix: str, old: SubnetLease, new: SubnetLease) -> bool:
-    """Replace our subnet record ``old`` by ``new`` (same subnet, same lease) if it is unchanged."""
+    """Replace our subnet record ``old`` by ``new`` (same subnet, same lease; None: a reservation,
+    under no lease) if it is unchanged."""
     key = subnet_key(prefix, old.subnet)
     value = new.to_json()
     ok, responses = await client.transaction(
@@ -190,12 +202,12 @@ async def rewrite(client: EtcdClient, prefix: str, old: SubnetLease, new: Subnet
         return True
     current = responses[0]
     # An earlier attempt whose reply was lost (the request is retried) did write it.
-    return bool(current) and current[0][0] == value and current[0][1].lease == new.lease_id
+    return bool(current) and current[0][0] == value and current[0][1].lease == (new.lease_id or 0)
 
 
 async def put_unchanged(client: EtcdClient, prefix: str, lease: SubnetLease, mod_revision: int) -> bool:
-    """Put our record ``lease`` (under ``lease.lease_id``) if its key is unchanged since
-    ``mod_revision``; True if written."""
+    """Put our record ``lease`` (under ``lease.lease_id``; None: under no lease, a reservation)
+    if its key is unchanged since ``mod_revision``; True if written."""
     key = subnet_key(prefix, lease.subnet)
     ok, _ = await client.transaction(
         compare=[tx.Mod(key) == mod_revision],

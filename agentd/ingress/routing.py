@@ -32,21 +32,24 @@ features):
   oldest Ingress of its virtual host that has one, else to the ``defaultBackend`` of the
   oldest Ingress of ours that has one, else to the built-in default backend: 404.
 * **TLS.**  An Ingress's ``tls[]`` applies to the hosts of its OWN rules only, as in
-  ingress-nginx (createServers walks an Ingress's rules): a rule host takes the entry naming
-  it, else an entry whose certificate covers it (:func:`covers`: one without ``hosts``, or a
-  wildcard one); a host an entry names that none of its Ingress's rules has is ignored (in
-  ``conflicts``) -- it would take another Ingress's host by SNI.  The rules without a host
-  get the controller's default certificate, never an Ingress's.  A Secret serves a host only
-  if it is usable and its certificate covers the host (Go's ``VerifyHostname``, which
-  ingress-nginx asks); a host named by several Ingresses takes the oldest one's Secret that
-  serves it, else the oldest one's entry (served with the default certificate, in
-  ``uncovered``/tls_errors when the certificate does not cover it).  ingress-nginx differs
-  there: the oldest Ingress's entry keeps the host, with the default certificate.
-  Plain-HTTP requests for a TLS host (its Secret usable or not, or the entry naming none, as
-  in ingress-nginx) are redirected to HTTPS (308) when the Ingress of the path that answers
-  wants it (the matching rule's Ingress, else its virtual host's oldest: ConfigMap
-  ``ssl-redirect``, Ingress annotation ``ingress.agentd.io/ssl-redirect``) -- decided per
-  path, as ingress-nginx decides per location.
+  ingress-nginx (createServers walks an Ingress's rules, extractTLSSecretName): a rule host
+  takes the FIRST entry naming it (its Secret serving or not: a later entry naming it is not
+  looked at), else the first entry whose certificate covers it (:func:`covers`: one without
+  ``hosts``, or a wildcard one), else -- the Ingress has a tls section -- the default
+  certificate (with the Secret of a wildcard entry covering it, said in tls_errors).  A host
+  an entry names that covers none of its Ingress's rule hosts is ignored (in ``conflicts``)
+  -- it would take another Ingress's host by SNI.  The rules without a host get the
+  controller's default certificate, never an Ingress's, and are never redirected.  A Secret
+  serves a host only if it is usable and its certificate covers the host (Go's
+  ``VerifyHostname``, which ingress-nginx asks); a host several Ingresses give TLS takes the
+  oldest one's Secret that serves it, else the oldest one's (served with the default
+  certificate, in ``uncovered``/tls_errors when the certificate does not cover it).
+  ingress-nginx differs there: the oldest Ingress keeps the host, with the default certificate.
+  Plain-HTTP requests for a TLS host (its Secret usable or not, or none, as in ingress-nginx)
+  are redirected to HTTPS (308) when the Ingress of the path that answers wants it (the
+  matching rule's Ingress, else its virtual host's oldest: ConfigMap ``ssl-redirect``, Ingress
+  annotation ``ingress.agentd.io/ssl-redirect``) -- decided per path, as ingress-nginx decides
+  per location.
 
 A backend is one (Ingress, Service, port): its requests are counted per Ingress.
 """
@@ -332,65 +335,112 @@ def _tls(table: RouteTable, me: tuple[str, str], spec: Obj, usable: Callable[[tu
          tls_seen: dict[str, tuple[int, tuple[str, str], bool]]) -> None:
     """The ``tls[]`` section of Ingress ``me`` (newer than every one :func:`build` gave here
     before), as ingress-nginx applies it (createServers, extractTLSSecretName): per host of
-    its OWN rules -- the entry naming the host, else one whose certificate covers it --, never
-    for a host it has no rule for (that would take another Ingress's host by SNI, across
-    namespaces too); the oldest Ingress whose Secret serves a host keeps it."""
+    its OWN rules -- the first entry naming the host, else the first whose certificate covers
+    it, else (the Ingress has a tls section) the default certificate --, never for a host it
+    has no rule for (that would take another Ingress's host by SNI, across namespaces too);
+    the oldest Ingress whose Secret serves a host keeps it.  Work linear in the hosts and
+    entries (it runs on the agent's event loop): indexes, built once, not a scan per host."""
     ns, name = me
-    own = list(dict.fromkeys(r["host"] for r in spec.get("rules", []) if r.get("host")))
     # Without a secretName the hosts are still TLS hosts, served with the default certificate
     # and redirected, as ingress-nginx does.
     entries = [((ns, t["secretName"]) if t.get("secretName") else None, list(t.get("hosts") or ()))
                for t in spec.get("tls", [])]  # fmt: skip
-    named = {h for _, hosts in entries for h in hosts}
-    for host in dict.fromkeys(h for _, hosts in entries for h in hosts):
-        if host not in own:
+    if not entries:
+        return
+    own = list(dict.fromkeys(r["host"] for r in spec.get("rules", []) if r.get("host")))
+    own_set = set(own)
+    own_parents = {parent for label, dot, parent in (h.partition(".") for h in own) if label and dot}
+    named: dict[str, list[tuple[str, str] | None]] = {}  # a host an entry names -> the Secrets naming it, in order
+    for secret, hosts in entries:
+        for host in hosts:
+            named.setdefault(host, []).append(secret)
+    for host in named:  # one that covers none of its rule hosts gives nothing
+        if host not in own_set and not (host.startswith("*.") and host[2:] in own_parents):
             table.conflicts.append(f"{ns}/{name}: tls for {host}: no rule of {ns}/{name} names this host: not "
                                    "given its Secret (an Ingress's tls applies to its own rule hosts only)")
     names: dict[tuple[str, str], Collection[str] | None] = {}
 
+    def known_names(secret: tuple[str, str]) -> Collection[str] | None:
+        if secret not in names:
+            names[secret] = cert_names(secret)
+        return names[secret]
+
     def serves(secret: tuple[str, str] | None, host: str) -> bool:
         """Whether ``secret`` can serve ``host``: usable, and its certificate valid for the host
         (Go's VerifyHostname, which ingress-nginx asks; names not known: valid for the hosts
-        the Ingress names for it, for no other)."""
+        the Ingress names for it and one label under its wildcards, for no other)."""
         if secret is None or not usable(secret):
             return False
-        if secret not in names:
-            names[secret] = cert_names(secret)
-        known = names[secret]
-        return host in named if known is None else covers(known, host)
+        known = known_names(secret)
+        return any(n in named for n in _covering(host)) if known is None else covers(known, host)
+
+    covering: dict[str, int] | None = None  # a certificate's name -> the first entry whose Secret has it
+
+    def first_covering(host: str) -> tuple[str, str] | None:
+        """The Secret of the first entry whose certificate covers ``host`` (none names it)."""
+        nonlocal covering
+        if covering is None:
+            covering = {}
+            for i, (secret, _) in enumerate(entries):
+                # Names not known: it serves the hosts named for it only -- none of these.
+                if secret is not None and usable(secret) and (known := known_names(secret)) is not None:
+                    for n in known:
+                        covering.setdefault(n.lower().removesuffix("."), i)
+        found = [covering[n] for n in _covering(host) if n in covering]
+        return entries[min(found)][0] if found else None
 
     chosen: set[tuple[str, str]] = set()
     for host in own:
-        if host in named:
-            candidates = [secret for secret, hosts in entries if host in hosts]
-            for secret in candidates:
-                if secret is not None and usable(secret) and not serves(secret, host):
-                    table.uncovered.append((secret, host))
-        else:  # an entry whose certificate covers it (one without hosts, or a wildcard one)
-            candidates = [secret for secret, _ in entries if secret is not None and serves(secret, host)]
-            if not candidates:
-                continue  # no TLS host
-        secret = next((s for s in candidates if serves(s, host)), candidates[0])
-        ok = serves(secret, host)
+        given = True  # an entry of its names the host or has a Secret for it
+        if host in named:  # the first entry naming it, serving or not (ingress-nginx)
+            secret = named[host][0]
+            ok = serves(secret, host)
+            if not ok and secret is not None and usable(secret):
+                table.uncovered.append((secret, host))
+            if not ok and (better := next((s for s in named[host][1:] if s != secret and serves(s, host)), None)):
+                first = (f"gives it its Secret, {secret[0]}/{secret[1]}, which cannot serve it" if secret is not None
+                         else "has no secretName")  # fmt: skip
+                table.conflicts.append(f"{ns}/{name}: tls for {host}: the first entry naming it {first}; "
+                                       f"not {better[0]}/{better[1]} of a later entry")  # fmt: skip
+        elif (secret := first_covering(host)) is not None:
+            ok = True
+        else:  # the default certificate (ingress-nginx), a wildcard entry covering it named
+            label, dot, parent = host.partition(".")
+            wildcard = named.get(f"*.{parent}") if label and dot else None
+            secret, given = (wildcard[0], True) if wildcard else (None, False)
+            ok = serves(secret, host)  # its certificate's names not known: it does
+            if not ok and secret is not None and usable(secret):
+                table.uncovered.append((secret, host))
         if secret is not None:
             chosen.add(secret)
         if host in tls_seen:
             index, owner, owner_ok = tls_seen[host]
             if owner_ok or not ok:
-                table.conflicts.append(f"{ns}/{name}: tls for {host}: already given by {owner[0]}/{owner[1]}")
+                if given:
+                    table.conflicts.append(f"{ns}/{name}: tls for {host}: already given by {owner[0]}/{owner[1]}")
                 continue
             # The older Ingress's Secret cannot serve the host: this one's does (agentd's
             # choice: ingress-nginx gives the host the default certificate then).
-            table.conflicts.append(f"{owner[0]}/{owner[1]}: tls for {host}: its Secret cannot serve it; "
-                                   f"{ns}/{name}'s does")
+            why = "its Secret cannot serve it" if table.tls[index].secret is not None else "its tls gives it no Secret"
+            table.conflicts.append(f"{owner[0]}/{owner[1]}: tls for {host}: {why}; {ns}/{name}'s does")
             table.tls[index] = TlsHost(host, secret, me, True)
             tls_seen[host] = (index, me, True)
             continue
         tls_seen[host] = (len(table.tls), me, ok)
         table.tls.append(TlsHost(host, secret, me, ok))
+    listed = set(table.hostless)
     for secret, hosts in entries:
-        if not hosts and secret is not None and secret not in chosen and secret not in table.hostless:
+        if not hosts and secret is not None and secret not in chosen and secret not in listed:
             table.hostless.append(secret)
+            listed.add(secret)
+
+
+def _covering(host: str) -> tuple[str, ...]:
+    """The certificate names valid for ``host`` (lower case): itself, and ``*.`` + its parent
+    domain (one label, as RFC 6125 and Go's ``VerifyHostname`` have it)."""
+    host = host.lower()
+    label, dot, parent = host.partition(".")
+    return (host, f"*.{parent}") if label and dot else (host,)
 
 
 def covers(names: Iterable[str], host: str) -> bool:
@@ -398,13 +448,8 @@ def covers(names: Iterable[str], host: str) -> bool:
     name equal to it (case aside), or ``*.`` + its parent domain (one label, as RFC 6125 and Go's
     ``VerifyHostname``, which ingress-nginx asks, have it).  A wildcard rule host ``*.foo.com``
     is covered by the name ``*.foo.com`` only."""
-    host = host.lower()
-    label, dot, parent = host.partition(".")
-    for name in names:
-        name = name.lower().removesuffix(".")
-        if name == host or (label and dot and name.startswith("*.") and name[2:] == parent):
-            return True
-    return False
+    valid = _covering(host)
+    return any(name.lower().removesuffix(".") in valid for name in names)
 
 
 def _redirect(ing: Obj, default: bool) -> bool:

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network
 from typing import Any, Union
@@ -37,6 +38,91 @@ from typing import Any, Union
 Element = Any  # str | int | tuple (a concatenation) | IPv4Network (an interval) | (key, value) for maps
 ObjKey = tuple[str, str, str, str]  # (family, table, kind, name); kind: set | chain | counter
 OBJECT_MAPS = ("counter", "quota", "limit")  # maps whose values are named objects
+
+
+class Elements(AbstractSet[Element]):
+    """A set's elements made only when first looked at (:meth:`_build`, once), standing for
+    the frozenset they make: it compares, hashes, iterates and combines as that frozenset.
+    A large map changed by a few elements and carried with its ``delta`` is planned without
+    them (:func:`plan` takes the delta), so a change does not copy the whole map; they are
+    made where the plan compares whole sets (the kernel's copy not the delta's base, its
+    contents unknown, an interval set, a new set).  A subclass says how (:meth:`_build`)."""
+
+    __slots__ = ("_frozen",)
+
+    def __init__(self) -> None:
+        self._frozen: frozenset[Element] | None = None
+
+    def _build(self) -> Iterable[Element]:
+        raise NotImplementedError
+
+    def _forget(self) -> None:
+        """Let go of what :meth:`_build` used (called once they are made)."""
+
+    @property
+    def made(self) -> bool:
+        return self._frozen is not None
+
+    def frozen(self) -> frozenset[Element]:
+        if self._frozen is None:
+            self._frozen = frozenset(self._build())
+            self._forget()
+        return self._frozen
+
+    def __len__(self) -> int:
+        return len(self.frozen())
+
+    def __iter__(self) -> Iterator[Element]:
+        return iter(self.frozen())
+
+    def __contains__(self, e: object) -> bool:
+        return e in self.frozen()
+
+    def __eq__(self, other: object) -> bool:
+        return self.frozen() == _plain(other)
+
+    def __hash__(self) -> int:
+        return hash(self.frozen())
+
+    def __le__(self, other: Any) -> bool:
+        return self.frozen() <= _plain(other)
+
+    def __ge__(self, other: Any) -> bool:
+        return self.frozen() >= _plain(other)
+
+    def __lt__(self, other: Any) -> bool:
+        return self.frozen() < _plain(other)
+
+    def __gt__(self, other: Any) -> bool:
+        return self.frozen() > _plain(other)
+
+    def __sub__(self, other: Any) -> frozenset[Element]:  # type: ignore[override]
+        return self.frozen() - _plain(other)
+
+    def __rsub__(self, other: Any) -> frozenset[Element]:
+        return _plain(other) - self.frozen()
+
+    def __or__(self, other: Any) -> frozenset[Element]:  # type: ignore[override]
+        return self.frozen() | _plain(other)
+
+    __ror__ = __or__
+
+    def __and__(self, other: Any) -> frozenset[Element]:  # type: ignore[override]
+        return self.frozen() & _plain(other)
+
+    __rand__ = __and__
+
+    def __xor__(self, other: Any) -> frozenset[Element]:  # type: ignore[override]
+        return self.frozen() ^ _plain(other)
+
+    __rxor__ = __xor__
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({set(self.frozen())!r})" if self.made else f"{type(self).__name__}(not made)"
+
+
+def _plain(x: Any) -> Any:
+    return x.frozen() if isinstance(x, Elements) else x
 
 
 @dataclass(frozen=True)
@@ -47,7 +133,7 @@ class NftSet:
     type: tuple[str, ...]  # one type, or the parts of a concatenation
     map: str | None = None  # the data type of a map ("verdict", "ether_addr"); None: a set
     flags: tuple[str, ...] = ()
-    elements: frozenset[Element] = frozenset()
+    elements: frozenset[Element] | Elements = frozenset()  # Elements: made when looked at
     contents_known: bool = True
     timeout: int | None = None  # seconds: elements expire (a dynamic set the kernel fills: Services' affinity)
     # How this set differs from an earlier version of it, when whoever made it knows exactly:

@@ -670,8 +670,9 @@ def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort]
     ``short_circuit`` (this node's pod subnets), which the node translates to every usable
     endpoint, keep any of them; one from the node's own address, which may too, is chosen
     anew.  "Any of them" is :meth:`model.ServicePort.short_circuit_endpoints`, the data
-    path's choice: with this node's endpoints all terminating and others ready, this node's
-    terminating ones too."""
+    path's choice: the cluster IP's (with this node's endpoints all terminating and others
+    ready, not this node's terminating ones, whose flows from its pods through the node port
+    go as they would through the cluster IP)."""
     had = {(sp.key, sp.cluster_ip, sp.node_port) for sp in before if sp.usable()}
     out = []
     for sp in after:

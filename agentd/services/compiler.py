@@ -6,7 +6,7 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
     map service-nodeports { inet_proto . inet_service : verdict }                proto . node port -> goto np-pick/N
     chain prerouting   { type nat hook prerouting priority dstnat; jump services }
     chain output       { type nat hook output priority dstnat; jump services }
-    map nodeport-short-circuit { inet_proto . inet_service : verdict }          Local node ports -> goto np-local/N (every endpoint)
+    map nodeport-short-circuit { inet_proto . inet_service : verdict }          Local node ports -> goto np-local/N (every usable endpoint)
     chain services     { ip daddr . meta l4proto . th dport vmap @service-ips
                          fib daddr type local ip daddr != 127.0.0.0/8 goto nodeports }
     chain nodeports    { ip saddr <this node's pod subnet> meta l4proto . th dport vmap @nodeport-short-circuit
@@ -38,7 +38,10 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
     np-local/N (Local: client address kept; the node's own traffic marked), np-slot/i with the
     maps np-addr/i and np-port/i keyed by proto . node port.  A Local node port's slots hold
     this node's endpoints first, then the others: from outside, np-local/L picks among the L
-    of this node; from this node or its pods, kube-proxy's short-circuit, np-local/N among all.
+    of this node; from this node or its pods, kube-proxy's short-circuit, np-local/N among all
+    N usable ones -- but while this node's are all terminating and others ready (which the
+    short-circuit takes alone), a chain of the Service's own (short-circuit/...) picks among
+    the slots after this node's.
 
 So 10,000 services are one map lookup, not a chain walk, and a Service's endpoints are map
 elements, not rules: an endpoint appearing, leaving or becoming ready changes elements only,
@@ -48,7 +51,8 @@ and their slots are prepared at start; above that, there are slots up to the lar
 in use and pick chains for the counts in use only (a chain for each count up to the largest
 would be ~1.5 N^2 vmap entries: 1,000 endpoints, 60 MB of rules), so the table grows linearly
 with the endpoints.  Rules change when a Service above ``SLOTS_MIN`` reaches a count whose
-chains are not there, or for ClientIP affinity.  A count no longer used keeps its chains
+chains are not there, for ClientIP affinity, and for a Local node port's own short-circuit
+chain (coming, going, or its counts changing).  A count no longer used keeps its chains
 while it is near one in use (within a quarter, the ``RETAIN`` most recent): a rolling update
 going back and forth between counts changes rules once per count, then elements only.
 
@@ -73,12 +77,14 @@ refused (ICMP port unreachable, as kube-proxy does), or dropped where a Local tr
 keeps it off other nodes' endpoints.
 
 externalTrafficPolicy Local is for traffic from outside the node.  A node port reached from
-the node itself or from one of its pods is short-circuited to every endpoint of the Service,
-as kube-proxy does (pkg/proxy/nftables/proxier.go and pkg/proxy/iptables/proxier.go, the
-"external" chain: pod traffic to the cluster policy's endpoints, the node's own traffic
+the node itself or from one of its pods is short-circuited to every usable endpoint of the
+Service, as kube-proxy does (pkg/proxy/nftables/proxier.go and pkg/proxy/iptables/proxier.go,
+the "external" chain: pod traffic to the cluster policy's endpoints, the node's own traffic
 masqueraded and to them too), so such a node without endpoints of its own still reaches the
-Service.  "From this node" is ``fib saddr type local``; "one of its pods" is a source in the
-node's pod subnet of the family (kube-proxy's ``--detect-local-mode=NodeCIDR``).
+Service; the cluster policy's endpoints are the ready ones wherever they are (the terminating
+ones only when none is ready anywhere), as for the cluster IP.  "From this node" is ``fib
+saddr type local``; "one of its pods" is a source in the node's pod subnet of the family
+(kube-proxy's ``--detect-local-mode=NodeCIDR``).
 
 Services with ClientIP affinity keep a chain of their own, one chain per endpoint and a
 timeout set per endpoint (``svc/...``, ``ext/...``, ``ep/...``, ``aff/.../TIMEOUT``): the affinity
@@ -104,7 +110,7 @@ from typing import Any
 from agentd.nft.expr import (
     IPV4, SUPPRESSED, AddressFamily, DropLog, FAMILIES, families as rows, goto, match, meta, object_name, payload, prefix,
 )  # fmt: skip
-from agentd.nft.ruleset import NftChain, NftCounter, NftSet, Ruleset, rule_text
+from agentd.nft.ruleset import Elements, NftChain, NftCounter, NftSet, Ruleset, rule_text
 
 from .model import Endpoint, ServicePort
 
@@ -117,7 +123,7 @@ SERVICE_IPS = "service-ips"
 NODE_PORTS = "service-nodeports"
 HAIRPIN = "hairpin-self"  # address . address: this node's endpoints E as E . E (a DNATed flow from E to E: masqueraded)
 CLUSTER_IPS = "cluster-ips"  # every cluster IP translated here (a new connection still to one: a port it lacks, refused)
-NP_SHORT_CIRCUIT = "nodeport-short-circuit"  # proto . node port : goto the choice among every endpoint (Local node ports)
+NP_SHORT_CIRCUIT = "nodeport-short-circuit"  # proto . node port : goto the choice among every usable endpoint (Local node ports)
 SVC_COUNTERS = "service-counters"  # VIP . proto . port : the service's counter
 NP_COUNTERS = "nodeport-counters"  # proto . node port : the service's counter
 UNAVAILABLE = "service-unavailable"  # VIP . proto . port : goto reject or drop (no usable endpoint)
@@ -210,11 +216,13 @@ def np_pick_chain(n: int, local: bool) -> str:
     return f"np-local/{n}" if local else f"np-pick/{n}"
 
 
-def _numgen(n: int, slot: str) -> str:
+def _numgen(n: int, slot: str, first: int = 0) -> str:
+    """The rule choosing one of ``n`` slots at random, from slot ``first`` on."""
     if n == 1:
-        return rule_text([goto(f"{slot}/0")])
-    pick = {"numgen": {"mode": "random", "mod": n, "offset": 0}}
-    return rule_text([{"vmap": {"key": pick, "data": {"set": [[i, goto(f"{slot}/{i}")] for i in range(n)]}}}])
+        return rule_text([goto(f"{slot}/{first}")])
+    pick = {"numgen": {"mode": "random", "mod": n, "offset": first}}
+    choices = [[i, goto(f"{slot}/{i}")] for i in range(first, first + n)]
+    return rule_text([{"vmap": {"key": pick, "data": {"set": choices}}}])
 
 
 def slot_objects(i: int, fam: AddressFamily = IPV4) -> list[Any]:
@@ -255,14 +263,24 @@ def pick_objects(n: int, fam: AddressFamily = IPV4, pod_subnet: str | None = Non
     Local node ports (the node's own traffic reaches those short-circuited only, masqueraded as
     by kube-proxy: the node port's address, one of the node's, is its source)."""
     count = rule_text([{"counter": {"map": {"key": vip_key(fam), "data": "@" + SVC_COUNTERS}}}])
-    np_count = rule_text([{"counter": {"map": {"key": NP_KEY, "data": "@" + NP_COUNTERS}}}])
     t = fam.proto
     return [
         NftChain(t, TABLE, pick_chain(n), (rule_text([*not_from_pods(fam, pod_subnet), MARK_MASQ]), count, _numgen(n, "slot"))),
-        NftChain(t, TABLE, np_pick_chain(n, False), (rule_text([MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
-        NftChain(t, TABLE, np_pick_chain(n, True), (
-            rule_text([FROM_NODE, MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
+        NftChain(t, TABLE, np_pick_chain(n, False), (rule_text([MARK_MASQ]), NP_COUNT, _numgen(n, "np-slot"))),
+        NftChain(t, TABLE, np_pick_chain(n, True), (rule_text([FROM_NODE, MARK_MASQ]), NP_COUNT, _numgen(n, "np-slot"))),
     ]
+
+
+NP_COUNT = rule_text([{"counter": {"map": {"key": NP_KEY, "data": "@" + NP_COUNTERS}}}])  # a node port's counter
+
+
+def own_short_circuit(sp: ServicePort, fam: AddressFamily, first: int, n: int) -> NftChain:
+    """A Local node port's short-circuit of its own (``short-circuit/...``): the choice among
+    the ``n`` node port slots from ``first`` on, as the shared ``np-local/N`` chooses among the
+    first N (the node's own traffic masqueraded).  For the one case the shared slots cannot
+    serve: this node's endpoints all terminating while others are ready (compile_port)."""
+    return NftChain(fam.proto, TABLE, short_circuit_chain(sp), (
+        rule_text([FROM_NODE, MARK_MASQ]), NP_COUNT, _numgen(n, "np-slot", first)))  # fmt: skip
 
 
 def base_objects(
@@ -296,8 +314,8 @@ def base_objects(
             rule_text([local, not_loopback, goto("nodeports")]),
         )),
         # A node port from this node's pods or from the node itself: a Local one goes to every
-        # endpoint (kube-proxy's short-circuit); anything else, and traffic from outside, as the
-        # node port's policy says.
+        # usable endpoint (kube-proxy's short-circuit); anything else, and traffic from outside,
+        # as the node port's policy says.
         NftChain(t, TABLE, "nodeports", (
             *([rule_text([match(payload(t, "saddr"), prefix(pod_subnet)), short_circuit])] if pod_subnet else []),
             rule_text([FROM_NODE, short_circuit]),
@@ -378,7 +396,8 @@ MapKey = tuple[str, str]  # (table family, map or set name)
 
 class Compiled:
     """What one service port compiles to: objects of its own (affinity chains, its counter),
-    elements in the shared maps, and the endpoint counts whose pick chains it uses."""
+    elements in the shared maps, and the endpoint counts whose pick chains it uses (a
+    negative one -N: the slots up to N only, which its own chain picks from)."""
 
     __slots__ = ("objects", "elements", "sizes")
 
@@ -422,13 +441,18 @@ def compile_port(sp: ServicePort, node: str, pod_subnets: Mapping[int, str] | No
             put(UNAVAILABLE, ((sp.cluster_ip, sp.l4, sp.port), _unavailable(every)))
     if sp.node_port is not None:
         key = (sp.l4, sp.node_port)
+        # The short-circuit (externalTrafficPolicy Local, from this node or its pods) chooses
+        # among every usable endpoint, kube-proxy's cluster policy chain: the ready ones
+        # wherever they are (sp.short_circuit_endpoints).  The slots hold this node's
+        # endpoints first, the others after them: from outside the choice is among the first
+        # L (np-local/L).  Where this node's are among every usable one (ready, or none ready
+        # anywhere), the short-circuit is the shared np-local/N over the first N.  Only while
+        # this node's are all terminating and others ready are they not: the N ready ones
+        # follow the L terminating ones in the slots, and the short-circuit is a chain of the
+        # Service's own choosing among slots L to L+N-1, none of this node's.
+        shared = not sp.external_local or set(local) <= set(every)
         if sp.external_local:
-            # This node's endpoints in the first slots, the others after them: from outside
-            # the choice is among the first (np-local/L), from this node or its pods among all
-            # (the short-circuit).  Only while this node's endpoints are all terminating and
-            # others are ready do the two lists differ by more than that; the short-circuit
-            # then takes this node's terminating ones too.
-            chosen, outside = sp.short_circuit_endpoints(node), len(local)
+            chosen, outside = local + tuple(e for e in every if e not in local), len(local)
         else:
             chosen, outside = every, len(every)
         for i, e in enumerate(chosen):
@@ -441,9 +465,14 @@ def compile_port(sp: ServicePort, node: str, pod_subnets: Mapping[int, str] | No
             sizes.add(outside)
         else:
             put(NP_UNAVAILABLE, (key, _unavailable(every)))
-        if sp.external_local and chosen:
-            put(NP_SHORT_CIRCUIT, (key, ("goto", np_pick_chain(len(chosen), True))))
-            sizes.add(len(chosen))
+        if sp.external_local and every:
+            if shared:
+                put(NP_SHORT_CIRCUIT, (key, ("goto", np_pick_chain(len(every), True))))
+                sizes.add(len(every))
+            else:
+                objs.append(own_short_circuit(sp, fam, len(local), len(every)))
+                put(NP_SHORT_CIRCUIT, (key, ("goto", short_circuit_chain(sp))))
+                sizes.add(-len(chosen))  # slots up to there, no pick chain of that count
     # This node's endpoints (and those of no known node: maybe this one's) among the chosen:
     # one reaching itself through the Service is masqueraded in postrouting.  An element only
     # matches on the endpoint's own node (the client is the endpoint), others are left out.
@@ -557,6 +586,80 @@ def _owner(holders: Mapping[ServiceKey, tuple[Any, ...]]) -> ServiceKey:
     return min(holders, key=lambda k: holders[k])
 
 
+class _Log:
+    """One shared map of a :class:`Table`: every Service's elements (``have``, the Table's
+    own set, changed in place), what came and went since :attr:`Table.rs` last handed out a
+    version of it (``added``, ``removed``: net, what came and went in between cancels), and
+    that version (``latest``)."""
+
+    __slots__ = ("added", "have", "latest", "removed")
+
+    def __init__(self, have: set[Any]) -> None:
+        self.have = have
+        self.added: set[Any] = set()
+        self.removed: set[Any] = set()
+        self.latest: _Version | None = None
+
+    def note(self, gone: set[Any], new: set[Any]) -> None:
+        self.removed |= gone - self.added
+        self.added -= gone
+        self.added |= new - self.removed
+        self.removed -= new
+
+    def read(self) -> tuple[frozenset[Any], frozenset[Any]]:
+        """A new version of the map (``latest``); its difference from the one before."""
+        added, removed = frozenset(self.added), frozenset(self.removed)
+        self.added, self.removed = set(), set()
+        version = _Version(self)
+        if self.latest is not None:
+            self.latest.followed(version, added, removed)
+        self.latest = version
+        return added, removed
+
+
+class _Version(Elements):
+    """A version of a shared map's elements as :attr:`Table.rs` handed it out, made only when
+    looked at: the latest from the map's elements now less what changed since, an older one
+    from the next version less the difference between them.  An older one holds the next
+    (and the differences), never the one before: a version nobody holds goes."""
+
+    __slots__ = ("_added", "_log", "_next", "_removed")
+
+    def __init__(self, log: _Log) -> None:
+        super().__init__()
+        self._log: _Log | None = log
+        self._next: _Version | None = None
+        self._added: frozenset[Any] = frozenset()
+        self._removed: frozenset[Any] = frozenset()
+
+    def followed(self, version: _Version, added: frozenset[Any], removed: frozenset[Any]) -> None:
+        """``version`` came after this one, ``added`` and ``removed`` from it."""
+        self._log = None
+        if not self.made:
+            self._next, self._added, self._removed = version, added, removed
+
+    def _build(self) -> set[Any]:
+        # Forward to the latest (or to one already made), then back, undoing each difference:
+        # iterative, a chain of versions never read by plan() may be long.
+        chain: list[_Version] = []
+        v = self
+        while not v.made and v._next is not None:
+            chain.append(v)
+            v = v._next
+        if v.made:
+            out = set(v.frozen())
+        else:
+            assert v._log is not None
+            out = (v._log.have - v._log.added) | v._log.removed
+        for older in reversed(chain):
+            out -= older._added
+            out |= older._removed
+        return out
+
+    def _forget(self) -> None:
+        self._log, self._next, self._added, self._removed = None, None, frozenset(), frozenset()
+
+
 class Table:
     """The table kept up to date service by service: a change costs that service's objects
     and elements.
@@ -564,9 +667,10 @@ class Table:
     :meth:`update` replaces what one Service compiles to and returns the keys of the objects
     that changed (for :meth:`agentd.nft.programmer.NftProgrammer.sync`).  The shared maps
     change by exact differences: each update adds and removes that Service's elements, and
-    reading :attr:`rs` rebuilds each changed map once, carrying its net difference since the
-    last read (``NftSet.delta``), so that neither a batch of many Services nor the plan of one
-    change costs a pass over 10,000 elements per map.  ``rs`` is the whole wanted ruleset.
+    reading :attr:`rs` makes each changed map a new version once, carrying its net difference
+    since the last read (``NftSet.delta``), its elements made only if the plan looks at them
+    (:class:`_Version`), so that neither a batch of many Services nor the plan of one change
+    costs a pass over 10,000 elements per map.  ``rs`` is the whole wanted ruleset.
     ``pod_subnets``: this node's pod subnet per IP version (whose traffic to a Local node port
     is short-circuited, as the node's own is); ``service_ranges``: the cluster IPs' range per
     IP version (an address of it no Service has: dropped)."""
@@ -587,8 +691,9 @@ class Table:
             for obj in base_objects(self.slots, log, fam=fam, pod_subnet=(pod_subnets or {}).get(fam.version),
                                     service_range=(service_ranges or {}).get(fam.version)):  # fmt: skip
                 self._rs.add(obj)
-        # (family, map name) -> (elements added, elements removed) since rs was last read
-        self._pending: dict[MapKey, tuple[set[Any], set[Any]]] = {}
+        # (family, map name) -> its elements and their difference since rs last handed it out
+        self._logs: dict[MapKey, _Log] = {}
+        self._pending: dict[MapKey, _Log] = {}  # those changed since rs was last read
         # per service: its ports, its own objects by key, its elements by map, its pick sizes
         self.services: dict[ServiceKey, tuple[tuple[ServicePort, ...], dict[Any, Any], dict[MapKey, set[Any]], list[int]]] = {}
         self.elements: dict[MapKey, set[Any]] = {}  # (family, map or set name) -> every service's elements
@@ -728,12 +833,11 @@ class Table:
             gone, new = self._unshared(name, have, before - after, after - before)
             have -= gone
             have |= new
-            # The net difference since rs was last read: what came and went in between cancels.
-            added, removed = self._pending.setdefault(name, (set(), set()))
-            removed |= gone - added
-            added -= gone
-            added |= new - removed
-            removed -= new
+            changes = self._logs.get(name)
+            if changes is None:
+                changes = self._logs[name] = _Log(have)
+            changes.note(gone, new)
+            self._pending[name] = changes
             touched.add(obj_key)
         return touched
 
@@ -764,19 +868,20 @@ class Table:
 
     @property
     def rs(self) -> Ruleset:
-        """The whole wanted ruleset (changed maps rebuilt here, once per read)."""
-        for name, (added, removed) in self._pending.items():
+        """The whole wanted ruleset (a changed map is a new version of it, once per read,
+        carrying its difference: its elements are made only if plan() looks at them)."""
+        for name, changes in self._pending.items():
             base = self._rs.objects.get((name[0], TABLE, "set", name[1]))
             if not isinstance(base, NftSet):
-                continue
+                continue  # (its difference stays in the log, the next version's)
             # Only one step back: plan() takes the delta when the kernel holds ``base`` itself
             # (the object, as applied() keeps it), never an older version -- so ``base`` lets go
             # of its own, or every version of a set that keeps changing would stay reachable.
             if base.delta is not None:
                 object.__setattr__(base, "delta", None)
+            added, removed = changes.read()
             self._rs.add(NftSet(base.family, base.table, base.name, base.type, map=base.map,
-                                elements=frozenset(self.elements.get(name, ())),
-                                delta=(base, frozenset(added), frozenset(removed))))  # fmt: skip
+                                elements=changes.latest, delta=(base, added, removed)))  # fmt: skip
         self._pending.clear()
         return self._rs
 
@@ -785,12 +890,13 @@ class Table:
         the counts in use (those up to SLOTS_MIN always), and for a few no longer used near
         one in use: linear in the endpoints, not a chain for every count up to the largest."""
         in_use = {n for n, uses in self.sizes.items() if uses > 0 and n > SLOTS_MIN}
+        slots_only = [-n for n, uses in self.sizes.items() if uses > 0 and n < 0]  # own chains' slots
         self._unused = [n for n in self._unused if n not in in_use] + sorted(self.picks - in_use - set(self._unused))
         near = [n for n in self._unused if any(abs(n - m) * 4 <= m for m in in_use)]
         kept = set(near[-RETAIN:])
         self._unused = [n for n in self._unused if n in kept]
         picks = in_use | kept
-        slots = max([SLOTS_MIN, *picks])
+        slots = max([SLOTS_MIN, *picks, *slots_only])
         if picks == self.picks and slots == self.slots:
             return set()
         added: list[Any] = []
@@ -808,6 +914,9 @@ class Table:
             self._rs.objects.pop(obj.key, None)
             self.elements.pop((obj.family, obj.name), None)
             self._pending.pop((obj.family, obj.name), None)
+            changes = self._logs.pop((obj.family, obj.name), None)
+            if changes is not None and changes.latest is not None:
+                changes.latest.frozen()  # the kernel may hold it: made before its elements go
             self._uses.pop((obj.family, obj.name), None)
             touched.add(obj.key)
         self.slots, self.picks = slots, picks

@@ -92,14 +92,11 @@ class ServicePort:
 
     def short_circuit_endpoints(self, node: str | None) -> tuple[Endpoint, ...]:
         """Those new connections to its node port from ``node`` itself or its pods go to:
-        every usable one, also under externalTrafficPolicy Local (kube-proxy's short-circuit,
-        agentd.services.compiler): this node's first, then the others (while this node's are
-        all terminating and others ready, its terminating ones too; not with ClientIP affinity)."""
-        every = self.usable()
-        if not self.external_local or self.affinity_timeout is not None:
-            return every
-        local = self.usable(node)
-        return local + tuple(e for e in every if e not in local)
+        every usable one, also under externalTrafficPolicy Local -- kube-proxy's short-circuit
+        to its cluster policy chain (agentd.services.compiler): the ready ones wherever they
+        are, so this node's terminating ones take none while others are ready (KEP-1669), as
+        through the cluster IP.  (``node`` does not change it: the same for every node.)"""
+        return self.usable()
 
 
 # A headless Service without ports still has a DNS name, its endpoints' addresses (CoreDNS

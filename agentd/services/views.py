@@ -84,8 +84,8 @@ class ServiceViews:
             # Where the kernel sends new connections on each path (compiler.compile_port): the
             # cluster IP to this node's endpoints under internalTrafficPolicy: Local, the node
             # port from outside the node to them under externalTrafficPolicy: Local; from the
-            # node itself and its pods the node port takes every one (the short-circuit, its
-            # own path); none here: dropped, none anywhere: refused.
+            # node itself and its pods the node port takes every usable one, the cluster IP's
+            # choice (the short-circuit, its own path); none here: dropped, none anywhere: refused.
             paths = {
                 "clusterIP": (held.cluster_ip, held.cluster_ip_endpoints(a.node)),
                 "nodePort": (held.node_port, held.node_port_endpoints(a.node)),

@@ -406,6 +406,34 @@ def test_conflist_chain_runs_like_a_runtime_runs_it(node, netns_factory):
     assert not node.stored("pod-a").exists()
 
 
+def test_the_runtimes_capability_arguments_reach_agentd_cni_as_libcni_passes_them(node, netns_factory):
+    """libcni passes a plugin only the capability arguments its conflist entry declares
+    (libcni/api.go, injectRuntimeConfig).  With the conflist the agent writes, a pod's MAC
+    (podman's --mac-address, Multus) reaches agentd-cni and the bridge plugin, which sets it,
+    its labels and named ports the endpoint file; the runtime's ipRanges do not reach
+    host-local (the pod's address is the node subnet's)."""
+    pod = netns_factory("pa")
+    mac = "02:42:0a:f4:03:07"
+    capability_args = {
+        "mac": mac,
+        "labels": {"app": "web"},
+        "containerPorts": [{"name": "http", "containerPort": 80, "protocol": "TCP"}],
+        "portMappings": [{"hostPort": 8080, "containerPort": 80, "protocol": "tcp"}],
+        "ipRanges": [[{"subnet": "10.1.0.0/24"}]],
+    }
+    declared = node.conflist["plugins"][0].get("capabilities") or {}
+    runtime = {k: v for k, v in capability_args.items() if declared.get(k) is True}
+    conf = node.plugin_conf(policyTimeout=0, **({"runtimeConfig": runtime} if runtime else {}))
+    code, res, err = node.cni("ADD", "pod-a", pod, conf, cni_args=K8S_ARGS)
+    assert code == 0, (res, err)
+    assert [IPv4Interface(i["address"]).network for i in res["ips"]] == [SUBNET]
+    assert pod.exec("cat", "/sys/class/net/eth0/address").strip() == mac
+    ep = json.loads((node.state_dir / "endpoints" / "pod-a.json").read_text())
+    assert (ep["labels"], [p["name"] for p in ep["ports"]], ep["pod_mac"]) == ({"app": "web"}, ["http"], mac), ep
+    assert node.cni("DEL", "pod-a", pod, conf, cni_args=K8S_ARGS)[:2] == (0, None)
+    assert "eth0" not in _links(pod) and not node.stored("pod-a").exists()
+
+
 def test_executable_answers_version_and_rejects_bad_env(node):
     proc = subprocess.run([AGENTD_CNI], input=b"", env={"CNI_COMMAND": "VERSION"}, capture_output=True, timeout=60)
     assert proc.returncode == 0

@@ -727,6 +727,57 @@ async def test_release_and_remove_node_remove_exactly_that_nodes_keys(etcd_serve
         assert set(await keys(client)) == {b"/agentd/config"}
 
 
+async def test_a_reserved_subnet_outlives_its_nodes_lease_and_leave(etcd_server, stores):
+    """flannel's reservations (a subnet record naming the node under no etcd lease): kappa's,
+    put before it starts, and lambda's, its held lease turned into one by `etcdctl put` of the
+    same value without --lease.  Both were put under the node's lease again (at acquire, at
+    the next keepalive) and expired with it: another node took the reserved subnet.  Now they
+    stay under no lease through acquire, keepalives, the nodes' leases running out and a
+    leave; a third node finds no free subnet, and kappa gets its own back."""
+    reserved = IPv4Network("10.244.77.0/24")
+    kappa_key = f"/agentd/subnets/{reserved.network_address}-24".encode()
+    async with raw(etcd_server) as client:
+        await client.put(kappa_key, json.dumps({"node": "kappa", "public_ip": "192.0.2.10",
+                                                "backend_type": "vxlan"}).encode())
+        kappa, lam = stores(lease_ttl=SHORT_TTL), stores(lease_ttl=SHORT_TTL)
+        got = await acquire(kappa, "kappa")
+        assert got.subnet == reserved and got.lease_id is None
+        await kappa.register_node(node_record("kappa", got.subnet))
+        stored = await client.get(kappa_key)
+        assert stored.lease == 0 and json.loads(stored.value)["backend_data"] == {"vtep_mac": "02:00:00:00:00:01"}
+
+        held = await acquire(lam, "lambda", cluster=ClusterConfig(IPv4Network("10.244.76.0/24"), 24, "vxlan",
+                                                                   "always"))
+        await lam.register_node(node_record("lambda", held.subnet, address="192.0.2.11"))
+        lam_key = f"/agentd/subnets/{held.subnet.network_address}-24".encode()
+        assert (await client.get(lam_key)).lease == lam.lease_id
+        await client.put(lam_key, (await client.get(lam_key)).value)  # the operator's conversion
+        renewals = lam.lease_renewals
+        await eventually(lambda: lam.lease_renewals >= renewals + 3, what="three keepalive rounds")
+        assert (await client.get(lam_key)).lease == 0 and lam.subnet_lease.lease_id is None
+
+        await kappa.close()  # down longer than the lease: it runs out, nothing revoked
+        await lam.close()
+        await eventually(lambda: _gone(client, b"/agentd/nodes/"), timeout=SHORT_TTL + 30, what="node records expired")
+        assert {k: (kv.lease, json.loads(kv.value)["node"]) for k, kv in (await keys(client, b"/agentd/subnets/")).items()
+                } == {kappa_key: (0, "kappa"), lam_key: (0, "lambda")}
+
+        # Only the two reserved subnets in mu's pool: none is free.
+        pool = ClusterConfig(IPv4Network("10.244.76.0/23"), 24, "vxlan", "always")
+        with pytest.raises(SubnetExhausted):
+            await acquire(stores(), "mu", cluster=pool)
+
+        back = stores()
+        assert (await acquire(back, "kappa")).subnet == reserved
+        assert await back.release("kappa") == []  # a leave keeps it, as flannel never deletes one
+        kv = await client.get(kappa_key)
+        assert kv is not None and kv.lease == 0 and json.loads(kv.value)["node"] == "kappa"
+
+
+async def _gone(client: aetcd.Client, prefix: bytes) -> bool:
+    return not await keys(client, prefix)
+
+
 # -- the harness itself ---------------------------------------------------------------------------
 
 

@@ -262,11 +262,16 @@ async def test_host_rules_and_tls_with_sni_and_redirect(world: World):
         status, body, headers = await world.curl("http://foo.bar.com/x?y=1")
         assert status == 308 and headers["location"] == "https://foo.bar.com/x?y=1", (status, headers)
         assert await world.served_by("http://subdomain.bar.com/") == 404
-        assert await world.served_by("http://bar.foo.com/") in WEBS
+        # *.foo.com: a rule host of an Ingress with tls that no entry names -- the default
+        # certificate, and redirected, as ingress-nginx does (review s57/r12).
+        status, _, headers = await world.curl("http://bar.foo.com/x")
+        assert status == 308 and headers["location"] == "https://bar.foo.com/x", (status, headers)
         assert await world.served_by("http://baz.bar.foo.com/") == 404  # one label only
         assert await world.served_by("http://foo.com/") == 404
-        assert await world.served_by("http://BAR.foo.com:80/") in WEBS  # case and port of Host ignored
-        assert await world.served_by("http://bar.foo.com./") in WEBS  # and the final dot of a fully qualified name
+        assert await world.served_by("https://bar.foo.com/", args=("-k",)) in WEBS
+        # case and port of Host ignored, and the final dot of a fully qualified name
+        for host in ("BAR.foo.com:443", "bar.foo.com."):
+            assert await world.served_by("https://bar.foo.com/", host=host, args=("-k",)) in WEBS, host
         # A host without a Secret gets the default certificate: the client refuses it.
         rc, _, err = await world.lab.underlay.aexec("curl", "-sS", "--cacert", str(world.ca), "--resolve",
                                                     f"bar.foo.com:443:{world.node_ips[0]}", "https://bar.foo.com/", check=False)  # fmt: skip
@@ -312,7 +317,7 @@ async def test_wildcard_tls_host_redirect_per_path_and_tls_of_own_rule_hosts(wor
         obj["metadata"]["annotations"] = dict(off)
         return obj
 
-    names = ("wild", "wild-health", "pp-a", "pp-b", "aa-grab", "bb-own", "mis")
+    names = ("wild", "wild-health", "pp-a", "pp-b", "aa-grab", "bb-own", "mis", "pend")
     await world.apply(
         tls_secret("wild-tls", ["*.wild.example"], world.ca_pair), tls_secret("pp-tls", ["pp.example"], world.ca_pair),
         tls_secret("grab-tls", ["grab.example", "own.example"], world.ca_pair),
@@ -327,6 +332,9 @@ async def test_wildcard_tls_host_redirect_per_path_and_tls_of_own_rule_hosts(wor
                 tls=[{"hosts": ["grab.example", "own.example"], "secretName": "grab-tls"}]),
         ingress("bb-own", [rule("own.example", path("/", "Prefix", "bar"))], tls=[{"hosts": ["own.example"], "secretName": "own-tls"}]),
         ingress("mis", [rule("mis.example", path("/", "Prefix", "foo"))], tls=[{"hosts": ["mis.example"], "secretName": "mis-tls"}]),
+        # cert-manager's wildcard entry before issuance: its Secret not there yet.
+        ingress("pend", [rule("c.pend.example", path("/", "Prefix", "bar"))],
+                tls=[{"hosts": ["*.pend.example"], "secretName": "pend-tls"}]),
     )  # fmt: skip
 
     async def subject(host: str) -> str:
@@ -372,6 +380,14 @@ async def test_wildcard_tls_host_redirect_per_path_and_tls_of_own_rule_hosts(wor
         assert "does not cover mis.example" in why and "default certificate" in why, view["tls_errors"]
         status, _, _ = await world.curl("http://mis.example/")
         assert status == 308  # a TLS host all the same
+        # The rule host of a wildcard entry whose Secret is not issued yet: redirected, the
+        # default certificate, the Secret named (review s57/r12: neither, before).
+        status, _, headers = await world.curl("http://c.pend.example/p")
+        assert status == 308 and headers["location"] == "https://c.pend.example/p", (status, headers)
+        assert await world.served_by("https://c.pend.example/", args=("-k",)) == "bar-1"
+        assert view["tls_errors"].get(f"{NS}/pend-tls") == "no such Secret: c.pend.example served with the default certificate", \
+            view["tls_errors"]
+        assert not any("pend" in c for c in view["conflicts"]), view["conflicts"]
         assert view["error"] is None
     finally:
         for name in names:

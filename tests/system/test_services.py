@@ -8,7 +8,8 @@ Services are applied as manifests; every node is waited for until GET /services 
 etcd revision of the write.  Each test asserts who answered: the distribution over 300
 connections, affinity (and a changed affinity timeout), two Services claiming one cluster IP
 port and node port (the older keeps them), NodePort from another node's underlay address, traffic policy Local
-(and a Local node port reached from the node itself or its pod: short-circuited),
+(and a Local node port reached from the node itself or its pod: short-circuited, to no
+terminating endpoint while another is ready),
 a UDP flow moving when its endpoint goes (or, after the agent restarts, when a policy turned Local
 while it was down keeps it off), a held TCP connection surviving its endpoint's
 terminating state, hairpin, a VIP from a node itself, refusal of a Service without endpoints,
@@ -258,6 +259,31 @@ async def test_a_local_node_port_from_the_node_and_its_pods_is_short_circuited(w
         assert await _connect(node3, node1.address, 30081, timeout=1.0) == "TimeoutError"  # dropped, not refused
     finally:
         await world.delete("Service", "far")
+
+
+async def test_a_local_node_ports_short_circuit_sends_no_new_connection_to_a_terminating_endpoint(world: World):
+    """externalTrafficPolicy Local, node1's endpoint (web-1) terminating but serving, node2's
+    (web-2) ready: from outside (node3) node1's node port still goes to web-1 (the local
+    fallback, KEP-1669); from node1's pod and node1 itself, the short-circuit goes to the
+    cluster policy's endpoints, web-2 only -- never the terminating one while another is
+    ready, as through the cluster IP (review s57/r2: it took web-1 one time in two)."""
+    node1 = world.lab.nodes[0]
+    eps = _eps(world, ["web-1"], ready=False, serving=True, terminating=True) + _eps(world, ["web-2"])
+    await world.apply(service("drain", {"type": "NodePort", "externalTrafficPolicy": "Local",
+                                        "ports": [{"name": "http", "port": 80, "nodePort": 30083}]}),
+                      endpoint_slice("drain-1", "drain", eps, [{"name": "http", "port": 8080}]))  # fmt: skip
+    try:
+        for client in ("client-1", "node1"):
+            r = await world.echo[client].tcp(node1.address, 30083, count=30)
+            assert r == {"names": {"web-2": 30}, "failed": 0}, (client, r)
+        r = await world.echo["node3"].tcp(node1.address, 30083, count=10)
+        assert r == {"names": {"web-1": 10}, "failed": 0}, r
+        vip = await world.vip("drain")
+        r = await world.echo["client-1"].tcp(vip, 80, count=10)
+        assert r == {"names": {"web-2": 10}, "failed": 0}, r
+    finally:
+        await world.delete("EndpointSlice", "drain-1")
+        await world.delete("Service", "drain")
 
 
 async def test_internal_traffic_policy_local(world: World):

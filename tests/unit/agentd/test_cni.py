@@ -6,11 +6,12 @@ no root, no network.  The real plugins are exercised in tests/system/test_cni.py
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pathlib
-from ipaddress import IPv4Network, IPv6Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Network
 
 import pytest
 from hypothesis import given
@@ -715,6 +716,7 @@ def test_conflist_is_written_with_per_node_dirs(tmp_path):
         "plugins": [
             {
                 "type": "agentd-cni",
+                "capabilities": {"labels": True, "containerPorts": True, "mac": True},
                 "subnetFile": "/run/ad/n1/subnet.env",
                 "dataDir": "/var/lib/ad/n1/cni",
                 "ipam": {"dataDir": "/var/lib/ad/n1/ipam"},
@@ -1536,7 +1538,7 @@ def _labels_of(size: int) -> dict[str, str]:
     return labels
 
 
-def _cni_process(env: dict[str, str], conf: dict) -> tuple[int, dict]:
+def _cni_process(env: dict[str, str], conf: dict, timeout: float = 60) -> tuple[int, dict]:
     """agentd-cni as the runtime runs it: the console script's function in a process of its
     own, the network config on its stdin, the result on its stdout."""
     import subprocess
@@ -1544,7 +1546,7 @@ def _cni_process(env: dict[str, str], conf: dict) -> tuple[int, dict]:
 
     root = pathlib.Path(cni.__file__).resolve().parents[2]  # this tree's agentd, not an installed one
     proc = subprocess.run([sys.executable, "-c", "import sys; from agentd.entry import agentd_cni; sys.exit(agentd_cni())"],
-                          input=json.dumps(conf).encode(), capture_output=True, timeout=60, check=False,
+                          input=json.dumps(conf).encode(), capture_output=True, timeout=timeout, check=False,
                           env={**env, "PYTHONPATH": str(root), "PATH": os.environ.get("PATH", "")})
     assert "Traceback" not in proc.stderr.decode(), proc.stderr
     return proc.returncode, json.loads(proc.stdout)
@@ -1617,3 +1619,244 @@ def test_add_takes_a_pods_labels_to_the_bound_whole(tmp_path, monkeypatch, capsy
     assert json.loads(capsys.readouterr().out)["ips"]
     assert endpoints.read(str(tmp_path / "state"), "c0ffee01").labels == labels
     assert endpoints.LABELS_MAX == LABELS_MAX and record_labels(labels) == (labels, 0)
+
+
+# --- CHECK and DEL through the plugin, the delegate run for real, bounded messages -------------
+
+
+def test_check_through_the_plugin_fails_once_the_nodes_subnet_moved_away(tmp_path, monkeypatch):
+    """CHECK's own check, not the delegate's: the pod's address inside the node's subnet as the
+    subnet file gives it now (a node that lost its lease has another)."""
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    code, result = _run(_env(CNI_ARGS=POD_ARGS), _conf(tmp_path, policyTimeout=0))
+    assert code == 0 and result is not None, result
+    check = _conf(tmp_path, policyTimeout=0, prevResult=result)
+    assert _run(_env("CHECK", CNI_ARGS=POD_ARGS), check) == (0, None)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF_NOW)
+    out = _assert_error(_run(_env("CHECK", CNI_ARGS=POD_ARGS), check), 999,
+                        "pod address 10.244.3.7 is outside this node's IPv4 pod subnet (10.244.4.0/24)")
+    assert "lost lease" in out["details"]
+    assert calls == [("ADD", "c0ffee01"), ("CHECK", "c0ffee01"), ("CHECK", "c0ffee01")]  # the delegate's passed
+
+
+def test_check_through_the_plugin_fails_once_the_pods_endpoint_file_is_gone(tmp_path, monkeypatch):
+    """The endpoint file is what the agent programs the pod's network policy from."""
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    code, result = _run(_env(CNI_ARGS=POD_ARGS), _conf(tmp_path, policyTimeout=0))
+    assert code == 0 and result is not None, result
+    check = _conf(tmp_path, policyTimeout=0, prevResult=result)
+    assert _run(_env("CHECK", CNI_ARGS=POD_ARGS), check) == (0, None)
+    (tmp_path / "state" / "endpoints" / "c0ffee01.json").unlink()
+    _assert_error(_run(_env("CHECK", CNI_ARGS=POD_ARGS), check), 999,
+                  "the endpoint file of container c0ffee01 is missing or unreadable")
+
+
+def test_del_retries_with_the_current_config_when_the_delegate_rejects_the_stored_one(tmp_path, monkeypatch, capsys):
+    """An ADD with a broken config stored it; the delegate rejects it at DEL too.  Once the
+    network config is fixed DEL succeeds with it (the runtime retries DEL until it does)."""
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    current = cni_config.delegate_config(conf, SF)
+    stored = dict(current, vlan=5000)
+    seen = []
+
+    def invoke(conf, args, env, timeout):
+        seen.append(conf)
+        if conf.get("vlan") == 5000 or fixed is False:
+            raise cni.CniError(999, f"invalid VLAN ID {conf.get('vlan')} (must be between 0 and 4094)")
+
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
+    state = tmp_path / "state" / cni.STATE_SUBDIR / "c0ffee01"
+    cni.save_state(str(tmp_path / "state"), "c0ffee01", stored, "eth0")
+    fixed = False  # the current config fails as well: the stored config's error, the file kept
+    _assert_error(_run(_env("DEL"), conf), 999, "invalid VLAN ID 5000")
+    assert seen == [stored, current] and state.exists()
+    seen.clear()
+    capsys.readouterr()
+    fixed = True
+    assert _run(_env("DEL"), conf) == (0, None)
+    assert seen == [stored, current] and not state.exists()
+    assert ("agentd-cni: DEL with the stored config failed (invalid VLAN ID 5000 (must be between 0 and 4094)); "
+            "retrying with the current one") in capsys.readouterr().err
+
+
+def test_a_nameserver_the_delegate_returned_is_kept(tmp_path, monkeypatch):
+    """The node's DNS goes into the result only where the delegate named no nameserver."""
+    answer = {"cniVersion": "1.0.0", "interfaces": [{"name": "cni0"}, {"name": "veth1", "mac": "bb"}],
+              "ips": [{"address": "10.244.3.7/24"}]}  # fmt: skip
+
+    def invoke(conf, args, env, timeout):
+        return json.loads(json.dumps(answer))
+
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), dataclasses.replace(SF, dns=IPv4Address("169.254.20.10")))
+    conf = _conf(tmp_path, policyTimeout=0)
+    code, result = _run(_env(), conf)
+    assert code == 0 and result["dns"]["nameservers"] == ["169.254.20.10"], result
+    answer["dns"] = {"nameservers": ["1.1.1.1"]}
+    code, result = _run(_env(CNI_CONTAINERID="c0ffee02"), conf)
+    assert code == 0 and result["dns"] == {"nameservers": ["1.1.1.1"]}, result
+
+
+def _script_delegate(tmp_path: pathlib.Path, body: str) -> str:
+    """A ``bridge`` in a directory of its own that reads its config and runs ``body`` (sh)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / "bridge"
+    exe.write_text("#!/bin/sh\ncat >/dev/null\n" + body)
+    exe.chmod(0o755)
+    return str(bin_dir)
+
+
+@pytest.mark.parametrize("error", [
+    {"cniVersion": "1.0.0", "code": 11, "msg": "host-local: no IP addresses available in range set",
+     "details": "try again later"},
+    {"cniVersion": "0.4.0", "code": 999, "msg": "failed to create bridge \"cni0\": no such device"},  # no details
+])
+def test_a_delegates_own_cni_error_is_passed_through_unchanged(tmp_path, error):
+    """host-local's "try again later" (11) must reach the runtime as host-local said it."""
+    bin_dir = _script_delegate(tmp_path, f"echo '{json.dumps(error)}'\nexit 1\n")
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    assert _run(_env(CNI_PATH=bin_dir), _conf(tmp_path, policyTimeout=0)) == (1, error)
+
+
+def _gone(pid: int) -> bool:
+    """The process ``pid`` has ended (no such process, or a zombie not reaped yet)."""
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def test_a_timed_out_delegate_is_killed_with_what_it_started(tmp_path):
+    """The delegate and what it started (host-local under bridge) go at delegateTimeout: a
+    child of the delegate's that holds its stdout would keep ADD waiting for ever were only the
+    delegate killed.  The plugin runs in a process of its own, bounded: a regression fails here."""
+    import signal
+    import subprocess
+    import time
+
+    pids = tmp_path / "pids"
+    bin_dir = _script_delegate(tmp_path, f"sleep 600 &\necho $$ $! > {pids}\nexec sleep 600\n")
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    start = time.monotonic()
+    try:
+        code, out = _cni_process(_env(CNI_PATH=bin_dir), _conf(tmp_path, policyTimeout=0, delegateTimeout=0.2),
+                                 timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("ADD with a hung delegate did not return within 20 s")
+    finally:
+        if pids.exists():  # the delegate's session (it leads its process group): whatever is left
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(pids.read_text().split()[0]), signal.SIGKILL)
+    assert time.monotonic() - start < 15
+    assert code == 1 and out["code"] == 999 and out["msg"] == "delegate bridge did not finish ADD within 0.2 s", out
+    assert all(_gone(int(pid)) for pid in pids.read_text().split())  # the shell and its background child
+
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize(("command", "env", "conf", "word"), [
+    ("ADD", {"CNI_COMMAND": "X" * MB}, {}, "unknown CNI_COMMAND"),
+    ("ADD", {"CNI_CONTAINERID": "-" * MB}, {}, "invalid characters in CNI_CONTAINERID"),
+    ("DEL", {"CNI_CONTAINERID": "-" * MB}, {}, "invalid characters in CNI_CONTAINERID"),
+    ("ADD", {"CNI_CONTAINERID": "a" * MB}, {}, "is longer than 200 bytes"),
+    ("ADD", {"CNI_IFNAME": "x" * MB}, {}, "invalid CNI_IFNAME"),
+    ("DEL", {"CNI_IFNAME": "x" * MB}, {}, "invalid CNI_IFNAME"),
+    ("ADD", {}, {"name": "-" * MB}, "invalid characters in network name"),
+    ("ADD", {}, {"cniVersion": ["x" * MB]}, "cniVersion must be a string"),
+    ("ADD", {}, {"cniVersion": "x" * MB}, "incompatible CNI versions"),
+    ("ADD", {}, {"delegate": {"type": "/" * MB}}, "'delegate.type' must be a plugin name"),
+    ("ADD", {}, {"ipam": {"type": "/" * MB}}, "'ipam.type' must be a plugin name"),
+    ("ADD", {}, {"dataDir": "x" * MB}, "'dataDir' must be an absolute path"),
+    ("DEL", {}, {"subnetFile": "x" * MB}, "'subnetFile' must be an absolute path"),
+    ("ADD", {}, {"delegate": {"type": "b" * MB}}, "not found in CNI_PATH"),
+    ("ADD", {}, {"binDir": ["/" + "d" * MB]}, "not found in CNI_PATH"),
+])
+def test_error_messages_are_bounded_whatever_the_value(tmp_path, command, env, conf, word):
+    """A CNI error is one line the runtime logs and shows (kubelet's events): a megabyte of a bad
+    value in the environment or the config is cut, never repeated whole."""
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    outcome = _run(_env(command, **env), _conf(tmp_path, policyTimeout=0, **conf))
+    out = _assert_error(outcome, outcome[1]["code"], word, version="1.0.0")
+    assert len(out["msg"]) < 300 and len(out["details"]) < 300, (len(out["msg"]), len(out["details"]))
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--key", "not a name"], "--key 'not a name' is not a variable name"),
+    (["--individual", "--format", "json"], "--individual writes variables: it goes with --format env, not json"),
+    (["--output", ""], "--output: empty path"),
+])
+def test_docker_opts_names_a_bad_argument_before_it_reads_the_subnet_file(tmp_path, capsys, args, said):
+    """A unit's ExecStartPre runs before the agent has written the subnet file: a bad flag is
+    named then (exit 2), not reported as the missing file (exit 1)."""
+    from agentd.cli import main
+
+    assert main(["docker-opts", "--subnet-file", str(tmp_path / "none.env"), *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"agentd docker-opts: {said}") and "subnet file" not in err, err
+
+
+def _as_libcni_hands_it(doc: dict, index: int, capability_args: dict) -> dict:
+    """The conflist entry ``index`` as libcni gives it to its plugin (buildOneConfig and
+    injectRuntimeConfig, libcni/api.go): name and cniVersion of the list, and in runtimeConfig
+    only the runtime's capability arguments the entry declares."""
+    entry = doc["plugins"][index]
+    conf = {**entry, "name": doc["name"], "cniVersion": doc["cniVersion"]}
+    runtime = {k: v for k, v in capability_args.items() if (entry.get("capabilities") or {}).get(k) is True}
+    if runtime:
+        conf["runtimeConfig"] = runtime
+    return conf
+
+
+def test_the_conflist_declares_the_capabilities_agentd_cni_reads(tmp_path, monkeypatch):
+    """libcni passes a runtimeConfig key only to a plugin whose conflist entry declares it as a
+    capability: agentd-cni's entry declares the keys it reads (labels, containerPorts, mac), so
+    a runtime's labels, named ports and MAC reach the endpoint file (and the MAC the bridge
+    delegate, which sets it), and none of the others' (portmap's, bandwidth's; ipRanges would
+    have host-local put the runtime's ranges before the node's subnet)."""
+    from agentd.cni import endpoints
+
+    path = cni_config.write_conflist(str(tmp_path / "net.d"), subnet_file=str(tmp_path / "subnet.env"),
+                                     data_dir=str(tmp_path / "state"), ipam_data_dir=str(tmp_path / "ipam"))
+    doc = json.loads(pathlib.Path(path).read_text())
+    assert doc["plugins"][0]["capabilities"] == {"labels": True, "containerPorts": True, "mac": True}
+    mac = "02:42:0a:f4:03:07"
+    capability_args = {  # what containerd, CRI-O, podman or Multus may pass
+        "portMappings": [{"hostPort": 8080, "containerPort": 80, "protocol": "tcp"}],
+        "bandwidth": {"ingressRate": 10_000_000, "ingressBurst": 1_000_000},
+        "ipRanges": [[{"subnet": "10.1.0.0/24"}]],
+        "dns": {"servers": ["10.96.0.10"]},
+        "io.kubernetes.cri.pod-annotations": {"a": "b"},
+        "labels": {"app": "web"},
+        "containerPorts": [{"name": "http", "containerPort": 80, "protocol": "TCP"}],
+        "mac": mac,
+    }
+    confs = [_as_libcni_hands_it(doc, i, capability_args) for i in range(len(doc["plugins"]))]
+    assert [c.get("runtimeConfig") for c in confs[1:]] == [{"portMappings": capability_args["portMappings"]},
+                                                           {"bandwidth": capability_args["bandwidth"]}]
+    seen = []
+
+    def invoke(conf, args, env, timeout):
+        seen.append(conf)
+        return {"cniVersion": "1.0.0", "interfaces": [{"name": "cni0"}, {"name": "veth1", "mac": "bb"},
+                                                      {"name": "eth0", "sandbox": args.netns, "mac": mac}],
+                "ips": [{"address": "10.244.3.7/24", "interface": 2}]}  # fmt: skip
+
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    code, result = _run(_env(CNI_ARGS=POD_ARGS), dict(confs[0], policyTimeout=0))
+    assert code == 0, result
+    assert seen[0]["runtimeConfig"] == {k: capability_args[k] for k in ("labels", "containerPorts", "mac")}
+    assert seen[0]["ipam"]["subnet"] == "10.244.3.0/24" and "ranges" not in seen[0]["ipam"]
+    ep = endpoints.read(str(tmp_path / "state"), "c0ffee01")
+    assert (ep.labels, [p["name"] for p in ep.ports], ep.pod_mac) == ({"app": "web"}, ["http"], mac)

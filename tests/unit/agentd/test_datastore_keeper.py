@@ -497,15 +497,19 @@ async def test_our_subnet_record_put_back_with_stale_backend_data_is_rewritten()
 UNREADABLE_SUBNET = [b'{"node": "A", "public_ip": 5}', b"not json", b""]
 
 
-@pytest.mark.parametrize("edited_lease", ["ours", "none"])
-@pytest.mark.parametrize("value", UNREADABLE_SUBNET + [dataclasses.replace(lease_of("A"), public_ip="192.0.2.9").to_json()])
+READABLE_OTHER = dataclasses.replace(lease_of("A"), public_ip="192.0.2.9").to_json()
+
+
+@pytest.mark.parametrize(("edited_lease", "value"), [("ours", v) for v in [*UNREADABLE_SUBNET, READABLE_OTHER]]
+                         + [("none", v) for v in UNREADABLE_SUBNET])
 async def test_our_subnet_key_edited_by_hand_is_rewritten_not_lost(edited_lease, value, caplog):
     """Our subnet key given another value by hand, under our lease (`etcdctl put
-    --ignore-lease`) or under none (a plain `etcdctl put`).  An unreadable one counted as
-    "another node's": the keeper gave a working subnet up (on_subnet_lost: the agent exits, and
-    takes a new subnet when restarted -- every pod recreated) and, under lease 0, the key never
-    went.  No agent writes under our lease but us, nor under none: the key, unreadable or
-    naming us, is ours whatever it holds, and the keepalive writes it back."""
+    --ignore-lease`) or, unreadable, under none (a plain `etcdctl put`).  An unreadable one
+    counted as "another node's": the keeper gave a working subnet up (on_subnet_lost: the agent
+    exits, and takes a new subnet when restarted -- every pod recreated) and, under lease 0,
+    the key never went.  No agent writes under our lease but us, nor under none: the key,
+    unreadable or naming us, is ours whatever it holds, and the keepalive writes it back.
+    (A readable record naming us under no lease is a reservation: kept so, below.)"""
     etcd = FakeEtcd()
     keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
     lost: list[SubnetLease] = []
@@ -1049,3 +1053,184 @@ def test_free_subnets_leave_out_leases_of_every_prefix_length():
     huge = IPv4Network("10.0.0.0/8")  # probed: a stray /9 takes half of it
     picks = {pick_free_subnet(huge, 28, [IPv4Network("10.0.0.0/9")], random.Random(s)) for s in range(30)}
     assert all(p is not None and not p.overlaps(IPv4Network("10.0.0.0/9")) for p in picks) and len(picks) == 30
+
+
+# --- racing claims, a lease lost mid-acquire ----------------------------------------------------
+
+CLUSTER_16 = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
+
+
+class RacingClaim(FakeEtcd):
+    """Another node's claim of the same subnet lands between our read and our claim (its key
+    put just before our first subnet transaction reaches etcd)."""
+
+    raced: KV | None = None
+
+    async def transaction(self, compare, success=None, failure=None):
+        puts = [o for o in (success or []) if isinstance(o, tx.Put) and b"/subnets/" in o.key]
+        if puts and self.raced is None:
+            self.next_lease += 1
+            self.leases.add(self.next_lease)
+            subnet = IPv4Network(puts[0].key.decode().rsplit("/", 1)[1].replace("-", "/"))
+            self._put(puts[0].key, SubnetLease(subnet, "n2", "192.0.2.20", "vxlan").to_json(), self.next_lease)
+            self.raced = dataclasses.replace(self.kvs[puts[0].key])
+        return await super().transaction(compare, success, failure)
+
+
+async def test_two_nodes_racing_for_one_free_subnet_never_both_hold_it():
+    """The claim of a free subnet puts its key only if it is still absent (Version == 0): n2's
+    claim, landing between n1's read and n1's claim, wins; n1 takes another subnet and n2's key
+    is left as n2 wrote it (without the compare both believed they held it: review mutant M4)."""
+    etcd = RacingClaim()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    got = await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(3)).acquire_subnet(
+        "n1", "192.0.2.10", "vxlan", {}, cluster=CLUSTER_16)
+    await keeper.stop()
+    assert etcd.raced is not None
+    assert etcd.kvs[etcd.raced.key] == etcd.raced  # n2's, untouched
+    assert subnet_key(PREFIX, got.subnet) != etcd.raced.key
+    mine = etcd.kvs[subnet_key(PREFIX, got.subnet)]
+    assert (mine.value, mine.lease) == (SubnetLease(got.subnet, "n1", "192.0.2.10", "vxlan").to_json(), got.lease_id)
+
+
+class LeaseExpiresBeforeTheClaim(FakeEtcd):
+    """The lease expires just before the first subnet claim reaches etcd (an outage longer than
+    lease_ttl while the agent starts)."""
+
+    expired: int | None = None
+
+    async def transaction(self, compare, success=None, failure=None):
+        puts = [o for o in (success or []) if isinstance(o, tx.Put) and b"/subnets/" in o.key]
+        if puts and self.expired is None:
+            self.expired = puts[0].lease
+            self.expire(puts[0].lease)
+        return await super().transaction(compare, success, failure)
+
+
+async def test_a_lease_lost_in_the_middle_of_acquire_subnet_is_granted_again_and_the_subnet_taken():
+    """The claim finds the lease gone (etcd: lease not found): the allocation carries on under a
+    new lease instead of failing (the agent would not start: review mutant M12)."""
+    etcd = LeaseExpiresBeforeTheClaim()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    got = await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(3)).acquire_subnet(
+        "n1", "192.0.2.10", "vxlan", {}, cluster=CLUSTER_16)
+    await keeper.stop()
+    assert etcd.expired is not None and got.lease_id not in (None, etcd.expired)
+    assert keeper.lease_id == got.lease_id and got.lease_id in etcd.leases
+    assert etcd.kvs[subnet_key(PREFIX, got.subnet)].lease == got.lease_id
+
+
+# --- reservations (flannel's: a subnet record naming a node, under no etcd lease) -----------------
+
+R = IPv4Network("10.244.7.0/24")
+MAC = {"vtep_mac": "02:00:00:00:00:01"}
+
+
+def _reserve(etcd: FakeEtcd, node_name: str, subnet: IPv4Network = R, **kw) -> bytes:
+    """An operator's reservation: `etcdctl put <prefix>/subnets/... '{"node": ...}'`, no --lease."""
+    key = subnet_key(PREFIX, subnet)
+    record = SubnetLease(subnet, node_name, kw.pop("public_ip", "192.0.2.10"), "vxlan", **kw)
+    etcd._put(key, record.to_json(), None)
+    return key
+
+
+async def test_a_subnet_reserved_for_the_node_stays_reserved_through_acquire_keepalive_lease_expiry_and_release():
+    """A reservation naming n1 was claimed back under n1's lease: n1 down longer than lease_ttl,
+    the key expired and another node took the reserved subnet.  As flannel does, it is taken
+    under no lease (our data written into it), preferred to the subnet n1 had before, kept so
+    by the keepalive and across the lease's expiry, and left by release: n2 never gets it."""
+    etcd = FakeEtcd()
+    key = _reserve(etcd, "n1")
+    created = etcd.kvs[key].create_revision
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    leases = SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1))
+    got = await leases.acquire_subnet("n1", "192.0.2.10", "vxlan", MAC, cluster=CLUSTER_16,
+                                      previous="10.244.9.0/24")
+    await keeper.stop()
+    mine = SubnetLease(R, "n1", "192.0.2.10", "vxlan", MAC)
+    assert got == mine and keeper.subnets == {4: mine}
+    kv = etcd.kvs[key]
+    assert (kv.value, kv.lease, kv.create_revision) == (mine.to_json(), 0, created)
+    assert keeper.lease_id in etcd.leases  # granted all the same: the node record lives under it
+    assert [k for k in etcd.kvs if k.startswith(b"/agentd/subnets/")] == [key]
+
+    written = len(etcd.puts)
+    await keeper._round()
+    assert etcd.kvs[key] == kv and len(etcd.puts) == written  # left as it is
+
+    etcd.expire(keeper.lease_id)  # n1 away longer than lease_ttl
+    assert etcd.kvs[key] == kv
+    keeper.node = node("n1", R)
+    await keeper._round()  # back: a new lease, the node record put again; the reservation as it was
+    assert keeper.lease_id in etcd.leases and etcd.kvs[node_key(PREFIX, "n1")].lease == keeper.lease_id
+    assert etcd.kvs[key] == kv and keeper.subnets == {4: mine} and keeper.lost == set()
+
+    assert await leases.release("n1") == []
+    assert etcd.kvs[key] == kv  # an operator's to delete, as flannel leaves it
+    assert node_key(PREFIX, "n1") not in etcd.kvs
+
+    # Another node, the only other /24 of its pool taken: the reserved one is not free.
+    small = ClusterConfig(IPv4Network("10.244.6.0/23"), 24, "vxlan", "always")
+    _reserve(etcd, "n3", IPv4Network("10.244.6.0/24"))
+    other = LeaseKeeper(connection(etcd), PREFIX, 30)
+    with pytest.raises(SubnetExhausted):
+        await SubnetLeases(other.connection, other, PREFIX, random.Random(2)).acquire_subnet(
+            "n2", "192.0.2.20", "vxlan", {}, cluster=small, timeout=5)
+    await other.stop()
+    assert etcd.kvs[key] == kv
+
+
+async def test_an_operator_turning_our_lease_into_a_reservation_is_kept_so(caplog):
+    """flannel's way to reserve a subnet a node holds: `etcdctl put KEY "$(etcdctl get
+    --print-value-only KEY)"` (no --lease).  The next keepalive put it back under the lease.
+    Now it stays under none -- our backend data published into it under none, a value edited
+    by hand written back under none -- and the node's lease running out leaves it."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    leases = SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1))
+    got = await leases.acquire_subnet("n1", "192.0.2.10", "vxlan", MAC, cluster=CLUSTER_16)
+    await keeper.stop()
+    key = subnet_key(PREFIX, got.subnet)
+    assert etcd.kvs[key].lease == got.lease_id
+    etcd._put(key, etcd.kvs[key].value, None)  # the operator's conversion
+    converted = etcd.kvs[key]
+
+    with caplog.at_level("INFO", logger="agentd.datastore"):
+        await keeper._round()
+    assert etcd.kvs[key] == converted
+    assert keeper.subnets == {4: dataclasses.replace(got, lease_id=None)}
+    assert any("reserved for node n1" in r.getMessage() for r in caplog.records)
+    calls = len(etcd.calls)
+    await keeper._round()  # and the round after it writes nothing
+    assert etcd.calls[calls:] == ["refresh_lease", "transaction"] and etcd.kvs[key] == converted
+
+    assert await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:02"})
+    published = etcd.kvs[key]
+    assert published.lease == 0 and b"02:00:00:00:00:02" in published.value
+
+    edited = dataclasses.replace(got, public_ip="192.0.2.99").to_json()
+    etcd._put(key, edited, None)  # edited by hand, still a reservation for n1
+    await keeper._round()
+    assert (etcd.kvs[key].value, etcd.kvs[key].lease) == (published.value, 0)
+
+    etcd._put(key, b"not json", None)  # made unreadable: ours, and still reserved
+    await keeper._round()
+    assert (etcd.kvs[key].value, etcd.kvs[key].lease) == (published.value, 0)
+
+    etcd.expire(keeper.lease_id)
+    assert (etcd.kvs[key].value, etcd.kvs[key].lease) == (published.value, 0)
+    assert keeper.lost == set() and keeper.subnets[4].subnet == got.subnet
+
+
+async def test_a_reservation_changed_between_the_read_and_the_claim_is_not_taken():
+    """The claim of a reservation compares the revision read (Mod): reserved for another node
+    meanwhile, the claim fails, and the node reads again and takes another subnet."""
+    etcd = FakeEtcd()
+    key = _reserve(etcd, "n1")
+    etcd.before_transaction += [lambda: None, lambda: _reserve(etcd, "n2", public_ip="192.0.2.20")]
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    got = await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1)).acquire_subnet(
+        "n1", "192.0.2.10", "vxlan", {}, cluster=CLUSTER_16)
+    await keeper.stop()
+    assert got.subnet != R and got.lease_id == keeper.lease_id
+    assert SubnetLease.from_json(etcd.kvs[key].value, R).node == "n2" and etcd.kvs[key].lease == 0

@@ -70,19 +70,53 @@ def test_an_unanswered_keepalive_ping_ends_the_channel_within_seconds():
     assert options["grpc.http2.ping_timeout_ms"] <= 5000
 
 
-async def test_a_call_past_its_deadline_is_one_clear_error_and_marks_etcd_unreachable():
+async def test_a_call_whose_deadline_passed_before_etcd_was_asked_changes_nothing(caplog):
+    """The second call of one operation, its deadline used up by the first (or by the wait for
+    the lock): it raised asyncio.TimeoutError before asking etcd, taken for a transient
+    failure -- "etcd unreachable" logged, on_state_change(False), failover to the next member
+    -- while etcd was fine.  Now: one clear error, and etcd's state and endpoint as they were."""
     clock = Clock()
     changes: list[bool] = []
-    conn = connection(clock=clock, changes=changes)
+    conn = connection("http://10.0.0.1:2379", "http://10.0.0.2:2379", clock=clock, changes=changes)
+    calls = []
+
+    async def op(client):
+        calls.append(client)
+        return "value"
+
+    assert await conn.call("read", op, conn.deadline(5)) == "value"
+    index, endpoint = conn.index, conn.endpoint
+    caplog.set_level(logging.INFO, logger="agentd.datastore")
+    with pytest.raises(DatastoreUnavailable, match=r"^read again: deadline passed before etcd was asked$"):
+        await conn.call("read again", op, clock.now)
+    assert len(calls) == 1  # not even tried
+    assert (conn.state, conn.index, conn.endpoint, changes) == (True, index, endpoint, [True])
+    assert caplog.records == []
+    conn.closed = True
+    await conn.shut()
+
+
+async def test_a_call_failing_until_its_deadline_is_one_clear_error_and_marks_etcd_unreachable():
+    """A call tried and failing until its deadline: etcd unreachable, said once, with the
+    failure -- also where the deadline runs out in the backoff's sleep (the next attempt is not
+    made, and moves to no further endpoint)."""
+    from agentd.datastore.records import Backoff
+
+    times = iter([100.0, 100.5, 100.9, 101.0])  # deadline(1.0); attempt; after its failure; after the sleep
+    changes: list[bool] = []
+    conn = connection("http://10.0.0.1:2379", "http://10.0.0.2:2379", clock=lambda: next(times), changes=changes)
+    conn.backoff = lambda cap=5.0: Backoff(initial=1e-6, cap=1e-6, rng=random.Random(1))
+    index = conn.index
     calls = []
 
     async def op(client):
         calls.append(client)
         raise aetcd.ConnectionFailedError("refused")
 
-    with pytest.raises(DatastoreUnavailable, match=r"etcd at http://127.0.0.1:2379 unreachable \(list\)"):
-        await conn.call("list", op, conn.deadline(0.0))
-    assert calls == []  # the deadline had passed: not even tried
+    with pytest.raises(DatastoreUnavailable,
+                       match=r"^etcd at http://10.0.0.1:2379, http://10.0.0.2:2379 unreachable \(list\): .*refused"):
+        await conn.call("list", op, conn.deadline(1.0))
+    assert len(calls) == 1 and conn.index == index + 1
     assert changes == [False] and conn.state is False
     conn.set_connected(False, "again")  # no change: no callback
     conn.set_connected(True)
@@ -436,3 +470,123 @@ async def test_node_records_carry_their_keys_create_revision_from_the_snapshot_a
     # The list call's records carry it too; equality does not look at it.
     listed = registration.parse_nodes([kv("n1", 40, 30)])
     assert listed["n1"].create_revision == 30 and listed == {"n1": record("n1")}
+
+
+async def test_a_watch_resumes_after_its_last_revision_and_re_lists_after_a_compaction_or_a_revision_gone_back(
+        monkeypatch):
+    """A scripted etcd: a snapshot at revision 10; events 11 and 12, then the stream reset
+    (UNAVAILABLE): resumed at 13, no snapshot (from 12: event 12 again; review mutant M1);
+    then compacted: a new snapshot (at 20) and a watch from 21 (keeping the old revision
+    looped on the compacted one, never re-listing: M2); then reset again with etcd's head at 5,
+    below 20 (restored from a backup): a new snapshot, not a watch from 21 waiting for
+    revisions that never come (M3)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import grpc
+
+    from agentd.datastore.watches import Watches
+
+    def kv(key, rev):
+        return SimpleNamespace(key=key, value=b"{}", mod_revision=rev, lease=0, create_revision=rev)
+
+    def got(rev, kvs=()):
+        out = _Got(kvs)
+        out.header = SimpleNamespace(revision=rev)
+        return out
+
+    def unavailable():
+        cause = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                     details="stream reset")
+        try:
+            raise aetcd.ConnectionFailedError("stream reset") from cause
+        except aetcd.ConnectionFailedError as exc:
+            return exc
+
+    heads, snapshots = [20, 5], [10, 20, 30]  # keys_only reads (the resume's check); full reads
+    created: list[int] = []
+
+    class Client(_WatchClient):
+        async def get_prefix(self, prefix, keys_only=False):
+            if not (heads if keys_only else snapshots):  # past the script (a wrong turn): no answer
+                await asyncio.get_running_loop().create_future()
+            if keys_only:
+                return got(heads.pop(0))
+            rev = snapshots.pop(0)
+            return got(rev, [kv(b"/p/a", rev)])
+
+        async def watch_prefix(self, prefix, start_revision):
+            created.append(start_revision)
+            n = len(created)
+
+            async def stream():
+                if n == 1:
+                    yield SimpleNamespace(kind=aetcd.EventKind.PUT, kv=kv(b"/p/a", 11))
+                    yield SimpleNamespace(kind=aetcd.EventKind.PUT, kv=kv(b"/p/b", 12))
+                    raise unavailable()
+                if n == 2:
+                    raise aetcd.RevisionCompactedError(15)
+                if n == 3:
+                    raise unavailable()
+                await asyncio.get_running_loop().create_future()  # stays up
+                yield
+
+            class Watch:
+                def __aiter__(self):
+                    return stream()
+
+            return Watch()
+
+    conn = connection("http://10.0.0.1:2379", "http://10.0.0.2:2379")
+    conn.new_client = lambda i: Client(conn.targets[i % 2], [], None)
+    real_sleep = asyncio.sleep
+
+    async def no_wait(delay, result=None):
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", no_wait)
+    out: list[tuple[str, int]] = []
+
+    async def consume():
+        async for event in Watches(conn, None, "/p").watch_prefix(b"/p/", "test watch"):
+            out.append((event.kind, event.revision))
+
+    task = asyncio.ensure_future(consume())
+    try:
+        for _ in range(2000):
+            if len(created) >= 4 or task.done():
+                break
+            await real_sleep(0)
+        for _ in range(10):  # the fourth watch's snapshot delivered
+            await real_sleep(0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        monkeypatch.undo()
+    assert created == [11, 13, 21, 31]
+    assert out == [("snapshot", 10), ("put", 11), ("put", 12), ("snapshot", 20), ("snapshot", 30)]
+    conn.closed = True
+    await conn.shut()
+
+
+async def test_a_cancel_landing_as_a_client_closes_is_kept():
+    """close_quietly's wait_for (Python 3.11) returned normally when the close ended in the
+    same loop step as its task was cancelled (CPython gh-86296): a watch cancelled by its
+    consumer while closing its failed client went on re-creating watches for ever."""
+    import asyncio
+
+    from agentd.datastore.connection import close_quietly
+
+    gate = asyncio.get_running_loop().create_future()
+
+    class Client:
+        async def close(self):
+            await gate
+
+    task = asyncio.ensure_future(close_quietly(Client()))  # type: ignore[arg-type]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    gate.set_result(None)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -83,7 +83,11 @@ def test_conformance_host_rules_and_redirect():
     table = routing.build([HOST_RULES])
     for (host, path), want in HOST_CASES.items():
         assert svc_of(table, table.route(host, path)) == want, (host, path)
-    assert table.redirects("foo.bar.com", "/") and not table.redirects("bar.foo.com", "/")
+    assert table.redirects("foo.bar.com", "/")
+    # *.foo.com, a rule host of an Ingress with tls that no entry names: the default
+    # certificate, redirected all the same -- as ingress-nginx does (its conformance runs
+    # expect plain HTTP answered for both hosts: with ssl-redirect off).
+    assert table.redirects("bar.foo.com", "/") and not table.redirects("subdomain.bar.com", "/")
     off = routing.build([HOST_RULES], ssl_redirect=False)
     assert not off.redirects("foo.bar.com", "/")
 
@@ -559,18 +563,21 @@ def test_a_tls_entry_without_hosts_takes_only_its_own_ingresses_hosts_its_certif
     names = {("shop", "legit"): ("shop.example",), ("evil", "evil"): ("shop.example", "evil.example", "*.wild.example")}
     table = routing.build([evil, shop], cert_names=lambda s: names[s])
     assert [(t.host, t.secret) for t in table.tls] == [
-        ("shop.example", ("shop", "legit")), ("evil.example", ("evil", "evil")), ("a.wild.example", ("evil", "evil"))]
+        ("shop.example", ("shop", "legit")), ("evil.example", ("evil", "evil")), ("other.example", None),
+        ("a.wild.example", ("evil", "evil"))]
     assert "evil/evil: tls for shop.example: already given by shop/shop" in table.conflicts
     files = haproxy.maps(table, {("shop", "legit"): Path("/c/shop.pem"), ("evil", "evil"): Path("/c/evil.pem")})
     lines = files["crt-list"].splitlines()
     assert lines == ["/c/shop.pem shop.example", "/c/evil.pem evil.example", "/c/evil.pem a.wild.example"]
     assert all(len(line.split()) == 2 for line in lines)  # every line filtered by SNI
-    # other.example (its certificate does not cover it) and the rules without a host: the
-    # controller's default certificate, and plain HTTP is not redirected for them.
-    assert not table.redirects("other.example", "/") and table.redirects("evil.example", "/")
-    # A Secret that cannot serve names nothing: the entry covers no host.
+    # other.example (its certificate does not cover it): the controller's default certificate,
+    # redirected all the same, as ingress-nginx does for a rule host of an Ingress with tls;
+    # the rules without a host: the default certificate, never redirected.
+    assert table.redirects("other.example", "/") and table.redirects("evil.example", "/")
+    assert not table.redirects("nohost.example", "/")
+    # A Secret that cannot serve names nothing: the entry covers no host (each one the default certificate).
     table = routing.build([evil], usable=lambda s: False, cert_names=lambda s: names[s])
-    assert table.tls == [] and haproxy.maps(table, {})["crt-list"] == ""
+    assert {(t.secret, t.serves) for t in table.tls} == {(None, False)} and haproxy.maps(table, {})["crt-list"] == ""
     assert table.hostless == [("evil", "evil")]  # said (controller: tls_errors), not dropped silently
 
 
@@ -785,3 +792,134 @@ def test_the_rendered_frontend_redirects_as_the_table_on_any_rules(rules_a, rule
     files = render(table)
     assert lookup(files, table, host, path) == expected(table, host, path)
     assert lookup(files, table, host, path, https=True) == table.route(host, path)
+
+
+def test_a_rule_host_of_an_ingress_with_tls_that_no_secret_serves_is_a_tls_host_all_the_same():
+    """Review s57/r12 #1: rule a.x with tls hosts ["*.x"] (cert-manager's wildcard entry) and
+    its Secret not usable yet (missing, wrong type, refused) or for other names: a.x was no
+    TLS host at all -- plain HTTP served, no 308, nothing in tls_errors.  As in ingress-nginx
+    (createServers: a rule host of an Ingress with a tls section that no entry serves gets the
+    default certificate, and is redirected), it is a TLS host with the wildcard entry's Secret,
+    not serving it; so is a rule host no entry names at all."""
+    w = ing("w", [_rules("a.x", ("/", "Prefix", "s"))], tls=[{"hosts": ["*.x"], "secretName": "wild"}])
+    pems = {("default", "wild"): Path("/c/wild.pem")}
+    for usable, names, uncovered in ((lambda s: False, (), []), (lambda s: True, ("*.y",), [(("default", "wild"), "a.x")])):
+        table = routing.build([w], usable=usable, cert_names=lambda s, names=names: names)
+        assert table.tls == [routing.TlsHost("a.x", ("default", "wild"), ("default", "w"), False)]
+        assert table.redirects("a.x", "/") and lookup(render(table), table, "a.x", "/") == REDIRECT
+        assert haproxy.maps(table, pems)["crt-list"] == ""  # the default certificate
+        assert table.uncovered == uncovered  # the controller's tls_errors ("no such Secret" and the like: its own check)
+        assert table.conflicts == []  # the wildcard entry covers a rule host: nothing "not given"
+    # Served: the rule host, not the wildcard, is the SNI name.  The certificate's names not
+    # known (cert_names None): it serves the hosts named for it and one label under its wildcards.
+    for cert_names in (lambda s: ("*.x",), lambda s: None):
+        table = routing.build([w], cert_names=cert_names)
+        assert table.tls == [routing.TlsHost("a.x", ("default", "wild"), ("default", "w"), True)] and table.uncovered == []
+    # A rule host no entry names, in an Ingress with tls: the default certificate, redirected
+    # (ingress-nginx: extractTLSSecretName finds nothing -> the default certificate).
+    two = ing("two", [_rules("a.example", ("/", "Prefix", "a")), _rules("b.example", ("/", "Prefix", "b")),
+                      {"http": {"paths": [p("/", "Prefix", "any")]}}],
+              tls=[{"hosts": ["a.example"], "secretName": "a"}])  # fmt: skip
+    table = routing.build([two], cert_names=lambda s: ("a.example",))
+    assert [(t.host, t.secret, t.serves) for t in table.tls] == [("a.example", ("default", "a"), True), ("b.example", None, False)]
+    assert table.redirects("b.example", "/") and not table.redirects("elsewhere", "/")  # the rules without a host: never
+    assert haproxy.maps(table, {("default", "a"): Path("/c/a.pem")})["crt-list"] == "/c/a.pem a.example\n"
+    # An Ingress without tls gives its hosts none, and takes nothing from an older one's TLS host.
+    plain = ing("plain", [_rules("b.example", ("/p", "Prefix", "p")), _rules("c.example", ("/", "Prefix", "c"))],
+                created="2024-02-01T00:00:00Z")
+    table = routing.build([two, plain], cert_names=lambda s: ("a.example",))
+    assert [t.host for t in table.tls] == ["a.example", "b.example"] and not table.redirects("c.example", "/")
+    assert table.conflicts == []
+    # A newer Ingress whose tls is for other hosts takes nothing and says nothing of them; one
+    # whose Secret serves b.example takes it from the older one's default certificate.
+    other = ing("other", [_rules("a.example", ("/o", "Prefix", "o")), _rules("b.example", ("/o", "Prefix", "o")),
+                          _rules("o.example", ("/", "Prefix", "o"))],
+                created="2024-02-01T00:00:00Z", tls=[{"hosts": ["o.example", "b.example"], "secretName": "o"}])  # fmt: skip
+    table = routing.build([two, other], cert_names=lambda s: ("a.example",) if s[1] == "a" else ("o.example", "b.example"))
+    assert [(t.host, t.secret, t.ingress) for t in table.tls] == [
+        ("a.example", ("default", "a"), ("default", "two")), ("b.example", ("default", "o"), ("default", "other")),
+        ("o.example", ("default", "o"), ("default", "other"))]
+    assert table.conflicts == ["default/two: tls for b.example: its tls gives it no Secret; default/other's does"]
+
+
+def test_a_wildcard_tls_host_that_serves_a_rule_host_is_no_conflict():
+    """Review s57/r12 #2: the docs' example (tls ["*.shop.example"] for the rule host
+    www.shop.example) was listed as "no rule ... names this host: not given its Secret" while its
+    Secret was served for www.shop.example.  Only a named host that covers none of the
+    Ingress's rule hosts is said."""
+    web = ing("web", [_rules("www.shop.example", ("/", "Prefix", "web"))], ns="shop",
+              tls=[{"hosts": ["*.shop.example", "*.other.example", "x.other.example"], "secretName": "wild"}])
+    table = routing.build([web], cert_names=lambda s: ("*.shop.example",))
+    assert haproxy.maps(table, {("shop", "wild"): Path("/c/wild.pem")})["crt-list"] == "/c/wild.pem www.shop.example\n"
+    assert table.conflicts == [f"shop/web: tls for {h}: no rule of shop/web names this host: not given its Secret "
+                               "(an Ingress's tls applies to its own rule hosts only)" for h in ("*.other.example", "x.other.example")]
+
+
+def test_the_first_tls_entry_naming_a_host_gives_it_its_secret():
+    """Review s57/r12 #5, as ingress-nginx (extractTLSSecretName): the first entry of an Ingress
+    naming a host gives it its Secret; when that one cannot serve it, the host gets the default
+    certificate -- a later entry naming it is not looked at (said in ``conflicts``)."""
+    rules = [_rules("shop.example", ("/", "Prefix", "web"))]
+    names = {("default", "bad"): ("other.example",), ("default", "good"): ("shop.example",)}
+    pems = {("default", "bad"): Path("/c/bad.pem"), ("default", "good"): Path("/c/good.pem")}
+    bad_first = ing("i", rules, tls=[{"hosts": ["shop.example"], "secretName": "bad"}, {"hosts": ["shop.example"], "secretName": "good"}])
+    table = routing.build([bad_first], cert_names=names.get)
+    assert table.tls == [routing.TlsHost("shop.example", ("default", "bad"), ("default", "i"), False)]
+    assert haproxy.maps(table, pems)["crt-list"] == ""  # the default certificate
+    assert table.uncovered == [(("default", "bad"), "shop.example")]
+    assert table.conflicts == [("default/i: tls for shop.example: the first entry naming it gives it its Secret, default/bad, "
+                                "which cannot serve it; not default/good of a later entry")]
+    good_first = ing("i", rules, tls=[{"hosts": ["shop.example"], "secretName": "good"}, {"hosts": ["shop.example"], "secretName": "bad"}])
+    table = routing.build([good_first], cert_names=names.get)
+    assert table.tls == [routing.TlsHost("shop.example", ("default", "good"), ("default", "i"), True)]
+    assert haproxy.maps(table, pems)["crt-list"] == "/c/good.pem shop.example\n"
+    assert table.uncovered == [] and table.conflicts == []
+    # An entry without a secretName first: the default certificate too (ingress-nginx: "secretName is empty").
+    none_first = ing("i", rules, tls=[{"hosts": ["shop.example"]}, {"hosts": ["shop.example"], "secretName": "good"}])
+    table = routing.build([none_first], cert_names=names.get)
+    assert table.tls == [routing.TlsHost("shop.example", None, ("default", "i"), False)]
+    assert table.conflicts == ["default/i: tls for shop.example: the first entry naming it has no secretName; not default/good of a later entry"]
+
+
+class _Host(str):
+    """A host name that counts how often it is compared: the work of routing.build."""
+
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        _Host.compared += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def _work(n: int, shape: str) -> int:
+    hosts = [_Host(f"h{i}.shop.example") for i in range(n)]
+    if shape == "an entry per host":
+        tls = [{"hosts": [_Host(h)], "secretName": f"s{i}"} for i, h in enumerate(hosts)]
+    elif shape == "one entry for all":
+        tls = [{"hosts": [_Host(h) for h in hosts], "secretName": "s"}]
+    else:  # entries without hosts, each certificate for one host
+        tls = [{"secretName": f"s{i}"} for i in range(n)]
+    obj = {"metadata": {"namespace": "d", "name": "big", "creationTimestamp": "2024-01-01T00:00:00Z"},
+           "spec": {"rules": [{"host": h, "http": {"paths": [p("/", "Prefix", "s")]}} for h in hosts], "tls": tls}}
+    calls = 0
+
+    def usable(secret: tuple[str, str]) -> bool:
+        nonlocal calls
+        calls += 1
+        return True
+
+    _Host.compared = 0
+    table = routing.build([obj], usable=usable, cert_names=lambda s: ("*.shop.example",) if s[1] == "s" else (f"h{s[1][1:]}.shop.example",))
+    assert len(table.tls) == n and all(t.serves for t in table.tls)
+    return _Host.compared + calls
+
+
+@pytest.mark.parametrize("shape", ["an entry per host", "one entry for all", "entries without hosts"])
+def test_the_tls_of_one_ingress_costs_work_linear_in_its_hosts(shape):
+    """Review s57/r12 #3: one Ingress's tls was quadratic in its hosts (a list searched per host,
+    every entry scanned per host) -- 8,000 hosts with an entry each took 5.5 s, on the agent's
+    event loop.  Twice the hosts, about twice the work (host comparisons and Secret checks)."""
+    small, large = _work(300, shape), _work(600, shape)
+    assert large <= 2.5 * small, (small, large)

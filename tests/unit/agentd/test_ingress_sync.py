@@ -456,7 +456,8 @@ def test_a_tls_entry_without_hosts_that_covers_nothing_is_said(tmp_path):
 
     async def main():
         await ctl._render()
-        assert ctl.table.tls == []
+        # Each rule host the default certificate (redirected, as ingress-nginx does).
+        assert [(t.host, t.secret, t.serves) for t in ctl.table.tls] == [("a.example", None, False), ("b.example", None, False)]
         assert ctl.tls_errors["shop/typo"].startswith("no such Secret (a tls entry without hosts)")
         assert "names none of its Ingress's rule hosts" in ctl.tls_errors["shop/other"]
 
@@ -601,5 +602,38 @@ def test_a_certificate_that_does_not_cover_its_host_is_not_served_for_it_and_is_
         assert ctl.tls_errors == {"shop/s": "its certificate does not cover shop.example (no subjectAltName for it): "
                                             "shop.example served with shop/good's certificate"}
         assert "shop/a: tls for shop.example: its Secret cannot serve it; shop/b's does" in ctl.table.conflicts
+
+    asyncio.run(main())
+
+
+def test_a_wildcard_entrys_secret_not_issued_yet_is_said_and_its_rule_host_redirected(tmp_path):
+    """Review s57/r12 #1: rule shop.example, tls hosts ["*.example"], the Secret not there yet
+    (cert-manager's usual state before issuance): shop.example was no TLS host (no redirect)
+    and tls_errors was empty.  Now: redirected, the default certificate, the Secret named."""
+    import base64
+
+    from agentd.ingress import certs
+
+    ctl, _ = controller(tmp_path)
+    ctl.objects["IngressClass"][("", "agentd")] = CLASS
+    a = shop_ingress("shop")
+    a["spec"]["tls"] = [{"hosts": ["*.example"], "secretName": "wild"}]
+    ctl.objects["Ingress"][("shop", "shop")] = a
+
+    async def main():
+        files, _ = await ctl._render()
+        assert files["tls-hosts.lst"] == b"shop.example\n" and files["crt-list"] == b""
+        assert ctl.table.redirects("shop.example", "/")
+        assert ctl.tls_errors == {"shop/wild": "no such Secret: shop.example served with the default certificate"}
+        assert ctl.table.conflicts == []
+        # Issued for other names: said as a certificate that does not cover the host.
+        pem = certs.self_signed("other", ("*.other.example",))
+        crt, key = pem.split(b"-----BEGIN PRIVATE KEY-----")
+        ctl.objects["Secret"][("shop", "wild")] = {"type": "kubernetes.io/tls", "data": {
+            "tls.crt": base64.b64encode(crt).decode(), "tls.key": base64.b64encode(b"-----BEGIN PRIVATE KEY-----" + key).decode()}}
+        files, _ = await ctl._render()
+        assert files["tls-hosts.lst"] == b"shop.example\n" and files["crt-list"] == b""
+        assert ctl.tls_errors == {"shop/wild": "its certificate does not cover shop.example (no subjectAltName for it): "
+                                               "shop.example served with the default certificate"}
 
     asyncio.run(main())

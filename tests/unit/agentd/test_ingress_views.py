@@ -42,3 +42,26 @@ def test_an_ipv6_server_is_named_in_brackets():
     views.status = dict  # type: ignore[method-assign]  # the proxy's state: not what is asked here
     view = views.view()
     assert view["backends"][0]["servers"] == ["10.244.1.5:8080", "[fd00:10:244:1::5]:8080"]
+
+
+def test_the_ingress_view_says_which_secret_serves_each_tls_host_and_which_ingresses_do_not_redirect():
+    """Review s57/r12 #4: GET /ingress's ``tls[].serves`` and ``ssl_redirect_off`` (docs/ingress.md)
+    were pinned by no test."""
+    from agentd.ingress import routing
+
+    def ing(name: str, host: str, secret: str, created: str, **annotations: str) -> dict:
+        return {"metadata": {"namespace": "shop", "name": name, "creationTimestamp": created, "annotations": annotations},
+                "spec": {"rules": [{"host": host, "http": {"paths": [{"path": "/", "pathType": "Prefix",
+                                                                      "backend": {"service": {"name": "web", "port": {"number": 80}}}}]}}],
+                         "tls": [{"hosts": [host], "secretName": secret}]}}  # fmt: skip
+
+    table = routing.build([ing("a", "a.example", "good", "2024-01-01T00:00:00Z"),
+                           ing("b", "b.example", "gone", "2024-02-01T00:00:00Z", **{routing.REDIRECT_ANNOTATION: "false"})],
+                          usable=lambda s: s == ("shop", "good"), cert_names=lambda s: ("a.example",))  # fmt: skip
+    controller = SimpleNamespace(table=table, served=None, servers={}, stats=[], counter=lambda name, key: 0)
+    views = IngressViews(controller)  # type: ignore[arg-type]
+    views.status = dict  # type: ignore[method-assign]  # the proxy's state: not what is asked here
+    view = views.view()
+    assert view["tls"] == [{"host": "a.example", "secret": "shop/good", "ingress": "shop/a", "serves": True},
+                           {"host": "b.example", "secret": "shop/gone", "ingress": "shop/b", "serves": False}]
+    assert view["ssl_redirect_off"] == ["shop/b"]

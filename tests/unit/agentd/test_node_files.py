@@ -188,7 +188,22 @@ def _older_layout(doc: dict) -> dict:
     """As an agentd before 29c8a8b (no bandwidth plugin) and 1f570b7 (no binDir) wrote it."""
     doc["plugins"] = doc["plugins"][:2]
     doc["plugins"][0].pop("binDir", None)
+    doc["plugins"][0].pop("capabilities", None)  # (none declared before review s57/r4)
     return doc
+
+
+def test_the_conflist_the_agent_writes_declares_what_agentd_cni_reads_of_runtime_config(tmp_path):
+    """A runtime (libcni's injectRuntimeConfig) hands a plugin only the capability arguments its
+    conflist entry declares: agentd-cni's declares the runtimeConfig keys it reads, the
+    chained plugins theirs."""
+    cfg = agent_cfg(tmp_path, **{"cni.write_conflist": "true"})
+    node_files.write_cni_files(cfg, CLUSTER, {4: _lease()}, 1450)
+    doc = json.loads(_conflist_path(cfg).read_text())
+    assert [(p["type"], p.get("capabilities")) for p in doc["plugins"]] == [
+        ("agentd-cni", {"labels": True, "containerPorts": True, "mac": True}),
+        ("portmap", {"portMappings": True}),
+        ("bandwidth", {"bandwidth": True}),
+    ]
 
 
 @pytest.mark.parametrize("variant", ["this version", "older layout", "other data_dir", "other subnet_file",

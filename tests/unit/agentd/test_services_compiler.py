@@ -283,7 +283,8 @@ def test_local_node_ports_short_circuit_this_nodes_traffic_and_its_pods():
     # Without a pod subnet (none leased yet): the node's own traffic only.
     assert len(_chain(compiler.compile_services([], "n3"), "nodeports")) == 2
     # This node's endpoints all terminating while others are ready: from outside, the
-    # terminating local one (KEP-1669); short-circuited, it and the ready one elsewhere.
+    # terminating local one (KEP-1669); short-circuited, only the ready one elsewhere
+    # (test_a_local_node_ports_short_circuit_takes_no_terminating_endpoint_while_one_is_ready).
     sl = eps_slice("web-1", "web", [
         {"addresses": ["10.244.3.5"], "nodeName": "n3", "conditions": {"ready": False, "serving": True, "terminating": True}},
         {"addresses": ["10.244.1.5"], "nodeName": "n1"},
@@ -293,7 +294,91 @@ def test_local_node_ports_short_circuit_this_nodes_traffic_and_its_pods():
     rs = compiler.compile_services(model.build([s], [sl], []), "n3")
     assert _map(rs, compiler.NODE_PORTS) == {(("tcp", 30080), ("goto", "np-local/1"))}
     assert _map(rs, "np-addr/0") == {(("tcp", 30080), "10.244.3.5")}
-    assert _map(rs, compiler.NP_SHORT_CIRCUIT) == {(("tcp", 30080), ("goto", "np-local/2"))}
+    assert _map(rs, compiler.NP_SHORT_CIRCUIT) == {(("tcp", 30080), ("goto", "short-circuit/shop/web/tcp/80"))}
+    assert _chain(rs, "short-circuit/shop/web/tcp/80")[-1] == [{"goto": {"target": "np-slot/1"}}]
+    assert _map(rs, "np-addr/1") == {(("tcp", 30080), "10.244.1.5")}
+
+
+def _slots(rs: Ruleset, key: tuple, first: int, n: int) -> list[tuple[str, int]]:
+    """The endpoints of node port ``key`` in slots ``first`` to ``first + n - 1``."""
+    return [(dict(_map(rs, f"np-addr/{i}"))[key], dict(_map(rs, f"np-port/{i}"))[key]) for i in range(first, first + n)]
+
+
+def _choice(rule: list[dict]) -> tuple[int, int]:
+    """The slots a pick rule chooses among: (first, count)."""
+    (stmt,) = rule
+    if "goto" in stmt:
+        return int(stmt["goto"]["target"].split("/")[1]), 1
+    numgen = stmt["vmap"]["key"]["numgen"]
+    targets = [int(t["goto"]["target"].split("/")[1]) for _, t in stmt["vmap"]["data"]["set"]]
+    assert targets == list(range(numgen["offset"], numgen["offset"] + numgen["mod"])) and numgen["mode"] == "random"
+    return numgen["offset"], numgen["mod"]
+
+
+def test_a_local_node_ports_short_circuit_takes_no_terminating_endpoint_while_one_is_ready():
+    """externalTrafficPolicy Local, this node's one endpoint terminating (still serving), one
+    ready on another node: from outside the node port goes to the local terminating one
+    (np-local/1, KEP-1669's fallback per node, as kube-proxy's local policy chain); from this
+    node's pods and the node itself, kube-proxy's short-circuit goes to its cluster policy
+    chain, the ready endpoints only (as the cluster IP does): never the terminating one while
+    another is ready (review s57/r2: it took it 1 time in 2)."""
+    mine = model.Endpoint("10.244.1.5", 8080, "n1", ready=False, serving=True, terminating=True)
+    far = model.Endpoint("10.244.2.5", 8080, "n2")
+    sp = model.ServicePort("shop", "web", "", "TCP", 80, "10.96.0.10", 30080, None, False, True, (mine, far))
+    assert sp.short_circuit_endpoints("n1") == sp.cluster_ip_endpoints("n1") == (far,)
+    table = compiler.Table("n1", pod_subnets={4: "10.244.1.0/24"})
+    table.update(("shop", "web"), [sp])
+    rs, key = table.rs, ("tcp", 30080)
+    # From outside: np-local/1 over slot 0, the local terminating endpoint.
+    assert _map(rs, compiler.NODE_PORTS) == {(key, ("goto", "np-local/1"))}
+    assert _choice(_chain(rs, "np-local/1")[-1]) == (0, 1) and _slots(rs, key, 0, 1) == [("10.244.1.5", 8080)]
+    # Short-circuited: the Service's own chain, choosing among the slots after the local ones.
+    (short,) = [v for k, v in _map(rs, compiler.NP_SHORT_CIRCUIT) if k == key]
+    assert short == ("goto", compiler.short_circuit_chain(sp))
+    mark, count, choose = _chain(rs, compiler.short_circuit_chain(sp))
+    assert mark == [compiler.FROM_NODE, compiler.MARK_MASQ]  # the node's own traffic masqueraded
+    assert count == json.loads(compiler.NP_COUNT)
+    first, n = _choice(choose)
+    assert _slots(rs, key, first, n) == [("10.244.2.5", 8080)]
+    # Two ready elsewhere, two terminating here: a random choice among the two ready ones.
+    mine2, far2 = replace(mine, ip="10.244.1.6"), replace(far, ip="10.244.3.5", node="n3")
+    table.update(("shop", "web"), [replace(sp, endpoints=(mine, mine2, far, far2))])
+    rs = table.rs
+    assert _choice(_chain(rs, "np-local/2")[-1]) == (0, 2) and _map(rs, compiler.NODE_PORTS) == {(key, ("goto", "np-local/2"))}
+    assert sorted(_slots(rs, key, 0, 2)) == [("10.244.1.5", 8080), ("10.244.1.6", 8080)]
+    first, n = _choice(_chain(rs, compiler.short_circuit_chain(sp))[-1])
+    assert (first, n) == (2, 2) and sorted(_slots(rs, key, first, n)) == [("10.244.2.5", 8080), ("10.244.3.5", 8080)]
+    # This node's endpoint ready again: the shared slots serve both (np-local/1 from outside,
+    # np-local/2 short-circuited), the own chain goes.
+    table.update(("shop", "web"), [replace(sp, endpoints=(replace(mine, ready=True, terminating=False), far))])
+    rs = table.rs
+    assert _map(rs, compiler.NP_SHORT_CIRCUIT) == {(key, ("goto", "np-local/2"))}
+    assert (compiler.FAMILY, compiler.TABLE, "chain", compiler.short_circuit_chain(sp)) not in rs.objects
+    # Nothing ready anywhere: the terminating ones everywhere, the shared slots again (KEP-1669).
+    far_t = replace(far, ready=False, serving=True, terminating=True)
+    table.update(("shop", "web"), [replace(sp, endpoints=(mine, far_t))])
+    rs = table.rs
+    assert _map(rs, compiler.NP_SHORT_CIRCUIT) == {(key, ("goto", "np-local/2"))}
+    assert _slots(rs, key, 0, 2) == [("10.244.1.5", 8080), ("10.244.2.5", 8080)]
+
+
+def test_a_local_node_ports_own_short_circuit_has_the_slots_it_picks_from():
+    """Above the prepared slots: this node's L terminating endpoints and N ready elsewhere
+    take L + N slots, made for it (without pick chains of that count); gone with it."""
+    n_local, n_far = 6, compiler.SLOTS_MIN
+    eps = tuple(model.Endpoint(f"10.244.1.{i + 10}", 80, "n1", ready=False, serving=True, terminating=True)
+                for i in range(n_local)) + tuple(model.Endpoint(f"10.244.2.{i + 10}", 80, "n2") for i in range(n_far))
+    sp = model.ServicePort("shop", "web", "", "TCP", 80, "10.96.0.10", 30080, None, False, True, eps)
+    table = compiler.Table("n1")
+    table.update(("shop", "web"), [sp])
+    rs, key = table.rs, ("tcp", 30080)
+    first, n = _choice(_chain(rs, compiler.short_circuit_chain(sp))[-1])
+    assert (first, n) == (n_local, n_far)
+    assert sorted(_slots(rs, key, first, n)) == sorted((e.ip, e.port) for e in eps[n_local:])
+    assert table.slots == n_local + n_far and table.picks == set()
+    assert (compiler.FAMILY, compiler.TABLE, "chain", f"np-local/{n_local + n_far}") not in rs.objects
+    table.update(("shop", "web"), [])
+    assert table.slots == compiler.SLOTS_MIN and (compiler.FAMILY, compiler.TABLE, "set", "np-addr/16") not in table.rs.objects
 
 
 def test_a_service_without_endpoints_is_refused():

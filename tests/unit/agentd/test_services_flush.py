@@ -285,21 +285,26 @@ def test_the_first_sync_flushes_the_flows_of_a_udp_port_with_no_usable_endpoint(
     assert entries_to_delete([to_gone], unusable_udp([], [sp], "node1", first=True)) == [to_gone]
 
 
-def test_the_first_sync_keeps_short_circuited_flows_to_this_nodes_terminating_endpoints():
+def test_the_first_sync_keeps_short_circuited_flows_to_the_ready_endpoints_only():
     """A Local node port whose endpoints on this node are all terminating (serving) while
-    another node's is ready: the short-circuit (this node's pods) takes both, this node's
-    first, so a pod's flow to the local terminating one is the data path's own choice and
-    stays after a start (as one to the other node's); one to no endpoint goes."""
+    another node's is ready: the short-circuit (this node's pods) takes the ready one only,
+    as the cluster IP does (kube-proxy's cluster policy chain), so after a start a pod's flow
+    to the local terminating one through the node port goes (as one through the cluster IP
+    would), one to the ready one stays; from outside, the local terminating one is the node
+    port's choice and keeps its flows."""
     node1 = "192.168.0.1"
     mine = model.Endpoint("10.244.1.5", 53, "node1", ready=False, serving=True, terminating=True)
     far = model.Endpoint("10.244.2.5", 53, "node2")
     sp = model.ServicePort("ns", "dns", "", "UDP", 53, "10.96.0.10", 30053, None, False, True, (mine, far))
-    assert [e.ip for e in sp.short_circuit_endpoints("node1")] == ["10.244.1.5", "10.244.2.5"]
+    assert [e.ip for e in sp.short_circuit_endpoints("node1")] == ["10.244.2.5"]
     flushes = unusable_udp([], [sp], "node1", first=True, short_circuit=("10.244.1.0/24",))
     from_pod_mine = entry("10.244.1.9", 40000, node1, 30053, "10.244.1.5", 53)
     from_pod_far = entry("10.244.1.9", 40001, node1, 30053, "10.244.2.5", 53)
     from_pod_gone = entry("10.244.1.9", 40002, node1, 30053, "10.244.3.5", 53)
-    assert entries_to_delete([from_pod_mine, from_pod_far, from_pod_gone], flushes, {node1}) == [from_pod_gone]
+    from_outside_mine = entry("192.0.2.7", 40003, node1, 30053, "10.244.1.5", 53)
+    from_outside_far = entry("192.0.2.7", 40004, node1, 30053, "10.244.2.5", 53)
+    entries = [from_pod_mine, from_pod_far, from_pod_gone, from_outside_mine, from_outside_far]
+    assert entries_to_delete(entries, flushes, {node1}) == [from_pod_mine, from_pod_gone, from_outside_far]
 
 
 async def test_an_etcd_restore_landing_during_a_pass_is_not_counted_applied_by_it(monkeypatch):

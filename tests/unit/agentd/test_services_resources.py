@@ -254,6 +254,24 @@ def test_endpointslice_validates_at_the_top_level():
         assert message.startswith("f.yaml: document 1 (EndpointSlice shop/web-1): ") and expected in message, message
 
 
+def test_null_endpoint_conditions_are_unset_as_the_api_reads_them():
+    """discovery.k8s.io/v1 EndpointConditions are *bool: a null is nil, accepted by the API
+    and read as ready, serving, not terminating (kube-proxy: Ready == nil || *Ready); an
+    endpoint's null nodeName, zone or hostname is unset too.  (validation.obj drops a null
+    field, so the record holds none and the model reads it as unset.)"""
+    text = SLICE.replace("conditions: {ready: true, terminating: false}",
+                         "conditions: {ready: null, serving: null, terminating: null}\n  zone: null\n  hostname: null")
+    text = text.replace("nodeName: node1", "nodeName: null")
+    obj = one(text)
+    assert obj["endpoints"][0] == {"addresses": ["10.244.1.2"], "conditions": {}}
+    (sp,) = model.build([{"metadata": {"namespace": "shop", "name": "web"},
+                          "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.10",
+                                   "ports": [{"name": "http", "protocol": "TCP", "port": 80, "targetPort": 8080}]}}],
+                        [one(text)], [])  # fmt: skip
+    assert [(ep.ip, ep.ready, ep.serving, ep.terminating) for ep in sp.usable()] == [
+        ("10.244.1.2", True, True, False), ("10.244.2.2", True, True, False)]
+
+
 @pytest.mark.parametrize(("family", "address", "why"), [
     ("IPv4", "127.0.0.1", "loopback"), ("IPv4", "127.3.2.1", "loopback"), ("IPv4", "0.0.0.0", "unspecified"),
     ("IPv4", "169.254.169.254", "link-local range"), ("IPv4", "224.0.0.5", "link-local multicast"),

@@ -51,3 +51,18 @@ def test_a_service_refused_a_cluster_ip_another_holds_shows_it_in_errors():
     view = ServiceViews(_State(model.build([young, old], [], [])))  # type: ignore[arg-type]
     shown = {s["name"]: s["errors"] for s in view.view()["services"]}
     assert shown == {"old": [], "young": ["cluster IP 10.96.1.2 tcp/80 is shop/old's: left out"]}
+
+
+def test_a_local_node_port_from_the_node_uses_no_terminating_endpoint_while_one_is_ready():
+    """externalTrafficPolicy Local, this node's endpoint terminating, another node's ready:
+    ``usedBy`` shows what the data path does -- from outside the node port takes the local
+    terminating one, from the node and its pods (``nodePortFromNode``, the short-circuit) only
+    the ready one, as the cluster IP."""
+    mine = model.Endpoint("10.244.1.5", 8080, "n1", ready=False, serving=True, terminating=True)
+    far = model.Endpoint("10.244.2.5", 8080, "n2")
+    sp = model.ServicePort("shop", "web", "", "TCP", 80, "10.96.0.10", 30080, None, False, True, (mine, far))
+    (svc,) = ServiceViews(_State([sp])).view()["services"]  # type: ignore[arg-type]
+    (port,) = svc["ports"]
+    assert {e["ip"]: e["usedBy"] for e in port["endpoints"]} == {
+        "10.244.1.5": ["nodePort"], "10.244.2.5": ["clusterIP", "nodePortFromNode"]}
+    assert port["served"] == {"clusterIP": "translated", "nodePort": "translated", "nodePortFromNode": "translated"}

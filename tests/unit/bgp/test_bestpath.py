@@ -80,6 +80,23 @@ def test_med_only_between_same_neighbour_as():
     assert best is z and reason is Reason.ROUTER_ID
 
 
+def test_med_neighbour_as_of_ibgp_routes_is_the_first_as_of_the_path():
+    # §9.1.2.2 c): the neighbouring AS is the leftmost AS of the AS_PATH, not the AS of the
+    # session's peer (our own AS for every iBGP-learned route).  Two iBGP routes that entered
+    # the AS from 65001 and 65002: their MEDs are not comparable, the router id decides.
+    via_1, via_2 = path(A, asns=(65001,), med=50), path(B, asns=(65002,), med=10)
+    assert select([via_2, via_1]) == (via_1, Reason.ROUTER_ID)
+
+
+@pytest.mark.parametrize("ibgp_med, ebgp_med", [(50, 10), (10, 50)])
+def test_med_compares_ibgp_and_ebgp_routes_from_the_same_neighbour_as(ibgp_med, ebgp_med):
+    # An iBGP route that entered from 65001 and an eBGP route from 65001 share a neighbouring
+    # AS, so MED decides, before external-over-internal does.
+    internal, external = path(A, asns=(65001,), med=ibgp_med), path(E1, asns=(65001,), med=ebgp_med)
+    winner = external if ebgp_med < ibgp_med else internal
+    assert select([internal, external]) == (winner, Reason.MED)
+
+
 def test_missing_med_is_lowest():
     x = path(src("192.0.2.1", asn=65001), asns=(65001,), med=5)
     y = path(src("192.0.2.2", asn=65001, rid="9.9.9.9"), asns=(65001,))

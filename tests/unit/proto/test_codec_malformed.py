@@ -76,6 +76,7 @@ def hdr(length: int, msg_type: int) -> bytes:
 BAD_ORIGIN = attr(0x40, 1, b"\x03")
 MED = attr(0x80, 4, b"\x00\x00\x00\x05")
 V6_NH = b"\x20\x01\x0d\xb8" + bytes(11) + b"\x01"
+UNSUPPORTED_UNREACH = mp_unreach(afi=25, safi=70, withdrawn=b"\x01\x02\x03\x04")
 
 CASES = [
     # ---------------------------------------------------------------- header, RFC 4271 §6.1
@@ -94,6 +95,12 @@ CASES = [
         message(5, b"\x00\x01\x01\x01\x00"),
         Reset(7, 1, message(5, b"\x00\x01\x01\x01\x00")),
         id="rfc7313-5-route-refresh-length-24",
+    ),
+    # Subtype 0 (a plain RFC 2918 request) too: RFC 2918 / RFC 4271 §6.1 define no other error.
+    pytest.param(
+        message(5, b"\x00\x01\x00\x01\x00"),
+        Reset(7, 1, message(5, b"\x00\x01\x00\x01\x00")),
+        id="rfc7313-5-route-refresh-subtype-0-length-24",
     ),
     # ---------------------------------------------------------------- OPEN, RFC 4271 §6.2
     pytest.param(open_msg(version=3), Reset(2, 1, b"\x00\x04"), id="rfc4271-6.2-version-3-unsupported"),
@@ -149,6 +156,9 @@ CASES = [
     ),
     # ---------------------------------------------------------------- UPDATE: session reset
     pytest.param(message(2, b"\x00\x05\x00\x00"), Reset(3, 1), id="rfc4271-6.3-withdrawn-length-overrun"),
+    # Withdrawn Routes Length leaving no room for the Total Path Attribute Length field.
+    pytest.param(message(2, b"\x00\x02\x18\x0a"), Reset(3, 1), id="rfc4271-6.3-withdrawn-length-leaves-no-attribute-length"),
+    pytest.param(message(2, b"\x00\x01\x00\x00"), Reset(3, 1), id="rfc4271-6.3-withdrawn-length-leaves-half-an-attribute-length"),
     pytest.param(message(2, b"\x00\x00\x00\x09" + ORIGIN), Reset(3, 1), id="rfc7606-3b-total-attribute-length-overrun"),
     pytest.param(update(withdrawn=b"\x21\x0a\x00\x00\x00\x00"), Reset(3, 10), id="rfc7606-3i-withdrawn-length-33"),
     pytest.param(update(withdrawn=b"\x18\x0a\x00"), Reset(3, 10), id="rfc7606-3i-withdrawn-truncated-prefix"),
@@ -164,6 +174,22 @@ CASES = [
         update(ORIGIN + AS_PATH + mp_reach(next_hop=V6_NH[:5]), b""),
         Reset(3, 9, mp_reach(next_hop=V6_NH[:5])),
         id="rfc7606-7.11-mp-reach-next-hop-length-5",
+    ),
+    # RFC 4760 §3, RFC 2545 §3: an IPv6 next hop is 16 or 32 octets, nothing else.
+    pytest.param(
+        update(ORIGIN + AS_PATH + mp_reach(next_hop=V6_NH + bytes(8)), b""),
+        Reset(3, 9, mp_reach(next_hop=V6_NH + bytes(8))),
+        id="rfc7606-7.11-mp-reach-ipv6-next-hop-length-24",
+    ),
+    pytest.param(
+        update(ORIGIN + AS_PATH + mp_reach(next_hop=b""), b""),
+        Reset(3, 9, mp_reach(next_hop=b"")),
+        id="rfc7606-7.11-mp-reach-ipv6-next-hop-length-0",
+    ),
+    pytest.param(
+        update(ORIGIN + AS_PATH + mp_reach(next_hop=V6_NH[:4]), b""),
+        Reset(3, 9, mp_reach(next_hop=V6_NH[:4])),
+        id="rfc7606-7.11-mp-reach-ipv6-next-hop-length-4",
     ),
     pytest.param(
         update(ORIGIN + AS_PATH + mp_reach(afi=1, next_hop=b"\x0a\x00\x00\x01\x00\x00", nlri=NLRI), b""),
@@ -293,6 +319,7 @@ CASES = [
         id="rfc4271-6.3-mp-reach-ipv6-next-hop-multicast",
     ),
     pytest.param(update(mp_reach(afi=25, safi=70, next_hop=b"\x01\x02\x03\x04") + MANDATORY), Outcome(DISCARD, 3, 9, mp_reach(afi=25, safi=70, next_hop=b"\x01\x02\x03\x04"), 14), id="rfc4760-8-mp-reach-unsupported-family"),
+    pytest.param(update(UNSUPPORTED_UNREACH, b""), Outcome(DISCARD, 3, 9, UNSUPPORTED_UNREACH), id="rfc4760-8-mp-unreach-unsupported-family-with-withdrawals"),
 ]
 
 
@@ -340,3 +367,13 @@ def test_a_framing_error_after_both_mp_attributes_withdraws_their_routes_too() -
     assert msg.nlri == (NLRI,)
     assert msg.mp_reach is not None and msg.mp_reach.nlri == (b"\x30\x20\x01\x0d\xb8\x00\x01",)
     assert msg.mp_unreach is not None and msg.mp_unreach.withdrawn == (b"\x30\x20\x01\x0d\xb8\x00\x02",)
+
+
+def test_an_unsupported_family_mp_unreach_with_withdrawals_is_discarded_not_an_end_of_rib() -> None:
+    # RFC 4760 §8: a family we cannot parse was not negotiated; its withdrawals are
+    # attribute-discarded, and the UPDATE, whose only attribute that was, is no End-of-RIB:
+    # only an MP_UNREACH_NLRI without withdrawn routes is one (RFC 4724 §2).
+    for cache in (None, {}, {}):
+        msg = Update.decode(update(UNSUPPORTED_UNREACH, b"")[19:], CodecContext(), cache)
+        assert [(e.action, e.code, e.subcode, e.data) for e in msg.errors] == [(DISCARD, 3, 9, UNSUPPORTED_UNREACH)]
+        assert msg.mp_unreach is None and msg.end_of_rib is None and not msg.treat_as_withdraw

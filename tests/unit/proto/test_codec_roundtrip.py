@@ -398,6 +398,24 @@ def test_received_partial_bit_stays_set_on_known_optional_transitive() -> None:
     assert u.attributes.get(8) == Communities((0x00010002,), partial=True)
 
 
+@pytest.mark.parametrize(
+    ("code", "value", "decoded"),
+    [
+        pytest.param(7, b"\x00\x00\xfd\xe9\x0a\x00\x00\x01", Aggregator(65001, A("10.0.0.1"), partial=True), id="aggregator"),
+        pytest.param(32, struct.pack("!III", 65001, 1, 2), LargeCommunities(((65001, 1, 2),), partial=True), id="large-community"),
+    ],
+)
+def test_received_partial_bit_stays_set_on_other_known_optional_transitive(code: int, value: bytes, decoded: object) -> None:
+    # RFC 4271 §5: once set, Partial stays set as the attribute is passed on.
+    # (COMMUNITIES keeps it in its own decode_value; these rely on decode_shared.)
+    for cache in (None, {}):
+        u = Update.decode(update_body(MANDATORY + attr(0xE0, code, value)), NEW, cache)
+        got = u.attributes.get(code)
+        assert got == decoded and got.partial  # type: ignore[union-attr]
+        assert got.encode(NEW) == attr(0xE0, code, value)  # type: ignore[union-attr]
+        assert u.attributes.encode(NEW).endswith(attr(0xE0, code, value))
+
+
 def test_mp_reach_alone_needs_no_next_hop_and_ignores_a_bad_one() -> None:
     mp = MpReachNlri(2, 1, (IPv6Address("2001:db8::1"), IPv6Address("fe80::1")), (b"\x00",))
     u = Update.decode(update_body(mp.encode(NEW) + ORIGIN + AS_PATH + attr(0x40, 3, bytes(4)), b""))
@@ -453,6 +471,44 @@ def test_open_rfc9072_extended_optional_parameters() -> None:
     assert Open.decode(raw) == msg
 
 
+@pytest.mark.parametrize(
+    "caps",
+    [
+        pytest.param((UnknownCapability(70, bytes(255)),), id="one-257-octet-capability"),
+        pytest.param((UnknownCapability(70, bytes(254)),), id="one-256-octet-capability"),
+        pytest.param((UnknownCapability(70, bytes(253)),), id="one-255-octet-capability-alone-too-long-a-parameter"),
+        pytest.param((MultiProtocol(1, 1), UnknownCapability(70, bytes(255)), FourOctetAs(65001)), id="long-one-between-short-ones"),
+    ],
+)
+def test_open_with_a_capability_no_parameter_can_hold_uses_rfc9072(caps: tuple) -> None:
+    # A capability TLV of 256 or 257 octets (RFC 5492 allows a 255-octet value) fits no
+    # 1-octet-length parameter: RFC 9072 §2's extended format carries it, never an empty
+    # Capabilities parameter ahead of it.
+    msg = Open(65001, 90, A("10.0.0.1"), caps)
+    wire = msg.encode()
+    joined = b"".join(c.encode() for c in caps)
+    ext = b"\x02" + struct.pack("!H", len(joined)) + joined
+    assert wire[19:] == struct.pack("!BHH", 4, 65001, 90) + b"\x0a\x00\x00\x01\xff\xff" + struct.pack("!H", len(ext)) + ext
+    assert Open.decode(body(wire)) == msg
+    # As a peer may send it, decoded and encoded again.
+    assert Open.decode(body(Open.decode(body(wire)).encode())) == msg
+
+
+@pytest.mark.parametrize(("size", "extended"), [(253, False), (254, True)])
+def test_open_is_extended_exactly_when_one_parameter_cannot_hold_the_capabilities(size: int, extended: bool) -> None:
+    # One Capabilities parameter of at most 255 octets, or RFC 9072's format.
+    caps = (UnknownCapability(70, bytes(200)), UnknownCapability(71, bytes(size - 210)), FourOctetAs(65001))
+    msg = Open(65001, 90, A("10.0.0.1"), caps)
+    wire = msg.encode()
+    joined = b"".join(c.encode() for c in caps)
+    assert len(joined) == size
+    if extended:
+        assert wire[28:] == b"\xff\xff" + struct.pack("!HBH", size + 3, 2, size) + joined
+    else:
+        assert wire[28:] == bytes((size + 2, 2, size)) + joined
+    assert Open.decode(body(wire)) == msg
+
+
 def test_update_round_trip_with_every_attribute() -> None:
     attrs = PathAttributes.of(
         Origin(1), AsPath((AsPathSegment(AS_SEQUENCE, (65001, 4200000001)),)), NextHop(A("192.0.2.1")),
@@ -482,6 +538,53 @@ def test_end_of_rib() -> None:
     assert Update(withdrawn=(b"\x00",)).end_of_rib is None
     assert Update(mp_unreach=MpUnreachNlri(2, 1, (b"\x00",))).end_of_rib is None
     assert Update(attributes=PathAttributes.of(Origin(0)), mp_unreach=MpUnreachNlri(2, 1)).end_of_rib is None
+
+
+# RFC 4724 §2: the IPv4 unicast End-of-RIB is an UPDATE with no withdrawn routes and no path
+# attributes (Total Path Attribute Length 0); another family's is an UPDATE whose only
+# attribute is an MP_UNREACH_NLRI with no withdrawn routes.  Whatever decoding keeps of an
+# attribute, one on the wire makes the UPDATE no End-of-RIB.
+EMPTY_MP_UNREACH = attr(0x80, 15, b"\x00\x02\x01")
+NOT_END_OF_RIB = [
+    # An unrecognized optional non-transitive attribute, dropped silently (RFC 4271 §5).
+    pytest.param(attr(0x80, 99, b"\x00"), id="unknown-optional-non-transitive-only"),
+    pytest.param(EMPTY_MP_UNREACH + attr(0x80, 99, b"\x00"), id="empty-mp-unreach-and-unknown-optional-non-transitive"),
+    pytest.param(attr(0x80, 99, b"\x00") + EMPTY_MP_UNREACH, id="unknown-optional-non-transitive-and-empty-mp-unreach"),
+    # A malformed ATOMIC_AGGREGATE, attribute-discarded (RFC 7606 §7.6).
+    pytest.param(attr(0x40, 6, b"\x01"), id="discarded-atomic-aggregate-only"),
+    pytest.param(EMPTY_MP_UNREACH + attr(0x40, 6, b"\x01"), id="empty-mp-unreach-and-discarded-atomic-aggregate"),
+    # The only attribute an MP_UNREACH_NLRI, but one that was not kept as an empty one: an
+    # unsupported family's with withdrawn routes (attribute-discard, RFC 4760 §8) ...
+    pytest.param(attr(0x80, 15, b"\x00\x19\x46\x01\x02\x03\x04"), id="unsupported-family-mp-unreach-with-withdrawals"),
+    # ... or an empty one whose flags are wrong (treat-as-withdraw, RFC 7606 §3 c).
+    pytest.param(attr(0xC0, 15, b"\x00\x02\x01"), id="empty-mp-unreach-with-transitive-bit"),
+]
+
+
+@pytest.mark.parametrize("attrs", NOT_END_OF_RIB)
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
+def test_an_update_with_another_attribute_on_the_wire_is_no_end_of_rib(attrs: bytes, cached: bool) -> None:
+    cache: dict | None = {} if cached else None
+    for _ in range(2 if cached else 1):  # with a cache, the second decode finds the attributes there
+        assert Update.decode(update_body(attrs, b""), NEW, cache).end_of_rib is None
+
+
+@pytest.mark.parametrize(
+    ("attrs", "family"),
+    [
+        pytest.param(b"", (1, 1), id="ipv4-no-attributes"),
+        pytest.param(EMPTY_MP_UNREACH, (2, 1), id="ipv6-empty-mp-unreach"),
+        pytest.param(attr(0x90, 15, b"\x00\x02\x01"), (2, 1), id="ipv6-empty-mp-unreach-extended-length"),
+        pytest.param(attr(0x80, 15, b"\x00\x01\x01"), (1, 1), id="ipv4-empty-mp-unreach"),
+    ],
+)
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
+def test_an_end_of_rib_is_recognized(attrs: bytes, family: tuple[int, int], cached: bool) -> None:
+    cache: dict | None = {} if cached else None
+    for _ in range(2 if cached else 1):
+        u = Update.decode(update_body(attrs, b""), NEW, cache)
+        assert u.end_of_rib == family and u.errors == ()
+    assert Update.decode(body(Update.end_of_rib_marker(*family).encode())).end_of_rib == family
 
 
 def test_notification_and_shutdown_communication() -> None:
