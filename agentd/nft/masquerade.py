@@ -4,9 +4,10 @@ Pods (CNI's or a Docker daemon's containers on ``agentd docker-opts``' bridge) h
 the cluster network, which nothing outside the cluster routes back to.  With ``ip_masq = true``
 the agent keeps one nftables table per pod family in the node's network namespace,
 ``ip agentd-masq`` for IPv4 pods and ``ip6 agentd-masq`` for IPv6 ones (a dual-stack node has
-both), each with flannel's four rules (flannel's ``pkg/ip/iptables.go`` / ``MasqRules`` and
+both), each with flannel's rules (flannel's ``pkg/ip/iptables.go`` / ``MasqRules`` and
 ``MasqIP6Rules``), in this order::
 
+    meta mark & 0x4000 == 0x4000        return                     Services' to masquerade: theirs
     ip saddr CIDR  ip daddr CIDR         return                     pod to pod, any node: never
     ip saddr CIDR  ip daddr != 224.0.0.0/4  masquerade fully-random  pods to the outside world
     ip saddr != CIDR  ip daddr SUBNET    return                     to this node's pods: untouched
@@ -15,6 +16,14 @@ both), each with flannel's four rules (flannel's ``pkg/ip/iptables.go`` / ``Masq
 
 and the same with ``ip6`` and the IPv6 cluster network, subnet and multicast (ff00::/8,
 RFC 4291 §2.7).  So traffic between pods or containers is never masqueraded, on any backend.
+
+The first rule is flannel's "avoid double NAT" one: a packet kube-proxy's bit (0x4000, as
+``agentd.services.compiler.MASQ_MARK``) marks for masquerading is the Services table's to
+masquerade, which clears the bit first (kubernetes#92035: vxlan and ipip keep the mark on the
+encapsulated packet, whose outer header would be masqueraded too).  The chain's priority is
+srcnat + 10, after the Services table's postrouting chain (srcnat): which of two nat chains
+of one priority runs first depends on the order their tables were made (a restart, a table
+made again), and once one masquerades, the connection's later nat chains are skipped.
 
 Masqueraded, a pod's packet to another node's underlay address comes from this node's address:
 the other node's BGP listener, udp worker, VXLAN device and IPIP tunnel take a cluster member by
@@ -37,6 +46,11 @@ forwarded packet has.
 That is why the bridge's own masquerading stays off (the subnet file's ``AGENTD_IPMASQ=false``,
 Docker's ``--ip-masq=false`` from ``agentd docker-opts``): both masquerade everything leaving
 the node's subnet, pod-to-pod traffic to other nodes included.
+
+Tables someone else deletes (``nft flush ruleset``, a firewall's restart) come back: every
+CHECK_INTERVAL seconds (flannel re-ensures its rules every ``iptables-resync``, 5 s) the agent
+asks the kernel for each table's counters (one netlink request, no listing), and a table it
+wrote that is not there is written again, the whole ruleset in one transaction.
 
 A transaction the kernel refuses (at start, or a member update) is tried again after
 RETRY_INITIAL seconds, doubling up to RETRY_MAX, until it applies -- with the latest members --
@@ -63,6 +77,7 @@ from typing import Any
 
 from .expr import DROP, RETURN, match, meta, payload, prefix, ref
 from .libnftables import Nft, NftError
+from .nfnetlink import TableAbsent
 from .programmer import NftProgrammer
 from .ruleset import NftChain, NftSet, Ruleset, rule_text
 
@@ -73,11 +88,14 @@ FAMILIES = {4: "ip", 6: "ip6"}  # the table's nftables family per IP version
 TABLES = frozenset((family, TABLE) for family in FAMILIES.values())
 MULTICAST = {4: IPv4Network("224.0.0.0/4"), 6: IPv6Network("ff00::/8")}
 MASQUERADE = {"masquerade": {"flags": ["fully-random"]}}
-SRCNAT = ("nat", "postrouting", 100, "accept")  # type, hook, priority (srcnat), policy
+# type, hook, priority, policy: after the Services table's postrouting chain (srcnat, 100)
+SRCNAT = ("nat", "postrouting", 110, "accept")
+MASQ_MARK = 0x4000  # kube-proxy's masquerade bit (agentd.services.compiler.MASQ_MARK)
 GUARD_CHAIN, MEMBERS = "forward", "members"
 FORWARD = ("filter", "forward", 0, "accept")
 IPPROTO_IPIP = 4
 RETRY_INITIAL, RETRY_MAX = 1.0, 30.0  # seconds between tries of a refused transaction
+CHECK_INTERVAL = 5.0  # seconds between looks for tables deleted by someone else
 
 Network = IPv4Network | IPv6Network
 
@@ -99,7 +117,7 @@ def member_addresses(nodes: Iterable[Any]) -> frozenset[str]:
 def ruleset(networks: Mapping[int, tuple[Network, Network]], members: Iterable[str] = (),
             guarded: Guarded = Guarded(), members_known: bool = True) -> Ruleset:  # fmt: skip
     """The tables for ``networks``: IP version -> (cluster network, this node's subnet); one
-    table per version, the four masquerading rules above and the forward chain that keeps pods
+    table per version, the masquerading rules above and the forward chain that keeps pods
     from the agent's ports on ``members`` (the nodes' underlay addresses; those of the version
     go in its table's set).  ``members_known`` False (a start, before the node list is read):
     the sets keep what a previous run's hold (plan), as the tunnels' member filters do."""
@@ -108,6 +126,7 @@ def ruleset(networks: Mapping[int, tuple[Network, Network]], members: Iterable[s
         family = FAMILIES[version]
         saddr, daddr = payload(family, "saddr"), payload(family, "daddr")
         rules = [
+            [match({"&": [meta("mark"), MASQ_MARK]}, MASQ_MARK), RETURN],
             [match(saddr, prefix(cluster)), match(daddr, prefix(cluster)), RETURN],
             [match(saddr, prefix(cluster)), match(daddr, prefix(MULTICAST[version]), "!="), MASQUERADE],
             [match(saddr, prefix(cluster), "!="), match(daddr, prefix(subnet)), RETURN],
@@ -135,7 +154,8 @@ class Masquerade:
     and go (in the background, coalesced, one transaction each)."""
 
     def __init__(self, networks: Mapping[int, tuple[Network, Network]], guarded: Guarded = Guarded(),
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:  # fmt: skip
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 check_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:  # fmt: skip
         self.networks = dict(networks)
         self.guarded = guarded
         self.members: frozenset[str] = frozenset()
@@ -145,6 +165,8 @@ class Masquerade:
         self._task: asyncio.Task[None] | None = None
         self._again = False
         self._sleep = sleep  # the wait between tries (tests pass their own)
+        self._check_sleep = check_sleep  # the wait between looks for deleted tables (CHECK_INTERVAL)
+        self._watch: asyncio.Task[None] | None = None
         self._announced = False
 
     def ruleset(self) -> Ruleset:
@@ -159,7 +181,8 @@ class Masquerade:
         """Install the tables in this network namespace, or bring a previous run's to these
         rules (adopted and rewritten in one transaction: NftProgrammer); a family not in
         ``networks`` loses its table.  ``retry`` (the agent): a transaction the kernel refuses
-        is tried again in the background (:attr:`error` says why meanwhile) instead of raising;
+        is tried again in the background (:attr:`error` says why meanwhile) instead of raising,
+        and tables someone else deletes are written again (:meth:`check`, every CHECK_INTERVAL);
         without libnftables there is nothing to try with, and NftError is raised all the same."""
         try:
             await self._sync()
@@ -168,8 +191,38 @@ class Masquerade:
                 raise
             self._failed(err, RETRY_INITIAL)
             self._start(RETRY_INITIAL)
+            self._watching()
             return
         self._announce()
+        if retry:
+            self._watching()
+
+    def _watching(self) -> None:
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._watch_tables())
+
+    async def _watch_tables(self) -> None:
+        while True:
+            await self._check_sleep(CHECK_INTERVAL)
+            try:
+                await self.check()
+            except NftError as err:  # (the netlink socket failing: looked at again next time)
+                log.debug("could not look for the masquerading tables: %s", err)
+
+    async def check(self) -> bool:
+        """Whether a table the programmer wrote is gone (someone deleted it): if so, the tables
+        are written again (in the background, as a member update)."""
+        programmer = self._programmer
+        if programmer is None or programmer.current is None:
+            return False
+        gone = False
+        for family, table in sorted(programmer.current.tables):
+            counts = await programmer.nft.acounters(family, table)
+            if isinstance(counts, TableAbsent) and programmer.table_absent(family, table):
+                gone = True
+        if gone:
+            self._start()
+        return gone
 
     def _announce(self) -> None:
         """Once the tables are first in place."""
@@ -227,6 +280,10 @@ class Masquerade:
         await self._programmer.sync(self.ruleset())
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -38,9 +38,11 @@ NFNL_MSG_BATCH_BEGIN = 16
 NFNL_MSG_BATCH_END = 17
 NFT_MSG_NEWSETELEM = 12
 NFT_MSG_DELSETELEM = 14
+NFT_MSG_GETTABLE = 1
 NFT_MSG_NEWOBJ = 18
 NFT_MSG_GETOBJ = 19
 NFT_OBJECT_COUNTER = 1
+NFTA_TABLE_NAME = 1
 NFTA_OBJ_TABLE = 1
 NFTA_OBJ_NAME = 2
 NFTA_OBJ_TYPE = 3
@@ -206,6 +208,12 @@ def getobj_counters(family: str, table: str, seq: int) -> bytes:
                            FAMILIES[family], body)  # fmt: skip
 
 
+def gettable(family: str, table: str, seq: int) -> bytes:
+    """An NFT_MSG_GETTABLE request of ``table`` (the kernel answers ENOENT if there is none)."""
+    return nl.encode_nfgen((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE, nl.NLM_F_REQUEST, seq, FAMILIES[family],
+                           nl.attr(NFTA_TABLE_NAME, _string(table)))  # fmt: skip
+
+
 # ------------------------------------------------------------------ decoding
 
 
@@ -233,6 +241,12 @@ def decode_counter(buf: bytes, start: int, end: int) -> tuple[str, int, int]:
 # ------------------------------------------------------------------ the socket
 
 
+class TableAbsent(dict):  # type: ignore[type-arg]
+    """The counters of a table that is not there (its lookup's ENOENT): no counters, as an empty
+    dict, and saying so -- a table the agent wrote, found gone, was deleted by someone else
+    (``nft flush ruleset``, a firewall's restart), and :class:`NftProgrammer` writes it again."""
+
+
 class ElementWriter:
     """A NETLINK_NETFILTER socket (in the calling thread's network namespace) for element
     batches and counter reads; blocking (callers run it off the event loop)."""
@@ -257,20 +271,35 @@ class ElementWriter:
 
     def counters(self, family: str, table: str) -> dict[str, tuple[int, int]]:
         """(packets, bytes) of every named counter of ``table``: an NFT_MSG_GETOBJ dump filtered
-        by table and type (libnftables would first fetch the whole ruleset to list them)."""
+        by table and type (libnftables would first fetch the whole ruleset to list them); a
+        :class:`TableAbsent` if there is no such table."""
         self.seq += 1
         try:
             answers = self.sock.request(getobj_counters(family, table, self.seq), what="reading counters", dump=True)
         except nl.NetlinkError as err:
             if err.errno == errno.ENOENT:  # no such table
-                return {}
+                return TableAbsent()
             raise
         out: dict[str, tuple[int, int]] = {}
         for mtype, buf, start, end in answers:
             if mtype == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWOBJ:
                 name, packets, nbytes = decode_counter(buf, start, end)
                 out[name] = (packets, nbytes)
+        # A dump filtered by a table that is not there is empty (Linux 6.x), as one of a table
+        # without counters: which one, the table's own lookup says.
+        if not out and not self.table_exists(family, table):
+            return TableAbsent()
         return out
+
+    def table_exists(self, family: str, table: str) -> bool:
+        self.seq += 1
+        try:
+            self.sock.request(gettable(family, table, self.seq), what="looking up a table", dump=False)
+        except nl.NetlinkError as err:
+            if err.errno == errno.ENOENT:
+                return False
+            raise
+        return True
 
     def close(self) -> None:
         self.sock.close()

@@ -12,6 +12,12 @@
 * **Interrupted.**  A sync cancelled while its transaction is under way (its task, not the
   transaction: the nft thread commits that all the same) leaves the kernel with the old
   contents or the new, and the programmer not knowing which: the next sync adopts again.
+* **Deleted by someone else.**  ``nft flush ruleset``, ``nft delete table``, a firewall's
+  restart: the agents read their tables' counters every few seconds, and a table the
+  programmer believes in found gone (:meth:`table_absent`) puts it in doubt, as an
+  interrupted sync: the next sync, which the caller wakes, adopts again and rewrites
+  everything (a sync with nothing changed would otherwise send nothing: policy unenforced
+  until some later change failed).  kube-proxy's canary chains, Felix's refresh timer.
 * **Leave.**  :meth:`remove` deletes the tables it owns, and nothing of the agent's stays.
 """
 
@@ -50,6 +56,31 @@ class NftProgrammer:
         # A transaction sent whose outcome is not known (the sync cancelled, or failed other
         # than by the kernel's refusal): ``current`` may not be what the kernel holds.
         self._in_doubt = False
+        self._gone: set[tuple[str, str]] = set()  # tables believed in, found gone (until adopted again)
+
+    @property
+    def in_doubt(self) -> bool:
+        """Whether the next sync adopts the tables again and rewrites them (an interrupted sync,
+        a table found gone)."""
+        return self._in_doubt
+
+    @property
+    def gone(self) -> bool:
+        """Whether a table it wrote was found gone since it last read them (see :meth:`table_absent`)."""
+        return bool(self._gone)
+
+    def table_absent(self, family: str, table: str) -> bool:
+        """A read found ``table`` not there (a counters read's :class:`~.nfnetlink.TableAbsent`).
+        True if the programmer believed it there: someone else deleted it, and the next sync
+        adopts again and rewrites everything (the caller wakes it)."""
+        if self.current is None or (family, table) not in self.current.tables:
+            return False  # (not written yet, or deleted by a sync of ours)
+        if (family, table) not in self._gone:
+            log.warning("the %s table %s %s is gone (deleted by someone else?): writing the tables again",
+                        self.what, family, table)
+        self._gone.add((family, table))
+        self._in_doubt = True
+        return True
 
     async def adopt(self) -> Ruleset:
         """Take over what a previous run left (contents to be rewritten on the first sync)."""
@@ -67,6 +98,7 @@ class NftProgrammer:
         self.current = Ruleset(frozenset(tables), objects)
         self._unknown = True  # contents not read: the next sync compares (and rewrites) everything
         self._in_doubt = False
+        self._gone = set()
         self.adopted_objects = len(objects)
         if objects:
             log.info("adopted the %s tables (%d objects); they stay in force", self.what, len(objects))
@@ -75,7 +107,7 @@ class NftProgrammer:
     async def sync(self, desired: Ruleset, keys: set[Any] | None = None) -> SyncResult:
         """Make the kernel hold ``desired``.  ``keys``: the objects that may have changed since
         the last successful sync (None: compare everything)."""
-        if self._in_doubt:
+        if self._in_doubt and not self._gone:
             log.warning("an interrupted %s update may or may not have been committed: re-reading the tables "
                         "and rewriting them", self.what)
         if self.current is None or self._in_doubt:
@@ -115,7 +147,10 @@ class NftProgrammer:
         self.last_error = None
         self.current = applied(desired)
         self._unknown = False
-        self._in_doubt = False
+        # A table found gone while the transaction was under way, which it did not go through:
+        # still gone (one the transaction deleted is no longer believed in).
+        self._gone &= self.current.tables
+        self._in_doubt = bool(self._gone)
         return SyncResult(count, time.perf_counter() - start, full)
 
     async def remove(self) -> bool:
@@ -129,10 +164,14 @@ class NftProgrammer:
         return found
 
     async def counters(self) -> dict[tuple[str, str], int]:
-        """Packets counted by each named counter, by (family, name)."""
+        """Packets counted by each named counter, by (family, name).  A table found gone puts
+        the programmer in doubt (:meth:`table_absent`, :attr:`gone`)."""
         out: dict[tuple[str, str], int] = {}
         for family, table in sorted(self.tables):
-            for name, (packets, _bytes) in (await self.nft.acounters(family, table)).items():
+            counts = await self.nft.acounters(family, table)
+            if isinstance(counts, nfnetlink.TableAbsent):
+                self.table_absent(family, table)
+            for name, (packets, _bytes) in counts.items():
                 out[(family, name)] = packets
         return out
 

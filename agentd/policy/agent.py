@@ -166,6 +166,7 @@ class PolicyAgent:
         self.sync_errors = 0
         self._have_snapshot = False
         self._full_compare = True
+        self._rewrite = False  # a table found deleted by someone else (counters loop): a sync writes it again
         self._acked: set[tuple[str, str]] = set()  # (container, Endpoint.ident) acknowledged
         self._ack_pending: set[tuple[str, str]] | None = None  # a build's attachments not acknowledged (lock held)
         self._ack_tried: set[tuple[str, str]] = set()  # the attachments last acknowledged (some may not be marked)
@@ -535,7 +536,7 @@ class PolicyAgent:
                 self._wake.set()
             # (Not after a failed sync: the engine built it, the kernel does not have it.)
             if (not self.engine.dirty and self.error is None and self.programmer.current is not None
-                    and self.applied_at is not None):
+                    and not self._rewrite and self.applied_at is not None):
                 # The attachments now: a new file of a container that says what the old one did
                 # (a DEL and ADD of one pod) changes nothing in the tables, but its ADD waits
                 # for an acknowledgement of that file (endpoints.write removed the old one's).
@@ -567,6 +568,7 @@ class PolicyAgent:
             keys = self.engine.touched()
             self._report_conflicts()
             self._report_too_large()
+            self._rewrite = False  # (the programmer, in doubt, adopts and rewrites everything)
             isolating = self.isolated()["any"] > 0
             try:
                 if isolating and self.on_isolation is not None:
@@ -753,6 +755,9 @@ class PolicyAgent:
             except NftError:
                 continue
             self.take_counters(counts)
+            if self.programmer.gone:  # a table deleted by someone else: the sync loop writes it again
+                self._rewrite = True
+                self._wake.set()
 
     def _note_new_counters(self, desired: Ruleset) -> None:
         """A new identity for each named counter the sync about to run creates (in ``desired``,

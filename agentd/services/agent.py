@@ -29,6 +29,7 @@ from typing import Any
 from agentd.datastore.store import Datastore
 from agentd.nft.expr import DropLog
 from agentd.nft.libnftables import Nft, NftError
+from agentd.nft.nfnetlink import TableAbsent
 from agentd.nft.programmer import NftProgrammer
 from agentd.resources.service import SERVICE_NAME_LABEL
 from agentd.resources.store import ResourceEvent, ResourceStore
@@ -581,7 +582,10 @@ class ServiceAgent:
         assert self.nft is not None
         counts: dict[tuple[str, str, str], int] = {}
         for family, table in sorted(compiler.tables(self.families)):
-            for name, (packets, _bytes) in (await self.nft.acounters(family, table)).items():
+            got = await self.nft.acounters(family, table)
+            if isinstance(got, TableAbsent) and self.programmer is not None and self.programmer.table_absent(family, table):
+                self._wake.set()  # deleted by someone else: a pass writes the tables again (NftProgrammer)
+            for name, (packets, _bytes) in got.items():
                 counts[(family, table, name)] = packets
         self.take_counters(counts)
 

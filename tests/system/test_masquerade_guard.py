@@ -80,3 +80,27 @@ async def test_a_masquerading_nodes_pods_cannot_reach_the_members_agent_ports_as
     # node2 does not masquerade: no guard there, its pod reaches node1's BGP port as itself.
     pod2 = next(p for p in lab.pods if p.node is node2)
     assert _tcp_from(pod2, node1.ns, node1.address, 179) == "connected"
+
+
+async def test_the_masquerading_table_leaves_services_marks_and_comes_back_when_deleted(lab_factory):
+    """The chain runs after the Services table's postrouting chain (srcnat + 10, whichever table
+    was made first), returning what kube-proxy's bit marks (the Services table masquerades it,
+    clearing the bit first); deleted by someone else (``nft flush ruleset``, a firewall's
+    restart), the table is written again within a few seconds (CHECK_INTERVAL), whole."""
+    from agentd.nft.masquerade import CHECK_INTERVAL
+
+    lab = await lab_factory(nodes=1, pods=0, backend="host-gw", extra={"node1": {"network": {"ip_masq": True}}})
+    node1 = lab.nodes[0]
+
+    def listing() -> str:
+        return node1.ns.exec("nft", "list", "table", "ip", "agentd-masq", check=False)
+
+    await auntil(lambda: node1.address in listing(), 30, what="node1's masquerading table with its members")
+    before = listing()
+    chain = before[before.index("chain postrouting"):]
+    lines = [line.strip() for line in chain.splitlines()[1:3]]
+    assert lines == ["type nat hook postrouting priority srcnat + 10; policy accept;",
+                     "meta mark & 0x00004000 == 0x00004000 return"], chain  # fmt: skip
+    node1.ns.exec("nft", "delete", "table", "ip", "agentd-masq")
+    assert listing() == ""
+    await auntil(lambda: listing() == before, 3 * CHECK_INTERVAL, what="the masquerading table written again")

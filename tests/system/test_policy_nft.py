@@ -241,3 +241,45 @@ async def test_a_change_of_thousands_of_elements_to_one_set_lands_in_one_sync(ne
 
 def test_tables_are_named_for_the_agent():
     assert compiler.TABLES == {("inet", "agentd-policy"), ("bridge", "agentd-policy")}
+
+
+async def test_a_policy_table_deleted_by_someone_else_is_written_again(lab_factory):
+    """``nft delete table inet agentd-policy`` in a node's namespace (an admin, ``nft flush
+    ruleset``, a firewall's restart): the agent's counters read (every COUNTERS_INTERVAL)
+    finds the table gone, and a sync writes everything again -- network policy enforced
+    again within seconds.  The agent kept believing its tables there: pods stayed open
+    until some later policy or pod change failed."""
+    from netpol_lab import close_grid, converged, make_grid, np
+
+    from agentd.lab.wait import auntil
+
+    lab = await lab_factory(nodes=2, pods=0)
+    grid = await make_grid(lab, [(0, "x", "a"), (1, "x", "b")], {"x": {"ns": "x"}})
+    node1 = lab.nodes[0]
+    target = [(grid.pods["x/a"].address(4), "tcp", 80)]
+
+    async def denied() -> bool:
+        return await grid.probers["x/b"].probe(target, 1.0) == [False]
+
+    try:
+        await converged(lab, await grid.res.apply(np("deny", "x", {"podSelector": {"matchLabels": {"pod": "a"}}})))
+        assert await denied()
+        chains = _chains(node1)
+        node1.ns.exec("nft", "delete", "table", "inet", "agentd-policy")
+        assert "table inet agentd-policy" not in node1.ns.exec("nft", "list", "tables")
+        await auntil(lambda: "table inet agentd-policy" in node1.ns.exec("nft", "list", "tables"), 15,
+                     what="node1's agent to write its policy table again")
+        await auntil(denied, 15, what="x/a's ingress denied again")
+        assert _chains(node1) == chains  # written whole, not an empty table
+    finally:
+        await close_grid(grid)
+
+
+def _chains(node) -> dict[str, int]:
+    """The chains of node's inet policy table, and how many rules each has."""
+    listing = json.loads(node.ns.exec("nft", "-j", "list", "table", "inet", "agentd-policy"))["nftables"]
+    out = {item["chain"]["name"]: 0 for item in listing if "chain" in item}
+    for item in listing:
+        if "rule" in item:
+            out[item["rule"]["chain"]] += 1
+    return out

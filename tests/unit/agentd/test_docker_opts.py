@@ -143,8 +143,10 @@ def test_a_node_of_agentd_cni_is_refused(tmp_path, capsys, monkeypatch):
 def test_masquerading_never_touches_pod_to_pod_traffic():
     rs = ruleset({4: (IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"))})
     chain = next(c for c in rs.chains() if c.name == "postrouting")  # (and the forward chain that guards members)
-    assert rs.tables == {("ip", "agentd-masq")} and chain.hook == ("nat", "postrouting", 100, "accept")
+    assert rs.tables == {("ip", "agentd-masq")} and chain.hook == ("nat", "postrouting", 110, "accept")
     rules = [json.loads(r) for r in chain.rules]
+    # (First what kube-proxy's mark leaves to the Services table: tests/unit/agentd/test_masquerade_guard.py.)
+    assert rules.pop(0)[-1] == {"return": None}
 
     def match(expr):
         return [(m["match"]["left"]["payload"]["field"], m["match"]["op"],
@@ -165,19 +167,20 @@ def test_masquerading_never_touches_pod_to_pod_traffic():
         return [(verb, next(iter(body))) for c in commands for verb, body in c.items()]
 
     made = shape(plan(Ruleset(), rs))
-    assert made[0] == ("add", "table") and made.count(("add", "chain")) == 2 and made.count(("add", "rule")) == 4 + 3
+    assert made[0] == ("add", "table") and made.count(("add", "chain")) == 2 and made.count(("add", "rule")) == 5 + 3
     # Over a previous run's table (adopted: contents unknown): flushed and refilled in the same one.
     adopted = Ruleset(rs.tables, {chain.key: NftChain("ip", "agentd-masq", "postrouting", hook=chain.hook,
                                                       contents_known=False)})
     refilled = shape(plan(adopted, rs))  # (a previous version's table: the guard's set and chain added in it too)
-    assert refilled.count(("flush", "chain")) == 1 and refilled.count(("add", "rule")) == 4 + 3
+    assert refilled.count(("flush", "chain")) == 1 and refilled.count(("add", "rule")) == 5 + 3
     assert not any(verb == "delete" for verb, _ in refilled)
 
 
 def _rules(chain) -> list[tuple[list[tuple[str, str, str, str]], str]]:
-    """(matches as (family, field, op, network), verdict) of each rule of ``chain``."""
+    """(matches as (family, field, op, network), verdict) of each rule of ``chain`` but the
+    first (kube-proxy's mark: tests/unit/agentd/test_masquerade_guard.py)."""
     out = []
-    for expr in (json.loads(r) for r in chain.rules):
+    for expr in (json.loads(r) for r in chain.rules[1:]):
         matches = [(m["match"]["left"]["payload"]["protocol"], m["match"]["left"]["payload"]["field"], m["match"]["op"],
                     f"{m['match']['right']['prefix']['addr']}/{m['match']['right']['prefix']['len']}")
                    for m in expr if "match" in m]  # fmt: skip
@@ -191,7 +194,7 @@ def test_masquerading_covers_the_ipv6_pod_network_too():
     dual = ruleset({4: v4, 6: v6})
     assert dual.tables == {("ip", "agentd-masq"), ("ip6", "agentd-masq")}
     chains = {c.family: c for c in dual.chains() if c.name == "postrouting"}
-    assert chains["ip6"].hook == chains["ip"].hook == ("nat", "postrouting", 100, "accept")
+    assert chains["ip6"].hook == chains["ip"].hook == ("nat", "postrouting", 110, "accept")
     # flannel's MasqIP6Rules: the same four rules over ip6 addresses, multicast ff00::/8 (RFC 4291 §2.7).
     assert _rules(chains["ip6"]) == [
         ([("ip6", "saddr", "==", "fd00:10:244::/48"), ("ip6", "daddr", "==", "fd00:10:244::/48")], "return"),

@@ -42,8 +42,27 @@ def test_pods_cannot_reach_the_members_agent_ports_as_their_node():
         assert guard[1][2]["match"] == {"op": "==", "left": {"payload": {"protocol": "udp", "field": "dport"}},
                                         "right": {"set": [4789, 8285]}}  # fmt: skip
         assert guard[2][2]["match"] == {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": 4}
-        # Masquerading itself is flannel's four rules, unchanged: pods still reach nodes' host services.
-        assert len(rules(rs, family, m.CHAIN)) == 4
+        # Masquerading itself is flannel's five rules, unchanged: pods still reach nodes' host services.
+        assert len(rules(rs, family, m.CHAIN)) == 5
+
+
+def test_what_services_mark_for_masquerading_is_left_to_them_and_their_chain_runs_first():
+    # A node port's client from outside DNATed to a pod on another node: its source is outside
+    # the cluster network, its destination in it (rule "saddr != CIDR daddr CIDR masquerade").
+    # Masqueraded here, the Services table's postrouting chain (which clears kube-proxy's
+    # mark before it masquerades: kubernetes#92035) is skipped, and the packet leaves marked:
+    # on vxlan or ipip its encapsulation inherits the mark and is masqueraded too.  flannel's
+    # first rule returns what the mark says is kube-proxy's; and the chain runs after theirs,
+    # whichever table was made first (same priority: registration order).
+    from agentd.services import compiler as services
+
+    rs = m.ruleset(NETWORKS, [], GUARDED)
+    for family in ("ip", "ip6"):
+        first = rules(rs, family, m.CHAIN)[0]
+        assert first == [{"match": {"op": "==", "left": {"&": [{"meta": {"key": "mark"}}, services.MASQ_MARK]},
+                                    "right": services.MASQ_MARK}}, {"return": None}]
+        kind, hook, priority, _policy = rs.objects[(family, m.TABLE, "chain", m.CHAIN)].hook
+        assert (kind, hook) == ("nat", "postrouting") and priority > services.SRCNAT
 
 
 def test_member_addresses_are_every_nodes_underlay_addresses():
@@ -206,3 +225,78 @@ async def test_the_agents_problems_show_the_masquerading_tables_refused():
     assert agent.problems() == []
     agent.masq.error = "Could not process rule: Device or resource busy"
     assert agent.problems() == ["ip_masq tables not up to date: Could not process rule: Device or resource busy (trying again)"]
+
+
+class TablesNft:
+    """An Nft whose kernel keeps which tables there are (what is in them is not modelled)."""
+
+    def __init__(self) -> None:
+        self.tables: set[tuple[str, str]] = set()
+        self.transactions = 0
+
+    encode = staticmethod(m.Nft.encode)
+
+    async def alist(self, what):
+        family, name = what["table"]["family"], what["table"]["name"]
+        return [{"table": {"family": family, "name": name}}] if (family, name) in self.tables else None
+
+    async def arun(self, commands):
+        return await self.arun_text(self.encode(commands))
+
+    async def arun_text(self, text):
+        self.transactions += 1
+        for command in json.loads(text)["nftables"]:
+            (verb, body), = command.items()
+            if "table" in body:
+                table = (body["table"]["family"], body["table"]["name"])
+                (self.tables.add if verb == "add" else self.tables.discard)(table)
+
+    async def arun_elements(self, ops):
+        self.transactions += 1
+
+    def close(self) -> None:
+        pass
+
+    async def acounters(self, family, table):
+        from agentd.nft.nfnetlink import TableAbsent
+
+        return {} if (family, table) in self.tables else TableAbsent()  # (the kernel's ENOENT)
+
+
+async def test_a_table_deleted_by_someone_else_is_written_again():
+    """``nft flush ruleset`` (an admin, a firewall's restart): the masquerading tables were
+    only written when the members changed, so pods lost egress masquerading, and the guard
+    that keeps them off the agent's ports on other nodes, until a node joined or left.  Every
+    CHECK_INTERVAL the agent looks for its tables (flannel re-ensures its rules every 5 s),
+    and writes a gone one again, whole."""
+    from agentd.nft.programmer import NftProgrammer
+
+    tick = asyncio.Event()
+    looks: list[float] = []
+
+    async def check_sleep(delay: float) -> None:
+        looks.append(delay)
+        await tick.wait()
+        tick.clear()
+
+    async def look() -> None:
+        tick.set()
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    nft = TablesNft()
+    masq = m.Masquerade({4: NETWORKS[4]}, GUARDED, check_sleep=check_sleep)
+    masq._programmer = NftProgrammer(nft, m.TABLES, "masquerading")  # type: ignore[arg-type]
+    masq.set_members(["192.0.2.1"])
+    await masq.program(retry=True)
+    assert nft.tables == {("ip", m.TABLE)} and nft.transactions == 1
+    before = masq._task
+    await look()  # there: nothing to do
+    assert nft.transactions == 1 and masq._task is before
+    nft.tables.clear()  # nft flush ruleset
+    await look()
+    assert masq._task is not None and masq._task is not before
+    await masq._task
+    assert nft.tables == {("ip", m.TABLE)} and nft.transactions == 2
+    assert not masq._programmer.in_doubt and looks == [m.CHECK_INTERVAL] * 3
+    await masq.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import socket
 from collections.abc import Callable
@@ -88,6 +89,19 @@ class Kernel:
                 (_v, ks, ke), = nl.iter_attrs(data, *parts[nf.NFTA_SET_ELEM_KEY])
                 elems.append(socket.inet_ntop(socket.AF_INET if ke - ks == 4 else socket.AF_INET6, data[ks:ke]))
             self._elements("add" if mtype & 0xFF == nf.NFT_MSG_NEWSETELEM else "delete", key, elems)
+
+    # a counters read (ElementWriter.sock.request): a GETOBJ dump (none counted here; of a
+    # table that is not there, empty too, as Linux 6.x answers), a GETTABLE (ENOENT: none)
+    def request(self, data: bytes, *, what: str, dump: bool) -> list[Any]:
+        (mtype, _f, _seq, _pid, ms, me), = nl.iter_messages(data)
+        top = {a: (vs, ve) for a, vs, ve in nl.iter_attrs(data, ms + nl.NFGENMSG_LEN, me)}
+        if mtype & 0xFF == nf.NFT_MSG_GETOBJ:
+            assert dump
+            return []
+        assert mtype & 0xFF == nf.NFT_MSG_GETTABLE and not dump
+        if (FAMILY_NAMES[data[ms]], nl.read_string(data, *top[nf.NFTA_TABLE_NAME])) not in self.tables:
+            raise nl.NetlinkError(errno.ENOENT, None, what)
+        return []
 
     def elements(self, name: str) -> set[str]:
         return set(self.sets[("inet", "agentd-policy", name)][1])
@@ -218,3 +232,65 @@ async def test_a_sync_cancelled_before_its_transaction_commits_nothing_is_lost()
     thread.hold = False
     result = await prog.sync(_policy("np-in/ns/p/0/pods", "ipv4_addr", {"10.0.0.1"}))
     assert result.full and kernel.elements("np-in/ns/p/0/pods") == {"10.0.0.1"}
+
+
+def _sets(members: dict[str, set[str]]) -> Ruleset:
+    rs = Ruleset(TABLES, {})
+    for name, addresses in members.items():
+        rs.add(NftSet("inet", "agentd-policy", name, ("ipv4_addr",), elements=frozenset(addresses)))
+    return rs
+
+
+async def test_the_rewrite_after_a_cancelled_sync_covers_every_object_whatever_keys_say():
+    """After a sync cancelled mid-transaction the tables are adopted again (every object's
+    contents unknown).  The caller's ``keys`` (Services always pass theirs) name only what it
+    changed since: a rewrite of those alone would leave the others as the cancelled
+    transaction left them, believed to be as wanted, for good."""
+    kernel = Kernel()
+    nft, thread = _nft(kernel)
+    prog = NftProgrammer(nft, TABLES, "policy")
+    await prog.sync(_sets({"a": {"10.0.0.1"}, "b": {"10.0.0.1"}}))
+    thread.hold = True
+    task = asyncio.create_task(prog.sync(_sets({"a": {"10.0.0.1", "10.0.0.2"}, "b": {"10.0.0.1", "10.0.0.3"}})))
+    for _ in range(10):
+        if thread.held:
+            break
+        await asyncio.sleep(0)
+    assert thread.held, "the element batch never reached the nft thread"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    thread.release()  # committed all the same
+    assert kernel.elements("b") == {"10.0.0.1", "10.0.0.3"}
+    desired = _sets({"a": {"10.0.0.1"}, "b": {"10.0.0.1"}})
+    result = await prog.sync(desired, keys={("inet", "agentd-policy", "set", "a")})
+    assert result.full
+    assert kernel.elements("a") == kernel.elements("b") == {"10.0.0.1"}
+
+
+async def test_a_table_deleted_by_someone_else_is_written_again_by_the_next_sync():
+    """``nft flush ruleset`` or ``nft delete table inet agentd-policy`` (an admin, a firewall's
+    restart): the counters read every 2 s got ENOENT, taken for "no counters"; the programmer
+    kept believing its tables there and a sync with nothing changed sent nothing -- network
+    policy unenforced until some later change failed.  The read finding a table it wrote
+    gone puts it in doubt: the next sync adopts again and writes everything."""
+    kernel = Kernel()
+    nft, _thread = _nft(kernel)
+    prog = NftProgrammer(nft, TABLES, "policy")
+    desired = _policy("np-in/ns/p/0/pods", "ipv4_addr", {"10.0.0.1"})
+    await prog.sync(desired)
+    assert await prog.counters() == {} and not prog.gone and not prog.in_doubt
+    kernel.tables.clear()  # nft flush ruleset
+    kernel.sets.clear()
+    kernel.chains.clear()
+    assert await prog.counters() == {}
+    assert prog.gone and prog.in_doubt  # the caller (the policy agent's counters loop) wakes its sync
+    result = await prog.sync(desired, keys=set())  # nothing changed since
+    assert result.full and result.commands > 0
+    assert kernel.tables == set(TABLES) and kernel.elements("np-in/ns/p/0/pods") == {"10.0.0.1"}
+    assert ("inet", "agentd-policy", "np-in/ns/p") in kernel.chains
+    assert not prog.gone and not prog.in_doubt
+    # A table it never wrote (not there yet) is no news.
+    fresh = NftProgrammer(_nft(Kernel())[0], TABLES, "policy")
+    await fresh.adopt()
+    assert await fresh.counters() == {} and not fresh.gone and not fresh.in_doubt
