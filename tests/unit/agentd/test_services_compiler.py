@@ -362,6 +362,24 @@ def test_a_local_node_ports_short_circuit_takes_no_terminating_endpoint_while_on
     assert _slots(rs, key, 0, 2) == [("10.244.1.5", 8080), ("10.244.2.5", 8080)]
 
 
+def test_a_local_node_port_whose_endpoints_are_all_here_short_circuits_to_the_shared_slots():
+    """externalTrafficPolicy Local with every usable endpoint on this node (the common case):
+    the short-circuit is np-local/N over the shared slots, no chain of the Service's own --
+    one over the slots after the local ones (which hold nothing here) reached no endpoint
+    (a mutant of the shared-slots test, ``set(local) < set(every)``, survived: review s57 r15)."""
+    a = model.Endpoint("10.244.1.5", 8080, "n1")
+    b = model.Endpoint("10.244.1.6", 8080, "n1")
+    sp = model.ServicePort("shop", "web", "", "TCP", 80, "10.96.0.10", 30080, None, False, True, (a, b))
+    table = compiler.Table("n1", pod_subnets={4: "10.244.1.0/24"})
+    table.update(("shop", "web"), [sp])
+    rs, key = table.rs, ("tcp", 30080)
+    assert _map(rs, compiler.NP_SHORT_CIRCUIT) == {(key, ("goto", "np-local/2"))}
+    assert _map(rs, compiler.NODE_PORTS) == {(key, ("goto", "np-local/2"))}
+    assert (compiler.FAMILY, compiler.TABLE, "chain", compiler.short_circuit_chain(sp)) not in rs.objects
+    assert _choice(_chain(rs, "np-local/2")[-1]) == (0, 2)
+    assert sorted(_slots(rs, key, 0, 2)) == [("10.244.1.5", 8080), ("10.244.1.6", 8080)]
+
+
 def test_a_local_node_ports_own_short_circuit_has_the_slots_it_picks_from():
     """Above the prepared slots: this node's L terminating endpoints and N ready elsewhere
     take L + N slots, made for it (without pick chains of that count); gone with it."""
