@@ -29,6 +29,7 @@ from bgp import BestPathChange, Speaker, State
 from bgp.loglimit import LogLimiter
 from proto.nlri import prefix_to_str
 
+from agentd.backend_table import BACKENDS
 from agentd.cni.netconf import atomic_write
 from agentd.config.settings import Config
 from agentd.digits import whole_number
@@ -303,9 +304,13 @@ class KernelRoutes:
             "subnet_lens": None if cluster is None else {v: cluster.pool(v)[1] for v in cluster.versions},
         }  # fmt: skip
         # The node context again only when something it is made of changed: the records (a new
-        # object per put), the underlay, the backends' paths, our subnets, the cluster's pools,
-        # or whatever ``schedule`` was told of (a backend's availability).
-        key = (tuple(others), i.underlay, paths, *(repr(args[k]) for k in sorted(args) if k != "available"))
+        # object per put), the underlay, the backends' paths, which backends failed to come up
+        # (Tunnels tells of a recovery, not of every failure), our subnets, the cluster's pools,
+        # or whatever ``schedule`` was told of.
+        available = args["available"]
+        failed = () if available is None else tuple((b, available(b)) for b in BACKENDS)
+        key = (tuple(others), i.underlay, paths, failed,
+               *(repr(args[k]) for k in sorted(args) if k != "available"))  # fmt: skip
         if self._nodes_changed or self._context is None or key != self._context_key:
             self._context = node_context(others, i.underlay, paths, **args)
             self._context_key = key

@@ -267,3 +267,50 @@ def test_the_wait_for_end_of_rib_is_bounded_by_a_short_restart_time(monkeypatch)
     assert r.initial_sync_deadline == 105.0
     r.bgp_started(600.0)
     assert r.initial_sync_deadline == 100.0 + R.INITIAL_SYNC_MAX
+
+
+def test_a_backend_failing_after_the_node_plans_were_made_is_seen_at_the_next_best_path_change():
+    """Tunnels tells of a backend's recovery (on_paths), not of every failure: a peer over a
+    backend that failed to come up after the node context was cached kept its plan through it
+    (its routes pending, a previous run's adopted route kept) while only best paths changed
+    (review s57 r16)."""
+    vx = NodeRecord("n1", IPv4Address("10.0.0.3"), 64512, IPv4Network("10.128.1.0/24"), False, None,
+                    {"type": "vxlan", "vtep_mac": "02:00:00:00:00:01", "vni": 1})
+    failed = {}
+    r, inputs, _prog, _applied = setup([vx, node(2)])
+    inputs.tunnels.available = lambda b: failed.get(b)
+    r.schedule()
+    r.loop.advance(0)
+    assert r.plans["10.0.0.3"].backend == "vxlan"
+    failed["vxlan"] = "cannot bring up vxlan: EEXIST"  # no schedule(), no on_paths()
+    r.on_best_paths([best(vx), best(node(2))])
+    r.loop.advance(0)
+    assert r.plans["10.0.0.3"].backend == "none" and "cannot bring up vxlan" in r.plans["10.0.0.3"].reason
+
+
+def test_the_retry_delay_starts_over_after_a_success_is_capped_and_a_success_cancels_the_retry():
+    fail = [True]
+
+    def apply(*_a, **_k):
+        if fail[0]:
+            raise RuntimeError("down")
+
+    r, _inputs, _prog, _applied = setup([node(1)], apply=apply)
+    r.schedule()
+    r.loop.advance(0)
+    for _ in range(10):  # 0.5, 1, 2, ... capped at RETRY_MAX
+        (t,) = r.loop.pending()
+        last = t[0] - r.loop.now
+        r.loop.advance(last)
+    assert last == R.RETRY_MAX
+    # A best-path pass that succeeds before the pending retry: the retry is cancelled...
+    fail[0] = False
+    r.on_best_paths([best(node(1))])
+    r.loop.advance(0)
+    assert r.loop.pending() == []
+    # ... and the next failure is retried after RETRY_FIRST again.
+    fail[0] = True
+    r.on_best_paths([best(node(1))])
+    r.loop.advance(0)
+    (t,) = r.loop.pending()
+    assert t[0] - r.loop.now == R.RETRY_FIRST
