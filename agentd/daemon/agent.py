@@ -715,6 +715,15 @@ class Agent:
         if self.policy is not None:
             await self.policy.route_services(on)
 
+    async def _remove_masquerading(self) -> None:
+        """A leave's removal of the masquerading tables, this run's closed first: its check
+        (every CHECK_INTERVAL, unsupervised) took the tables removed here for ones someone
+        else deleted and wrote them again before the later "closing masquerading" step."""
+        if self.masq is not None:
+            masq, self.masq = self.masq, None
+            await masq.close()
+        await nft_part(masquerade.remove)
+
     async def _leave_cleanup(self, step: Callable[[str, Callable[[], object]], Awaitable[None]],
                              skip: Callable[[str, str], None]) -> None:
         """The node leaves: etcd first (``agentd leave`` is answered with how that went), then
@@ -740,7 +749,7 @@ class Agent:
         await step(BE_LIBERAL_STEP, lambda: restore_be_liberal(self.cfg.agent.bpf_dir))
         # The table masking conntrack's events of what the pod programs recorded (gone with policy.leave).
         await step("removing the flow mask table", lambda: nft_part(lambda: asyncio.to_thread(flowmask.remove)))
-        await step("removing the masquerading tables", lambda: nft_part(masquerade.remove))
+        await step("removing the masquerading tables", self._remove_masquerading)
         if self.ingress is not None:  # Ingress: the proxy and its files
             await step("stopping the ingress proxy", self.ingress.leave)
         elif not self.cfg.ingress.enabled:

@@ -513,3 +513,33 @@ def test_a_lost_subnet_stops_bgp_withdrawing_not_gracefully(tmp_path):
     stops = [c for c in calls if c[1] == "stop" and c[0] in ("bgp", "routes", "tunnels")]
     assert stops == [("bgp", "stop", {"graceful": False}), ("routes", "stop", {"remove_routes": True}),
                      ("tunnels", "stop", {"remove": True})]
+
+
+def test_a_leave_closes_its_masquerading_before_removing_the_tables(monkeypatch):
+    """The running masquerading's check (every CHECK_INTERVAL, not a supervised task) took the
+    tables the leave had just removed for ones someone else deleted, and wrote them again
+    before the later "closing masquerading" step: `agentd leave` said done, the tables stayed
+    (review s57 r17)."""
+    import agentd.daemon.agent as agent_module
+
+    order = []
+
+    class Masq:
+        async def close(self):
+            order.append("closed")
+
+    async def remove():
+        order.append("removed")
+        return True
+
+    monkeypatch.setattr(agent_module, "nft_missing", lambda: asyncio.sleep(0, None))
+    monkeypatch.setattr(agent_module.masquerade, "remove", remove)
+
+    async def main():
+        agent = Agent(CFG)
+        agent.masq = Masq()
+        await agent._remove_masquerading()
+        assert agent.masq is None  # the later "closing masquerading" step has nothing left to close
+
+    asyncio.run(main())
+    assert order == ["closed", "removed"]

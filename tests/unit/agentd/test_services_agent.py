@@ -367,3 +367,25 @@ async def test_changes_during_full_rebuilds_end_as_a_fresh_agent_fed_the_final_r
     fresh = _fresh_state(cur, revision)
     await fresh._sync_pass()
     assert _state(agent) == _state(fresh)
+
+
+async def test_a_services_table_found_gone_wakes_a_pass_that_writes_it_again():
+    """The counters read of a table this agent wrote finds it gone (deleted by someone else:
+    ``nft flush ruleset``): a pass is woken, whose sync writes it again (the programmer in
+    doubt); a table never written wakes nothing (review s57 r17: the wake was unpinned)."""
+    from agentd.nft.nfnetlink import TableAbsent
+
+    agent = _agent()
+    believed: list[tuple[str, str]] = []
+
+    class Nft:
+        async def acounters(self, family, table):
+            return TableAbsent()
+
+    agent.nft = Nft()
+    agent.programmer.table_absent = lambda family, table: (family, table) in believed
+    await agent.refresh_counters()
+    assert not agent._wake.is_set()
+    believed.append(("ip", "agentd-services"))
+    await agent.refresh_counters()
+    assert agent._wake.is_set()
