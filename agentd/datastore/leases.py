@@ -119,7 +119,8 @@ class SubnetLeases:
                 )
                 if not ok:
                     # Not the record we wrote: gone with our lease (an outage longer than the TTL),
-                    # or changed.  The keepalive puts our record back, or rewrites it while it is
+                    # changed, or stored under another lease (an operator made it a reservation or
+                    # ended one: what is stored is followed, as flannel does).  The keepalive puts our record back, or rewrites it while it is
                     # ours, with what the keeper holds: the new data, not the stale.
                     log.info("subnet %s: its record is not the one we wrote (gone with our lease?); the "
                              "keepalive publishes the backend data once the record is ours", lease.subnet)

@@ -143,6 +143,7 @@ class FakeEtcd:
             self._delete(key)
 
     async def get(self, key: bytes):
+        await self._answer()
         return self._reply("get", self.kvs.get(key))
 
     async def put(self, key: bytes, value: bytes, lease: int | None = None):
@@ -1234,3 +1235,59 @@ async def test_a_reservation_changed_between_the_read_and_the_claim_is_not_taken
     await keeper.stop()
     assert got.subnet != R and got.lease_id == keeper.lease_id
     assert SubnetLease.from_json(etcd.kvs[key].value, R).node == "n2" and etcd.kvs[key].lease == 0
+
+
+async def test_backend_data_published_after_an_operator_made_our_lease_a_reservation_leaves_it_one():
+    """The docs' conversion (the same value put again, no --lease) leaves the value as we wrote
+    it: a publish before the next keepalive round compared only the value and put the key back
+    under our lease, to expire with it (review s57 r18 #1).  The key's lease is checked too:
+    nothing written, and the keepalive takes the conversion and the new data on."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    leases = SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1))
+    got = await leases.acquire_subnet("n1", "192.0.2.10", "vxlan", MAC, cluster=CLUSTER_16)
+    await keeper.stop()
+    key = subnet_key(PREFIX, got.subnet)
+    etcd._put(key, etcd.kvs[key].value, None)  # the operator's conversion
+
+    assert not await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:02"})
+    assert etcd.kvs[key].lease == 0
+    await keeper._round()
+    assert etcd.kvs[key].lease == 0 and b"02:00:00:00:00:02" in etcd.kvs[key].value
+    assert keeper.subnets[4].lease_id is None
+    etcd.expire(keeper.lease_id)
+    assert etcd.kvs[key].lease == 0
+
+
+async def test_backend_data_published_after_an_operator_ended_our_reservation_leaves_it_leased():
+    """The reverse: the operator ends the reservation (`etcdctl put --lease=<node's lease>`); a
+    publish must not put it back under no lease."""
+    etcd = FakeEtcd()
+    key = _reserve(etcd, "n1")
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    leases = SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1))
+    await leases.acquire_subnet("n1", "192.0.2.10", "vxlan", MAC, cluster=CLUSTER_16)
+    await keeper.stop()
+    etcd._put(key, etcd.kvs[key].value, keeper.lease_id)  # the operator ends the reservation
+
+    assert not await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:02"})
+    assert etcd.kvs[key].lease == keeper.lease_id
+    await keeper._round()
+    assert etcd.kvs[key].lease == keeper.lease_id and b"02:00:00:00:00:02" in etcd.kvs[key].value
+    assert keeper.subnets[4].lease_id == keeper.lease_id
+
+
+async def test_a_reservation_s_backend_data_publish_whose_reply_was_lost_reports_it_written():
+    """The retried rewrite finds the reservation written as asked, under no lease: written
+    (review s57 r18 mutant M14: compared with None, not 0, it reported not written)."""
+    etcd = FakeEtcd()
+    key = _reserve(etcd, "n1")
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    leases = SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1))
+    await leases.acquire_subnet("n1", "192.0.2.10", "vxlan", MAC, cluster=CLUSTER_16)
+    await keeper.stop()
+    etcd.lose_reply.add("transaction")
+
+    assert await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:02"})
+    assert etcd.kvs[key].lease == 0 and b"02:00:00:00:00:02" in etcd.kvs[key].value
+    assert keeper.subnets[4].backend_data == {"vtep_mac": "02:00:00:00:00:02"}
