@@ -1291,3 +1291,21 @@ async def test_a_reservation_s_backend_data_publish_whose_reply_was_lost_reports
     assert await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:02"})
     assert etcd.kvs[key].lease == 0 and b"02:00:00:00:00:02" in etcd.kvs[key].value
     assert keeper.subnets[4].backend_data == {"vtep_mac": "02:00:00:00:00:02"}
+
+
+@pytest.mark.parametrize("reserved", ["10.99.0.0/24", "10.244.7.0/25"])
+async def test_a_reservation_for_the_node_it_cannot_use_is_deleted_when_it_takes_another(reserved, caplog):
+    """A reservation naming n1 outside the pool, or of the wrong length: n1 takes a free subnet
+    under its lease, and the reservation is deleted in the same transaction, as flannel deletes an
+    incompatible lease (it stayed beside the new lease, two records naming n1: review s57 r18 #2)."""
+    etcd = FakeEtcd()
+    key = _reserve(etcd, "n1", IPv4Network(reserved))
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    with caplog.at_level("INFO", logger="agentd.datastore"):
+        got = await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1)).acquire_subnet(
+            "n1", "192.0.2.10", "vxlan", {}, cluster=CLUSTER_16)
+    await keeper.stop()
+    assert got.lease_id == keeper.lease_id and key not in etcd.kvs
+    assert [k for k in etcd.kvs if k.startswith(b"/agentd/subnets/")] == [subnet_key(PREFIX, got.subnet)]
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and reserved in r.getMessage()]
+    assert len(warned) == 1 and "is not a /24 of the cluster network 10.244.0.0/16" in warned[0].getMessage()
