@@ -7,7 +7,9 @@ subnet reserved for the node (a record naming it under no etcd lease, as flannel
 reservations: taken under no lease, so it never expires), the subnet the node had before,
 the subnets etcd records for it, the subnet in its node record, then a free one picked at
 random.  A lost race moves on to the next candidate.  A reservation is never deleted by
-agentd: not when another subnet is taken, not by ``release`` (flannel never deletes one).
+agentd: not when another subnet is taken, not by ``release`` (flannel never deletes one) --
+but for one naming the node that it cannot use (not a /subnet_len of the pool), deleted when
+the node takes another subnet, as flannel deletes an incompatible lease.
 
 A dual-stack node holds one subnet of each family (``version`` 4 and 6), each taken by its
 own transaction of the same kind, under the same lease; a claim's clean-up of older subnets
@@ -119,7 +121,8 @@ class SubnetLeases:
                 )
                 if not ok:
                     # Not the record we wrote: gone with our lease (an outage longer than the TTL),
-                    # or changed.  The keepalive puts our record back, or rewrites it while it is
+                    # changed, or stored under another lease (an operator made it a reservation or
+                    # ended one: what is stored is followed, as flannel does).  The keepalive puts our record back, or rewrites it while it is
                     # ours, with what the keeper holds: the new data, not the stale.
                     log.info("subnet %s: its record is not the one we wrote (gone with our lease?); the "
                              "keepalive publishes the backend data once the record is ours", lease.subnet)
@@ -139,7 +142,11 @@ class SubnetLeases:
             view = await self.connection.call("read subnets", lambda c: self._read_subnets(c, node), deadline)
             ours = view.held_by(node, version)
             reserved = sorted(s for s, e in ours.items() if e.reserved)
-            leased = {s: e for s, e in ours.items() if not e.reserved}  # ours to drop when we take another
+            # A reservation we cannot use (not a /subnet_len of the pool) is dropped with our
+            # leased subnets when we take another, as flannel deletes an incompatible lease: else
+            # it stayed beside the new one, two records naming the node.
+            unusable = [s for s in reserved if not is_cluster_subnet(cluster, s)]
+            leased = {s: e for s, e in ours.items() if not e.reserved or s in unusable}  # ours to drop
             preferred = [*reserved, previous, *sorted(ours), view.node_subnets.get(version)]
             outcome = Claim.RETRY
             tried: set[Network] = set()
@@ -174,6 +181,9 @@ class SubnetLeases:
             if outcome is Claim.WON and await self._gave_up(node, candidate, deadline):
                 continue
             if outcome is Claim.WON:
+                for s in unusable:
+                    log.warning("subnet %s reserved for node %s is not a /%d of the cluster network %s: "
+                                "deleted, as flannel deletes an incompatible lease", s, node, subnet_len, cidr)
                 if candidate in reserved:
                     log.info("acquired subnet %s for node %s: reserved for it (its key under no etcd lease, "
                              "kept so)", candidate, node)

@@ -190,11 +190,17 @@ async def claim(
 
 async def rewrite(client: EtcdClient, prefix: str, old: SubnetLease, new: SubnetLease) -> bool:
     """Replace our subnet record ``old`` by ``new`` (same subnet, same lease; None: a reservation,
-    under no lease) if it is unchanged."""
+    under no lease) if it is unchanged -- its value and the lease it is stored under, as flannel's
+    TTL follows what is stored.  aetcd cannot compare a key's lease: the key is read first, and
+    the put compares the revision read.  Under another lease (an operator turned our lease into
+    a reservation, or ended one): not written; the keepalive takes the change on."""
     key = subnet_key(prefix, old.subnet)
     value = new.to_json()
+    kv = await client.get(key)
+    if kv is None or kv.lease != (old.lease_id or 0):
+        return False
     ok, responses = await client.transaction(
-        compare=[tx.Value(key) == old.to_json()],
+        compare=[tx.Value(key) == old.to_json(), tx.Mod(key) == kv.mod_revision],
         success=[tx.Put(key, value, lease=new.lease_id)],
         failure=[tx.Get(key)],
     )

@@ -143,6 +143,7 @@ class FakeEtcd:
             self._delete(key)
 
     async def get(self, key: bytes):
+        await self._answer()
         return self._reply("get", self.kvs.get(key))
 
     async def put(self, key: bytes, value: bytes, lease: int | None = None):
@@ -1234,3 +1235,109 @@ async def test_a_reservation_changed_between_the_read_and_the_claim_is_not_taken
     await keeper.stop()
     assert got.subnet != R and got.lease_id == keeper.lease_id
     assert SubnetLease.from_json(etcd.kvs[key].value, R).node == "n2" and etcd.kvs[key].lease == 0
+
+
+async def test_backend_data_published_after_an_operator_made_our_lease_a_reservation_leaves_it_one():
+    """The docs' conversion (the same value put again, no --lease) leaves the value as we wrote
+    it: a publish before the next keepalive round compared only the value and put the key back
+    under our lease, to expire with it (review s57 r18 #1).  The key's lease is checked too:
+    nothing written, and the keepalive takes the conversion and the new data on."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    leases = SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1))
+    got = await leases.acquire_subnet("n1", "192.0.2.10", "vxlan", MAC, cluster=CLUSTER_16)
+    await keeper.stop()
+    key = subnet_key(PREFIX, got.subnet)
+    etcd._put(key, etcd.kvs[key].value, None)  # the operator's conversion
+
+    assert not await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:02"})
+    assert etcd.kvs[key].lease == 0
+    await keeper._round()
+    assert etcd.kvs[key].lease == 0 and b"02:00:00:00:00:02" in etcd.kvs[key].value
+    assert keeper.subnets[4].lease_id is None
+    etcd.expire(keeper.lease_id)
+    assert etcd.kvs[key].lease == 0
+
+
+async def test_backend_data_published_after_an_operator_ended_our_reservation_leaves_it_leased():
+    """The reverse: the operator ends the reservation (`etcdctl put --lease=<node's lease>`); a
+    publish must not put it back under no lease."""
+    etcd = FakeEtcd()
+    key = _reserve(etcd, "n1")
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    leases = SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1))
+    await leases.acquire_subnet("n1", "192.0.2.10", "vxlan", MAC, cluster=CLUSTER_16)
+    await keeper.stop()
+    etcd._put(key, etcd.kvs[key].value, keeper.lease_id)  # the operator ends the reservation
+
+    assert not await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:02"})
+    assert etcd.kvs[key].lease == keeper.lease_id
+    await keeper._round()
+    assert etcd.kvs[key].lease == keeper.lease_id and b"02:00:00:00:00:02" in etcd.kvs[key].value
+    assert keeper.subnets[4].lease_id == keeper.lease_id
+
+
+async def test_a_reservation_s_backend_data_publish_whose_reply_was_lost_reports_it_written():
+    """The retried rewrite finds the reservation written as asked, under no lease: written
+    (review s57 r18 mutant M14: compared with None, not 0, it reported not written)."""
+    etcd = FakeEtcd()
+    key = _reserve(etcd, "n1")
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    leases = SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1))
+    await leases.acquire_subnet("n1", "192.0.2.10", "vxlan", MAC, cluster=CLUSTER_16)
+    await keeper.stop()
+    etcd.lose_reply.add("transaction")
+
+    assert await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:02"})
+    assert etcd.kvs[key].lease == 0 and b"02:00:00:00:00:02" in etcd.kvs[key].value
+    assert keeper.subnets[4].backend_data == {"vtep_mac": "02:00:00:00:00:02"}
+
+
+@pytest.mark.parametrize("reserved", ["10.99.0.0/24", "10.244.7.0/25"])
+async def test_a_reservation_for_the_node_it_cannot_use_is_deleted_when_it_takes_another(reserved, caplog):
+    """A reservation naming n1 outside the pool, or of the wrong length: n1 takes a free subnet
+    under its lease, and the reservation is deleted in the same transaction, as flannel deletes an
+    incompatible lease (it stayed beside the new lease, two records naming n1: review s57 r18 #2)."""
+    etcd = FakeEtcd()
+    key = _reserve(etcd, "n1", IPv4Network(reserved))
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    with caplog.at_level("INFO", logger="agentd.datastore"):
+        got = await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1)).acquire_subnet(
+            "n1", "192.0.2.10", "vxlan", {}, cluster=CLUSTER_16)
+    await keeper.stop()
+    assert got.lease_id == keeper.lease_id and key not in etcd.kvs
+    assert [k for k in etcd.kvs if k.startswith(b"/agentd/subnets/")] == [subnet_key(PREFIX, got.subnet)]
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and reserved in r.getMessage()]
+    assert len(warned) == 1 and "is not a /24 of the cluster network 10.244.0.0/16" in warned[0].getMessage()
+
+
+async def test_a_reservation_given_up_for_an_earlier_narrower_lease_of_another_node_is_kept_and_not_used():
+    """_gave_up after a won claim of a reservation, another node's narrower lease made before the
+    reservation's key (their subnet lengths differ): the reservation is not used, and not deleted
+    either -- an operator's to delete (review s57 r18 mutants M2: deleted; M11: used all the same).
+    Called directly: acquire's read sees such a lease and never claims the reservation."""
+    etcd = FakeEtcd()
+    etcd.leases.add(0x51)
+    narrow = IPv4Network("10.244.7.0/25")
+    etcd._put(subnet_key(PREFIX, narrow), SubnetLease(narrow, "n2", "192.0.2.20", "vxlan").to_json(), 0x51)
+    key = _reserve(etcd, "n1")
+    reserved = etcd.kvs[key]
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    leases = SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1))
+
+    assert await leases._gave_up("n1", R, None)
+    assert etcd.kvs[key] == reserved
+
+
+async def test_a_previous_subnet_around_an_unusable_reservation_of_ours_is_taken_and_the_reservation_deleted():
+    """The previous /24 holds a /25 reserved for n1 (not a subnet of the pool's length): the /25
+    goes in the claim transaction, so the /24 is ours alone -- one record naming n1, none
+    overlapping another (review s57 r18 #2 and mutant M6)."""
+    etcd = FakeEtcd()
+    small = _reserve(etcd, "n1", IPv4Network("10.244.7.0/25"))
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    got = await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1)).acquire_subnet(
+        "n1", "192.0.2.10", "vxlan", {}, cluster=CLUSTER_16, previous=R)
+    await keeper.stop()
+    assert got.subnet == R and got.lease_id == keeper.lease_id and small not in etcd.kvs
+    assert [k for k in etcd.kvs if k.startswith(b"/agentd/subnets/")] == [subnet_key(PREFIX, R)]
