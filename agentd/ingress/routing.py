@@ -287,6 +287,17 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True,
     table = RouteTable()
     seen: dict[tuple[str, bool, str], tuple[str, str]] = {}
     tls_seen: dict[str, tuple[int, tuple[str, str], bool]] = {}  # host -> (its entry in table.tls, whose, serves)
+    hostless: set[tuple[str, str]] = set()  # table.hostless, as a set
+    # Each Secret asked once per build (the controller's answer decodes and hashes it: asked
+    # per host of an Ingress with thousands, that was most of a render).
+    answers: dict[tuple[str, str], bool] = {}
+
+    def usable_once(secret: tuple[str, str]) -> bool:
+        got = answers.get(secret)
+        if got is None:
+            got = answers[secret] = usable(secret)
+        return got
+
     default_of: dict[str, tuple[str, str]] = {}
     for ing in sorted(ingresses, key=age_key):
         ns, name = ing["metadata"]["namespace"], ing["metadata"]["name"]
@@ -324,7 +335,7 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True,
                 vhost.rules.append(r)
         if _redirect(ing, ssl_redirect):
             table.redirecting.add(me)
-        _tls(table, me, spec, usable, cert_names, tls_seen)
+        _tls(table, me, spec, usable_once, cert_names, tls_seen, hostless)
     for vhost in table.vhosts.values():
         vhost.rules.sort(key=lambda r: r.rank)
     return table
@@ -332,7 +343,7 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True,
 
 def _tls(table: RouteTable, me: tuple[str, str], spec: Obj, usable: Callable[[tuple[str, str]], bool],
          cert_names: Callable[[tuple[str, str]], Collection[str] | None],
-         tls_seen: dict[str, tuple[int, tuple[str, str], bool]]) -> None:
+         tls_seen: dict[str, tuple[int, tuple[str, str], bool]], listed: set[tuple[str, str]]) -> None:
     """The ``tls[]`` section of Ingress ``me`` (newer than every one :func:`build` gave here
     before), as ingress-nginx applies it (createServers, extractTLSSecretName): per host of
     its OWN rules -- the first entry naming the host, else the first whose certificate covers
@@ -428,8 +439,7 @@ def _tls(table: RouteTable, me: tuple[str, str], spec: Obj, usable: Callable[[tu
             continue
         tls_seen[host] = (len(table.tls), me, ok)
         table.tls.append(TlsHost(host, secret, me, ok))
-    listed = set(table.hostless)
-    for secret, hosts in entries:
+    for secret, hosts in entries:  # (``listed``: table.hostless as a set, kept by build)
         if not hosts and secret is not None and secret not in chosen and secret not in listed:
             table.hostless.append(secret)
             listed.add(secret)

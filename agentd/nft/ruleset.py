@@ -491,6 +491,8 @@ def _referring(current: Ruleset, replaced: set[ObjKey]) -> set[ObjKey]:
         needles.setdefault((family, table), set()).add(json.dumps("@" + name if kind == "set" else name)[1:-1])
         if kind == "chain":
             targets.setdefault((family, table), set()).add(name)
+    if not needles:  # nothing replaced (almost every sync): no walk of the whole ruleset
+        return out
     for key, obj in current.objects.items():
         owner = key[:2]
         if key in replaced or owner not in needles:
