@@ -116,10 +116,8 @@ def test_an_outbound_connection_reset_before_it_was_set_up_is_a_failed_connect()
     assert loop.timers == [peer.get_timer()]
 
 
-
-async def test_a_listener_that_cannot_bind_is_closed_not_left_open(monkeypatch):
-    """start() whose bind fails (the port taken, the address not ours) raises, and leaves no
-    socket behind: it held the half-set-up listener open until the process ended."""
+def _recording_sockets(monkeypatch) -> list[socket.socket]:
+    """Every socket made from now on (socket.socket replaced for the test)."""
     made: list[socket.socket] = []
     real = socket.socket
 
@@ -128,12 +126,19 @@ async def test_a_listener_that_cannot_bind_is_closed_not_left_open(monkeypatch):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    with real(socket.AF_INET, socket.SOCK_STREAM) as taken:
+    monkeypatch.setattr(socket, "socket", Recorded)
+    return made
+
+
+async def test_a_listener_that_cannot_bind_is_closed_not_left_open(monkeypatch):
+    """start() whose bind fails (the port taken, the address not ours) raises, and leaves no
+    socket behind: it held the half-set-up listener open until the process ended."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         sp = make_speaker("127.0.0.1", 65000, [("127.0.0.2", 65000)])
         svc = SpeakerService(sp, listen=("127.0.0.1", taken.getsockname()[1]), clock=lambda: 0.0)
-        monkeypatch.setattr(socket, "socket", Recorded)
+        made = _recording_sockets(monkeypatch)
         try:
             await svc.start()
         except OSError:
@@ -148,19 +153,11 @@ async def test_a_listener_that_cannot_bind_is_closed_not_left_open(monkeypatch):
 async def test_a_listener_whose_server_cannot_be_made_is_closed_too(monkeypatch):
     """Past bind and listen -- its MD5 keys set (_sync_listener) -- create_server failing
     leaves no socket either, nor one the service still takes for its listener."""
-    made: list[socket.socket] = []
-    real = socket.socket
-
-    class Recorded(real):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
     async def refused(*_args, **_kwargs):
         raise OSError(24, "Too many open files")
 
     svc = service()
-    monkeypatch.setattr(socket, "socket", Recorded)
+    made = _recording_sockets(monkeypatch)
     monkeypatch.setattr(asyncio.get_running_loop(), "create_server", refused)
     try:
         await svc.start()
